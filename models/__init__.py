@@ -1,0 +1,1 @@
+"""Reference models (Llama dense, MoE) built from parallel3d layers."""

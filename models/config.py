@@ -1,0 +1,57 @@
+"""Typed model configuration shared by the Llama and MoE transformers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2              # grouped-query attention: num_heads % num_kv_heads == 0
+    ffn_hidden_size: int = 172
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3: factor, low/high_freq_factor, original_max_position_embeddings
+    norm_eps: float = 1e-5
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    kernels: str = "auto"              # auto | triton | torch (DESIGN.md section 3: model.kernels)
+    # Mixture-of-Experts (num_experts == 0 means dense). Filled in by the MoE issue.
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int = 0       # 0: ffn_hidden_size
+    num_shared_experts: int = 0
+    first_k_dense: int = 0             # DeepSeek-style: the first k layers keep a dense MLP
+    router_score: str = "softmax"      # softmax | sigmoid
+    router_norm_topk: bool = True
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0   # >0: DeepSeek-V3 auxiliary-loss-free balancing
+    capacity_factor: float = 0.0       # 0: drop-less
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field."""
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                             f"model.num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} is not divisible by "
+                             f"model.num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"model.kernels must be auto, triton or torch, got {self.kernels!r}")
+        if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"model.moe_top_k={self.moe_top_k} must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.router_score must be softmax or sigmoid, got {self.router_score!r}")

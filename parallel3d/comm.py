@@ -1,0 +1,201 @@
+"""Collectives on explicit groups, with exact communication accounting.
+
+Every collective takes a `Group` (never a default/global one). A group of size 1 short-circuits without
+touching torch.distributed, which is what lets a world-size-1 model run as plain PyTorch.
+
+Accounting (`CommStats`): per (group name, op) the number of calls and the bytes of the *logical*
+tensor each op moves, so tests can assert Megatron's volume analysis exactly:
+  all_reduce: bytes of the tensor            all_gather: bytes of the gathered (full) output
+  reduce_scatter: bytes of the full input    all_to_all: bytes this rank sends (its whole input)
+  send / recv: bytes of the tensor           broadcast: bytes of the tensor
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per (group, op); `last_op` names the collective in flight (for hang reports)."""
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+    last_op: str = ""
+    on_op: Optional[Callable[[str], None]] = None   # e.g. the test harness's hang reporter
+
+    def record(self, group: "Group", op: str, nbytes: int) -> None:
+        key = (group.name, op)
+        self.calls[key] += 1
+        self.bytes[key] += nbytes
+        self.last_op = f"{op} on {group.name} group {group.ranks}"
+        if self.on_op is not None:
+            self.on_op(self.last_op)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(group, op): (calls, bytes)} for every op recorded since the last reset."""
+        return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
+
+
+@dataclass
+class Group:
+    """One process group as seen from this rank. `pg` is None when size == 1 (no communication)."""
+    name: str
+    ranks: list[int]
+    global_rank: int
+    pg: object = None
+    stats: Optional[CommStats] = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.global_rank)
+
+    def _record(self, op: str, nbytes: int) -> None:
+        if self.stats is not None:
+            self.stats.record(self, op, nbytes)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the op, group and ranks."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run(group: Group, op: str, fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise CollectiveError(f"{op} on {group.name} group (ranks {group.ranks}) failed on rank "
+                              f"{group.global_rank}: {e}") from e
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce; returns t."""
+    if group.size == 1:
+        return t
+    group._record("all_reduce", _nbytes(t))
+    _run(group, "all_reduce", lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg))
+    return t
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's t along dim (all ranks' shapes equal)."""
+    if group.size == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    if dim != 0:
+        t_moved = t.movedim(dim, 0).contiguous()
+        out = torch.empty((group.size * t_moved.shape[0],) + tuple(t_moved.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        group._record("all_gather", _nbytes(out))
+        _run(group, "all_gather", lambda: dist.all_gather_single(out, t_moved, group=group.pg))
+        return out.movedim(0, dim).contiguous()
+    group._record("all_gather", _nbytes(out))
+    _run(group, "all_gather", lambda: dist.all_gather_single(out, t, group=group.pg))
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's 1/size slice along dim (dim size divisible by group size)."""
+    if group.size == 1:
+        return t
+    if t.shape[dim] % group.size:
+        raise ValueError(f"reduce_scatter on {group.name}: dim {dim} of size {t.shape[dim]} is not "
+                         f"divisible by the group size {group.size}")
+    src = t.movedim(dim, 0).contiguous() if dim != 0 else t.contiguous()
+    out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    group._record("reduce_scatter", _nbytes(src))
+    _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, src, group=group.pg))
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def all_to_all(t: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]] = None,
+               in_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """All-to-all along dim 0 with (possibly uneven) splits. Equal splits when both are None."""
+    if group.size == 1:
+        return t
+    t = t.contiguous()
+    if out_splits is None:
+        out = torch.empty_like(t)
+    else:
+        out = torch.empty((sum(out_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    group._record("all_to_all", _nbytes(t))
+    _run(group, "all_to_all", lambda: dist.all_to_all_single(
+        out, t, None if out_splits is None else list(out_splits),
+        None if in_splits is None else list(in_splits), group=group.pg))
+    return out
+
+
+def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """In-place broadcast from the group-local rank `src`."""
+    if group.size == 1:
+        return t
+    group._record("broadcast", _nbytes(t))
+    _run(group, "broadcast", lambda: dist.broadcast(t, group.ranks[src], group=group.pg))
+    return t
+
+
+@dataclass
+class P2P:
+    """One point-to-point op for `batch_p2p`: op is 'send' or 'recv'; peer is a global rank."""
+    op: str
+    tensor: torch.Tensor
+    peer: int
+
+
+def batch_p2p(ops: Sequence[P2P], group: Group) -> None:
+    """Issue sends and receives together (batch_isend_irecv) and wait for all of them."""
+    if not ops:
+        return
+    p2p_ops = []
+    for o in ops:
+        group._record(o.op, _nbytes(o.tensor))
+        fn = dist.isend if o.op == "send" else dist.irecv
+        p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
+    works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops))
+    for w in works:
+        _run(group, "batch_p2p wait", w.wait)
+
+
+def barrier(group: Group) -> None:
+    if group.size == 1:
+        return
+    group._record("barrier", 0)
+    _run(group, "barrier", lambda: dist.barrier(group=group.pg))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable all-to-all: the backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return all_to_all(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def all_to_all_autograd(x: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]] = None,
+                        in_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    return _AllToAll.apply(x, group, out_splits, in_splits)

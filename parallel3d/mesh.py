@@ -1,0 +1,217 @@
+"""Device mesh: `MeshSpec` is pure rank arithmetic; `ParallelContext` holds the built process groups.
+
+Rank order (innermost first): TP, CP, DP, PP. TP ranks are consecutive so they share a node / NVLink
+domain; PP is outermost so pipeline stages span nodes.
+
+    rank = tp_r + tp * (cp_r + cp * (dp_r + dp * pp_r))
+
+    world = 8, tp=2 cp=1 dp=2 pp=2:     pp0: [0 1 | 2 3]   pp1: [4 5 | 6 7]
+                                              tp   tp            tp   tp
+                                              \\-dp-/            \\-dp-/
+
+Expert parallelism is carved out of the DP x CP ranks that share (tp_r, pp_r): index them
+j = cp_r + cp * dp_r; EP groups are consecutive runs of `ep` indices, and the ranks with the same
+position inside their EP group form the expert-data-parallel group (size dp*cp/ep) over which expert
+weights are replicated and their gradients reduced.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from parallel3d.comm import CommStats, Group
+
+DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp", "tp_cp", "mp", "embedding", "world")
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Degrees of every parallel dimension. world = tp * cp * dp * pp; ep divides dp * cp."""
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "dp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide dp*cp={self.dp}*{self.cp}="
+                             f"{self.dp * self.cp}: expert parallelism is carved out of the DP x CP ranks")
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+                  dp: int = 0) -> "MeshSpec":
+        """dp=0 means 'what the world size leaves'. Raises ValueError when the degrees do not divide."""
+        inner = tp * cp * pp
+        if world_size % inner:
+            raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp={tp}*{cp}*{pp}={inner}")
+        if dp == 0:
+            dp = world_size // inner
+        if inner * dp != world_size:
+            raise ValueError(f"tp*cp*dp*pp={tp}*{cp}*{dp}*{pp}={inner * dp} does not equal the world "
+                             f"size {world_size}")
+        return cls(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp // self.ep
+
+    # ---- rank <-> coordinates -------------------------------------------------------------------
+    def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        j = cp + self.cp * dp
+        return Coords(tp=tp, cp=cp, dp=dp, pp=pp, ep=j % self.ep, edp=j // self.ep)
+
+    # ---- groups -----------------------------------------------------------------------------------
+    def groups(self, dim: str) -> list[list[int]]:
+        """Rank lists of every group of one kind (see DIMS). Each kind except 'embedding' partitions the world."""
+        if dim not in DIMS:
+            raise ValueError(f"unknown mesh dimension {dim!r}; known: {DIMS}")
+        if dim == "world":
+            return [list(range(self.world_size))]
+        if dim == "embedding":
+            return self._embedding_groups()
+        buckets: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            buckets.setdefault(self._key(dim, self.coords(r)), []).append(r)
+        return list(buckets.values())
+
+    def _key(self, dim: str, c: Coords) -> tuple:
+        """Coordinates shared by all members of the rank's `dim` group (the ones that do not vary)."""
+        j = c.cp + self.cp * c.dp
+        return {
+            "tp": (c.cp, c.dp, c.pp),
+            "cp": (c.tp, c.dp, c.pp),
+            "dp": (c.tp, c.cp, c.pp),
+            "pp": (c.tp, c.cp, c.dp),
+            "dp_cp": (c.tp, c.pp),
+            "tp_cp": (c.dp, c.pp),
+            "mp": (c.cp, c.dp),                      # tp x pp: one model replica
+            "ep": (c.tp, c.pp, j // self.ep),
+            "edp": (c.tp, c.pp, j % self.ep),
+        }[dim]
+
+    def _embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline (for tied input/output embeddings)."""
+        out = []
+        for pipe in self.groups("pp"):
+            out.append(sorted({pipe[0], pipe[-1]}))
+        return out
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        for ranks in self.groups(dim):
+            if rank in ranks:
+                return ranks
+        return []  # only 'embedding' may not contain a rank (middle pipeline stages)
+
+
+class ParallelContext:
+    """Every process group this rank needs plus its coordinates. Passed explicitly; never global.
+
+    Attributes `tp`, `cp`, `dp`, `pp`, `ep`, `edp`, `dp_cp`, `tp_cp`, `mp`, `embedding`, `world` are
+    `comm.Group` objects (size, rank, ranks, underlying process group). A world-size-1 context needs no
+    torch.distributed at all.
+    """
+
+    def __init__(self, spec: MeshSpec, rank: int, device: torch.device, backend: Optional[str]) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = spec.world_size
+        self.device = device
+        self.backend = backend
+        self.coords = spec.coords(rank)
+        self.stats = CommStats()
+        for dim in DIMS:
+            ranks = spec.group_of(dim, rank)
+            setattr(self, dim, Group(dim, ranks, rank, None, self.stats) if ranks else None)
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
+        """World size 1: plain single-device PyTorch, torch.distributed untouched."""
+        return cls(MeshSpec(), 0, torch.device(device), None)
+
+    @classmethod
+    def build(cls, spec: MeshSpec, device: Optional[torch.device] = None,
+              timeout_s: float = 300.0) -> "ParallelContext":
+        """Create the process groups of `spec` on an initialised default group (every rank must call)."""
+        import torch.distributed as dist
+
+        if spec.world_size == 1 and not dist.is_initialized():
+            return cls.single(device or "cpu")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
+        if dist.get_world_size() != spec.world_size:
+            raise ValueError(f"mesh {spec} needs world size {spec.world_size}, torch.distributed has "
+                             f"{dist.get_world_size()}")
+        backend = dist.get_backend()
+        rank = dist.get_rank()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        ctx = cls(spec, rank, device, backend)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for dim in DIMS:
+            for ranks in spec.groups(dim):  # every rank creates every group, in the same order
+                pg = dist.group.WORLD if len(ranks) == spec.world_size else dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    getattr(ctx, dim).pg = pg
+        return ctx
+
+    # Convenience views used everywhere.
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.spec.pp - 1
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={s.tp} cp={s.cp} dp={s.dp} "
+                f"pp={s.pp} ep={s.ep}, coords={self.coords})")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment. Returns (rank, world_size).
+
+    Without torchrun variables (plain `python`), does nothing and returns (0, 1).
+    """
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,85 @@
+"""Collectives, accounting and the multi-process harness (gloo)."""
+import pytest
+import torch
+
+from parallel3d import comm
+from parallel3d.mesh import MeshSpec
+from parallel3d.testing import WorldError
+
+
+def _collectives(w):
+    ctx = w.context(MeshSpec(dp=w.world_size))
+    g, r, n = ctx.dp, w.rank, w.world_size
+    x = torch.full((2, 3), float(r + 1))
+    summed = comm.all_reduce(x.clone(), g)
+    gathered = comm.all_gather(torch.tensor([float(r)]), g)
+    gathered_dim1 = comm.all_gather(torch.full((2, 1), float(r)), g, dim=1)
+    scattered = comm.reduce_scatter(torch.arange(2.0 * n).reshape(n, 2) + r, g)
+    # uneven all-to-all: rank r sends (j + 1) rows to rank j, each row tagged with the sender
+    out_splits = [r + 1] * n
+    in_splits = [j + 1 for j in range(n)]
+    sent = torch.cat([torch.full((j + 1,), float(r)) for j in range(n)])
+    received = comm.all_to_all(sent, g, out_splits, in_splits)
+    # batched p2p ring
+    nxt, prv = g.ranks[(r + 1) % n], g.ranks[(r - 1) % n]
+    buf = torch.empty(4)
+    comm.batch_p2p([comm.P2P("send", torch.full((4,), float(r)), nxt), comm.P2P("recv", buf, prv)], g)
+    return summed, gathered, gathered_dim1, scattered, received, buf, ctx.stats.summary()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_and_accounting(worlds, n):
+    for r, (summed, gathered, gd1, scattered, received, buf, stats) in enumerate(worlds.run(n, _collectives)):
+        assert torch.equal(summed, torch.full((2, 3), float(n * (n + 1) // 2)))
+        assert torch.equal(gathered, torch.arange(float(n)))
+        assert torch.equal(gd1, torch.arange(float(n)).expand(2, n))
+        full = sum(torch.arange(2.0 * n).reshape(n, 2) + k for k in range(n))
+        assert torch.equal(scattered, full[r:r + 1])
+        assert torch.equal(received, torch.arange(float(n)).repeat_interleave(r + 1))
+        assert torch.equal(buf, torch.full((4,), float((r - 1) % n)))
+        assert stats[("dp", "all_reduce")] == (1, 2 * 3 * 4)
+        assert stats[("dp", "all_gather")] == (2, n * 4 + 2 * n * 4)
+        assert stats[("dp", "reduce_scatter")] == (1, 2 * n * 4)
+        assert stats[("dp", "all_to_all")] == (1, sum(range(1, n + 1)) * 4)
+        assert stats[("dp", "send")] == (1, 16) and stats[("dp", "recv")] == (1, 16)
+
+
+def _hang(w):
+    ctx = w.context(MeshSpec(dp=w.world_size))
+    if w.rank == 0:
+        comm.all_reduce(torch.ones(1), ctx.dp)  # rank 1 never joins
+    return w.rank
+
+
+def test_hung_collective_fails_with_rank_and_op(worlds):
+    with pytest.raises(WorldError) as info:
+        worlds.run(2, _hang, timeout=5)
+    msg = str(info.value)
+    assert "timed out after 5s" in msg and "rank 0 still running" in msg and "all_reduce on dp group" in msg
+    assert worlds.run(2, _echo) == [0, 1]  # the pool recovers with a fresh world
+
+
+def _raise_on_rank1(w):
+    if w.rank == 1:
+        raise ValueError("boom on purpose")
+    return w.rank
+
+
+def _echo(w):
+    return w.rank
+
+
+def test_failing_rank_reports_traceback(worlds):
+    with pytest.raises(WorldError) as info:
+        worlds.run(2, _raise_on_rank1, timeout=30)
+    assert "rank 1 raised" in str(info.value) and "boom on purpose" in str(info.value)
+    assert worlds.run(2, _echo) == [0, 1]
+
+
+def test_single_rank_groups_short_circuit():
+    from parallel3d.mesh import ParallelContext
+
+    ctx = ParallelContext.single()
+    x = torch.ones(3)
+    assert comm.all_reduce(x, ctx.tp) is x and comm.all_gather(x, ctx.dp) is x
+    assert ctx.stats.summary() == {}

@@ -1,0 +1,85 @@
+"""MeshSpec rank arithmetic, without processes."""
+import itertools
+
+import pytest
+
+from parallel3d.mesh import DIMS, MeshSpec, ParallelContext
+
+
+def _specs():
+    for tp, cp, dp, pp in itertools.product([1, 2, 4], [1, 2], [1, 2, 3, 4], [1, 2, 3]):
+        for ep in range(1, dp * cp + 1):
+            if (dp * cp) % ep == 0:
+                yield MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+
+
+SPECS = list(_specs())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_groups_partition_world_and_coords_round_trip(spec):
+    world = set(range(spec.world_size))
+    sizes = {"tp": spec.tp, "cp": spec.cp, "dp": spec.dp, "pp": spec.pp, "ep": spec.ep, "edp": spec.edp,
+             "dp_cp": spec.dp * spec.cp, "tp_cp": spec.tp * spec.cp, "mp": spec.tp * spec.pp,
+             "world": spec.world_size}
+    for dim in DIMS:
+        if dim == "embedding":
+            continue
+        groups = spec.groups(dim)
+        flat = [r for g in groups for r in g]
+        assert sorted(flat) == sorted(world), dim          # a partition: every rank exactly once
+        assert all(len(g) == sizes[dim] for g in groups), dim
+    for r in range(spec.world_size):
+        c = spec.coords(r)
+        assert spec.rank(tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp) == r
+
+
+@pytest.mark.parametrize("spec", SPECS[::7], ids=str)
+def test_layout_facts(spec):
+    for g in spec.groups("tp"):                              # TP innermost: consecutive ranks
+        assert g == list(range(g[0], g[0] + spec.tp))
+    dpcp = {tuple(g) for g in spec.groups("dp_cp")}
+    for g in spec.groups("ep"):                              # EP carved out of DP x CP
+        assert any(set(g) <= set(d) for d in dpcp)
+        assert len({spec.coords(r).pp for r in g}) == 1 and len({spec.coords(r).tp for r in g}) == 1
+    for g in spec.groups("edp"):
+        assert any(set(g) <= set(d) for d in dpcp)
+        assert len({spec.coords(r).ep for r in g}) == 1      # same expert shard, replicated
+    for g in spec.groups("embedding"):                       # first and last stage of one pipeline
+        stages = sorted(spec.coords(r).pp for r in g)
+        assert stages == sorted({0, spec.pp - 1})
+    for g in spec.groups("pp"):                              # a pipeline keeps its tp/cp/dp coordinates
+        assert [spec.coords(r).pp for r in g] == list(range(spec.pp))
+
+
+def test_rank_formula_example():
+    spec = MeshSpec(tp=2, cp=1, dp=2, pp=2)
+    assert spec.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert spec.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert spec.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert spec.groups("mp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp=0), "parallel.tp must be a positive integer"),
+    (dict(dp=3, ep=2), "parallel.ep=2 must divide dp*cp=3*1=3"),
+])
+def test_invalid_specs(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        MeshSpec(**kwargs)
+
+
+def test_for_world_errors_and_default_dp():
+    assert MeshSpec.for_world(8, tp=2, pp=2).dp == 2
+    with pytest.raises(ValueError, match="world size 6 is not divisible by tp"):
+        MeshSpec.for_world(6, tp=4)
+    with pytest.raises(ValueError, match="does not equal the world size"):
+        MeshSpec.for_world(8, tp=2, dp=2)
+
+
+def test_single_context_needs_no_distributed():
+    import torch.distributed as dist
+
+    ctx = ParallelContext.single()
+    assert not dist.is_initialized()
+    assert ctx.tp.size == 1 and ctx.tp.rank == 0 and ctx.is_first_stage and ctx.is_last_stage
