@@ -1,0 +1,173 @@
+"""Llama decoder built from parallel3d layers. With a world-size-1 context it is plain PyTorch.
+
+A `Llama` instance is one pipeline stage (or the whole model): it holds the layers whose global indices
+it is given, plus the embedding (`pre`) and/or final norm + LM head + loss (`post`). Parameter names use
+global layer indices (`layers.7.attn.q_proj.weight`), so names, initial values and checkpoints are the
+same under every layout.
+
+Shapes: b batch, s local sequence (s/cp under context parallelism), h hidden, tp the TP size; with
+sequence parallelism the residual stream is (b, s/tp, h).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels import dispatch
+from kernels.rope import rope_cos_sin, rope_inv_freq
+from models.config import ModelConfig
+from parallel3d.context_parallel import context_parallel_attention
+from parallel3d.mesh import ParallelContext
+from parallel3d.params import init_parameters
+from parallel3d.tensor_parallel import (ColumnParallelLinear, KVParallelLinear, RMSNorm, RowParallelLinear,
+                                        VocabParallelEmbedding, enter_tp_region, gather_from_tp,
+                                        vocab_parallel_cross_entropy)
+from parallel3d.tensor_parallel.layers import vocab_shard
+
+IGNORE_INDEX = -100
+
+
+class Attention(nn.Module):
+    """Megatron attention block: q/k/v column-parallel (heads split over TP), o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, sp: bool, cp_mode: str, recompute_core: bool) -> None:
+        super().__init__()
+        tp, h, d = ctx.tp, cfg.hidden_size, cfg.head_dim
+        self.tp, self.sp, self.cp, self.cp_mode, self.backend = tp, sp, ctx.cp, cp_mode, cfg.kernels
+        self.recompute_core = recompute_core
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, tp, sp, enter_region=False)
+        self.k_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp)
+        self.v_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, tp, sp)
+        self.head_dim = d
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nkv/tp or 1, d)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        q, k = dispatch.rope(q, k, cos, sin, self.backend)
+        if self.recompute_core and torch.is_grad_enabled():
+            o = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            o = self._core(q, k, v)  # (b, s, nh/tp, d)
+        return self.o_proj(o.reshape(b, s, -1))  # (b, s, h) or (b, s/tp, h) with sp
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: gate and up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, sp: bool, ffn_hidden: Optional[int] = None) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, ffn_hidden or cfg.ffn_hidden_size
+        self.tp, self.sp, self.backend = ctx.tp, sp, cfg.kernels
+        self.gate_proj = ColumnParallelLinear(h, f, ctx.tp, sp, enter_region=False)
+        self.up_proj = ColumnParallelLinear(h, f, ctx.tp, sp, enter_region=False)
+        self.down_proj = RowParallelLinear(f, h, ctx.tp, sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        return self.down_proj(dispatch.swiglu(self.gate_proj(x), self.up_proj(x), self.backend))  # (b, s, f/tp)->h
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, sp: bool, cp_mode: str, recompute: str,
+                 mlp: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
+        self.attn = Attention(cfg, ctx, sp, cp_mode, recompute_core=recompute == "selective")
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
+        self.mlp = mlp if mlp is not None else MLP(cfg, ctx, sp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """One pipeline stage (or all) of a Llama decoder.
+
+    forward(x, position_ids, labels=None):
+      x: token ids (b, s) on the stage with `pre`, else the previous stage's hidden states.
+      position_ids: (s,) positions of this rank's tokens (context parallelism gives non-contiguous ones).
+      returns: the summed token loss (fp32 scalar) when `post` and labels are given (ignore_index=-100
+      targets excluded; the trainer divides by the global token count); full-vocabulary logits (b, s, V)
+      when `post` without labels; otherwise the hidden states for the next stage.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layers: Optional[Sequence[int]] = None,
+                 pre: bool = True, post: bool = True, sequence_parallel: bool = False, cp_mode: str = "ring",
+                 recompute: str = "none") -> None:
+        super().__init__()
+        cfg.validate()
+        if recompute not in ("none", "full", "selective"):
+            raise ValueError(f"activation checkpointing must be none, full or selective, got {recompute!r}")
+        self.cfg, self.ctx, self.pre, self.post = cfg, ctx, pre, post
+        self.sp = sequence_parallel and ctx.tp.size > 1
+        self.recompute = recompute
+        tp = ctx.tp
+        layer_ids = list(range(cfg.num_layers)) if layers is None else list(layers)
+        if pre:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp)
+        self.layers = nn.ModuleDict({str(i): self.make_block(i, cp_mode, recompute) for i in layer_ids})
+        if post:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, self.sp, cfg.kernels)
+            self.vocab_start, self.vocab_real, _ = vocab_shard(cfg.vocab_size, tp.size, tp.rank)
+            if not (cfg.tie_embeddings and pre):
+                self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp, self.sp,
+                                                    enter_region=False, vocab_padding=True)
+                if cfg.tie_embeddings:  # tied across pipeline stages: same init, grads summed over the
+                    self.lm_head.weight.meta.init_name = "embed.weight"   # embedding group (first+last stage)
+                    self.lm_head.weight.meta.extra["tied_to"] = "embed.weight"
+        if cfg.tie_embeddings and ctx.spec.pp > 1:
+            for p in self._tied_params():
+                p.meta.grad_reduce += ("embedding",)
+                p.meta.replicated += ("embedding",)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
+
+    def make_block(self, index: int, cp_mode: str, recompute: str) -> nn.Module:
+        """Override to build a different block per layer (the MoE model does)."""
+        return Block(self.cfg, self.ctx, self.sp, cp_mode, recompute)
+
+    def _tied_params(self) -> list[nn.Parameter]:
+        out = []
+        if self.pre:
+            out.append(self.embed.weight)
+        if self.post and hasattr(self, "lm_head"):
+            out.append(self.lm_head.weight)
+        return out
+
+    def init_weights(self, seed: int) -> None:
+        init_parameters(self, seed, self.cfg.init_std)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d)
+        if self.pre:
+            x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
+        for block in self.layers.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        if not self.post:
+            return x
+        x = enter_tp_region(self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)
+        logits = torch.nn.functional.linear(x, self.head_weight())  # (b, s, V/tp) incl. padding
+        if labels is None:
+            full = gather_from_tp(logits, self.ctx.tp, -1)  # (b, s, V_padded)
+            return full[..., : self.cfg.vocab_size]
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.ctx.tp, self.vocab_start,
+                                              self.vocab_real, IGNORE_INDEX)  # (b*s,)
+        return losses.sum()
