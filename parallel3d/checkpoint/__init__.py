@@ -1,0 +1,1 @@
+"""Checkpoints: sharded safetensors + JSON metadata (no pickle), loadable under any layout."""
