@@ -36,6 +36,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, sp: bool, cp_mode: str, recompute_core: bool) -> None:
         super().__init__()
         tp, h, d = ctx.tp, cfg.hidden_size, cfg.head_dim
+        if cfg.num_heads % tp.size:
+            raise ValueError(f"model.num_heads={cfg.num_heads} is not divisible by parallel.tp={tp.size}")
         self.tp, self.sp, self.cp, self.cp_mode, self.backend = tp, sp, ctx.cp, cp_mode, cfg.kernels
         self.recompute_core = recompute_core
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, tp, sp, enter_region=False)

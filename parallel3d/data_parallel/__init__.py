@@ -1,0 +1,1 @@
+"""Data parallelism: gradient reduction (bucketed, overlapped), ZeRO-1/2/3, mixed precision."""
