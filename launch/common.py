@@ -1,0 +1,76 @@
+"""Shared start-up for the launch scripts: config, validation before any process group, context, model."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from models.config import ModelConfig  # noqa: E402
+from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
+from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
+from parallel3d.training.config import ConfigError, ExperimentConfig, load_config, resolve_and_validate  # noqa: E402
+from parallel3d.training.data import DataError  # noqa: E402
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError, ValueError, FileNotFoundError)
+
+
+def fail(message: str, code: int = 2) -> "NoReturn":  # noqa: F821
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or "RANK" not in os.environ:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def parse_args(description: str, argv=None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=description,
+                                     epilog="Overrides are dotted key=value pairs, e.g. parallel.tp=2 train.steps=10")
+    parser.add_argument("--config", help="YAML preset, e.g. configs/tiny.yaml (or CKPT/config.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        parser.error(f"overrides must look like key=value, got {bad}")
+    return args, args.overrides
+
+
+def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentConfig:
+    """Everything that can be checked without processes; raises a user error with one clear message."""
+    if config is None:
+        load_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.load_dir=")), None)
+        if load_dir and os.path.isfile(os.path.join(load_dir, "config.yaml")):
+            config = os.path.join(load_dir, "config.yaml")
+    if config is not None and not os.path.isfile(config):
+        raise ConfigError(f"config file {config} does not exist")
+    cfg = load_config(config, overrides, ModelConfig)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = resolve_and_validate(cfg, world)
+    if cfg.data.path is not None and not os.path.isfile(cfg.data.path):
+        raise DataError(f"data.path {cfg.data.path} does not exist")
+    if cfg.checkpoint.load_dir is not None and not os.path.isdir(cfg.checkpoint.load_dir):
+        raise CheckpointError(f"checkpoint.load_dir {cfg.checkpoint.load_dir} does not exist")
+    return cfg
+
+
+def build_context(cfg: ExperimentConfig) -> ParallelContext:
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    init_distributed()
+    p = cfg.parallel
+    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep))
+
+
+def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
+    """build_stage(layer_ids, pre, post) for the trainer: the dense Llama or the MoE transformer."""
+    p, recompute = cfg.parallel, cfg.train.activation_checkpointing
+    if cfg.model.num_experts:
+        from models.moe import MoETransformer as model_cls
+    else:
+        from models.llama import Llama as model_cls
+
+    def build(layer_ids: list[int], pre: bool, post: bool):
+        return model_cls(cfg.model, ctx, layers=layer_ids, pre=pre, post=post, sequence_parallel=p.sp,
+                         cp_mode=p.cp_mode, recompute=recompute)
+    return build

@@ -1,0 +1,35 @@
+"""Pretraining entry point.
+
+    torchrun --nproc_per_node=N launch/pretrain.py --config configs/tiny.yaml [key=value ...]
+
+Every parallel dimension comes from the config (parallel.tp/pp/dp/cp/ep/sp/zero/schedule/...); see
+DESIGN.md section 3. Bad input ends with one message on stderr and exit code 2, before any process group.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import USER_ERRORS, build_context, fail, load_and_validate, parse_args, stage_builder  # noqa: E402
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args("parallel3d pretraining", argv)
+    try:
+        cfg = load_and_validate(args.config, overrides)
+    except USER_ERRORS as e:
+        fail(str(e))
+    from parallel3d.training.loop import run_training
+
+    ctx = build_context(cfg)
+    try:
+        run_training(cfg, ctx, stage_builder(cfg, ctx))
+    except USER_ERRORS as e:
+        fail(f"[rank {ctx.rank}] {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

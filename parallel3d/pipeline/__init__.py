@@ -1,0 +1,22 @@
+"""Pipeline parallelism. Pure parts: schedules as data, verifier, simulator, partitioning, plots.
+
+A schedule is one list of :class:`Action` per pipeline rank (see ``schedules.py`` for the data model
+and the communication rules a runtime must follow). ``verify`` proves it well formed, ``simulate``
+turns it into a :class:`Timeline` (the same type a runtime builds from measured events), and
+``plot_timeline`` draws either. Nothing imported here needs torch or torch.distributed.
+"""
+from .partition import balanced_counts, partition_layers
+from .plot import format_timeline, plot_side_by_side, plot_timeline
+from .schedules import (SCHEDULE_NAMES, Action, ActionKind, ScheduleError, build_schedule,
+                        format_schedule, gpipe, interleaved_1f1b, one_f_one_b, stage_of, zb_h1)
+from .simulate import (DEFAULT_COSTS, Event, Timeline, message_key, partner, peak_in_flight,
+                       simulate, split_steps)
+from .verify import verify
+
+__all__ = [
+    "Action", "ActionKind", "DEFAULT_COSTS", "Event", "SCHEDULE_NAMES", "ScheduleError",
+    "Timeline", "balanced_counts", "build_schedule", "format_schedule", "format_timeline",
+    "gpipe", "interleaved_1f1b", "message_key", "one_f_one_b", "partition_layers", "partner",
+    "peak_in_flight", "plot_side_by_side", "plot_timeline", "simulate", "split_steps",
+    "stage_of", "verify", "zb_h1",
+]

@@ -1,0 +1,410 @@
+"""Typed experiment configuration: YAML presets plus dotted `key=value` overrides (DESIGN.md section 3).
+
+The model section is whatever dataclass the caller passes as `model_cls` (normally
+`models.config.ModelConfig`): `parallel3d` must not import `models`, so the loader is generic and the
+cross-field checks read model fields by name (`num_heads`, `num_kv_heads`, `num_layers`, `num_experts`,
+`moe_top_k`, `max_seq_len`), skipping a check when the model has no such field.
+
+Every value is parsed by its field's type, so `parallel.sp=true`, `train.lr=3e-4` and
+`model.rope_scaling.factor=8` all land typed, and a misspelt key fails at once, naming the key and the
+valid ones. `resolve_and_validate` then checks the whole config against the world size, with one clear
+`ConfigError` per broken constraint, before any process group exists (so no rank can hang on bad input).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending keys and values."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 0                  # 0: whatever the world size leaves (world // (tp*cp*pp))
+    cp: int = 1
+    ep: int = 1                  # carved out of dp*cp (DESIGN.md section 2)
+    sp: bool = False             # Megatron sequence parallelism; a no-op (resolved to False) when tp == 1
+    cp_mode: str = "ring"        # ring | allgather | ulysses
+    zero: int = 0                # 0..3
+    schedule: str = "1f1b"       # gpipe | 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1      # model chunks per pipeline rank (interleaved only)
+    layers_per_stage: Optional[list[int]] = None  # one entry per (virtual) stage; None: even split
+    bucket_size_mb: float = 25.0  # gradient-reduction bucket size
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    num_microbatches: int = 0    # derived by resolve_and_validate: global / (micro * dp); if set, must agree
+    seq_len: int = 128
+    steps: int = 20
+    seed: int = 1234
+    precision: str = "fp32"      # fp32 | bf16 | fp16
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"  # cosine | linear | constant (see lr_schedule.py)
+    lr_decay_steps: int = 0      # 0: decay over train.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0       # 0: no clipping
+    activation_checkpointing: str = "none"  # none | full | selective
+    eval_interval: int = 0       # 0: no periodic evaluation
+    eval_steps: int = 10
+    nan_policy: str = "skip"     # skip: drop the step and go on | stop: raise
+    loss_scale: float = 0.0      # fp16 only; 0: dynamic scaling, >0: static scale
+    initial_loss_scale: float = 65536.0
+    loss_scale_window: int = 1000  # good steps before the dynamic scale doubles
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None       # 1-D .npy token file; None: the trainer's built-in synthetic demo data
+    eval_path: Optional[str] = None
+    tokenizer: Optional[str] = None  # Hugging Face tokenizer.json used by prepare_data (informational)
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: Optional[str] = None
+    load_dir: Optional[str] = None
+    interval: int = 0            # 0: save only at the end (when save_dir is set)
+    keep: int = 0                # 0: keep every checkpoint
+    async_save: bool = False
+
+
+@dataclass
+class LogConfig:
+    jsonl: Optional[str] = None
+    tensorboard: Optional[str] = None  # directory; written only when torch.utils.tensorboard imports
+    interval: int = 1            # progress-line interval (the jsonl gets every step)
+    peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; None: table / CPU measurement
+
+
+@dataclass
+class ExperimentConfig:
+    model: Any
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ----------------------------------------------------------------------------- typed parsing
+
+def _section_types(model_cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(ExperimentConfig)
+    hints["model"] = model_cls
+    return hints
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown(key: str, valid: Sequence[str]) -> ConfigError:
+    name = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(valid)}")
+
+
+def _yaml_scalar(text: str) -> Any:
+    """YAML-parse an override value; YAML 1.1 reads '3e-4' as a string, so retry it as a float."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse value {text!r}: {e}") from None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` (from YAML, or an override string) to type `tp`, or raise naming `key`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~", "")):
+            return None
+        return _coerce(value, inner[0], key)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is Any:
+        return _yaml_scalar(value) if isinstance(value, str) else value
+    is_list, is_dict = tp is list or origin is list, tp is dict or origin is dict
+    if isinstance(value, str) and (tp in (int, float, bool) or is_list or is_dict):
+        value = _yaml_scalar(value)          # "true", "1", "3e-4", "[1, 2]", "{factor: 8}"
+    if tp is bool and type(value) is int and value in (0, 1):
+        value = bool(value)
+    elif tp is int and type(value) is float and value.is_integer():
+        value = int(value)
+    elif tp is float and type(value) is int:
+        value = float(value)
+    ok = isinstance(value, (list, tuple)) if is_list else isinstance(value, dict) if is_dict \
+        else type(value) is tp if tp in (int, float, bool, str) else True
+    if not ok:
+        raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+    if is_list:
+        return [_coerce(v, args[0], f"{key}[{i}]") if args else v for i, v in enumerate(value)]
+    return dict(value) if is_dict else value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Construct dataclass `cls` from a mapping, rejecting unknown keys and coercing each value."""
+    if data is None:
+        data = {}
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
+    types = _field_types(cls)
+    kwargs = {}
+    for k, v in data.items():
+        if k not in types:
+            raise _unknown(f"{prefix}.{k}", list(types))
+        kwargs[k] = _coerce(v, types[k], f"{prefix}.{k}")
+    return cls(**kwargs)
+
+
+def _apply_override(raw: dict, item: str, model_cls: type) -> None:
+    """Set one `a.b.c=value` into the raw nested dict, checking the key path against the types."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. parallel.tp=2)")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    types: Optional[dict[str, Any]] = _section_types(model_cls)
+    node = raw
+    for i, name in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        if types is None:                    # inside a free-form dict field (e.g. model.rope_scaling)
+            if last:
+                node[name] = _yaml_scalar(text)
+                return
+            child = node.get(name)
+            if child is None:
+                node[name] = child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"{path} is not a mapping; cannot set {key!r}")
+            node = child
+            continue
+        if name not in types:
+            raise _unknown(path, list(types))
+        tp = types[name]
+        if typing.get_origin(tp) is typing.Union:
+            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if last:
+            node[name] = text
+            return
+        if dataclasses.is_dataclass(tp):
+            types = _field_types(tp)
+        elif tp is dict or typing.get_origin(tp) is dict:
+            types = None
+        else:
+            raise ConfigError(f"{path} is a {getattr(tp, '__name__', tp)}, not a section; "
+                              f"cannot set {key!r}")
+        child = node.get(name)
+        if not isinstance(child, dict):
+            node[name] = child = {}
+        node = child
+
+
+def config_from_dict(data: dict, model_cls: type, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Build an ExperimentConfig from a nested dict (e.g. checkpoint metadata) plus overrides."""
+    raw = copy.deepcopy(data) if data else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        _apply_override(raw, item, model_cls)
+    types = _section_types(model_cls)
+    unknown = [k for k in raw if k not in types]
+    if unknown:
+        raise _unknown(unknown[0], list(types))
+    return ExperimentConfig(**{k: _build(types[k], raw.get(k), k) for k in types})
+
+
+def load_config(path: Optional[str], overrides: Sequence[str], model_cls: type) -> ExperimentConfig:
+    """Read the YAML file at `path` (None: all defaults) and apply dotted `key=value` overrides."""
+    data: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+    return config_from_dict(data, model_cls, overrides)
+
+
+def to_dict(cfg: ExperimentConfig) -> dict:
+    """Plain nested dict (YAML/JSON-able); `config_from_dict(to_dict(c), type(c.model)) == c`."""
+    return dataclasses.asdict(cfg)
+
+
+def save_yaml(cfg: ExperimentConfig, path: str) -> None:
+    """Write the config as YAML that `load_config` reads back to an equal config."""
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentConfig:
+    """Return a resolved copy of `cfg` (dp and train.num_microbatches filled in; sp turned off when
+    tp == 1, where it is a no-op) after checking every cross-field constraint for `world_size`.
+
+    Raises ConfigError with one message naming the first broken constraint. `cfg` itself is left
+    untouched, so the unresolved config stays portable to other world sizes.
+    """
+    cfg = copy.deepcopy(cfg)
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    try:
+        m.validate()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    for name in ("tp", "pp", "cp", "ep", "virtual_stages"):
+        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    _require(p.dp >= 0, f"parallel.dp must be >= 0 (0: fill from the world size), got {p.dp}")
+    _choice(p.cp_mode, "parallel.cp_mode", ("ring", "allgather", "ulysses"))
+    _choice(p.schedule, "parallel.schedule", ("gpipe", "1f1b", "interleaved", "zb-h1"))
+    _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
+    _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
+    _choice(t.precision, "train.precision", ("fp32", "bf16", "fp16"))
+    _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
+    _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
+    _choice(t.lr_schedule, "train.lr_schedule", ("cosine", "linear", "constant"))
+    for name in ("micro_batch_size", "global_batch_size", "seq_len"):
+        _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
+    for name in ("steps", "warmup_steps", "lr_decay_steps", "eval_interval", "eval_steps"):
+        _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be in [0, train.lr={t.lr}]")
+
+    # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2)
+    model_parallel = p.tp * p.cp * p.pp
+    if p.dp == 0:
+        _require(world_size % model_parallel == 0,
+                 f"world size {world_size} is not divisible by tp*cp*pp = {model_parallel} "
+                 f"(tp={p.tp}, cp={p.cp}, pp={p.pp})")
+        p.dp = world_size // model_parallel
+    _require(model_parallel * p.dp == world_size,
+             f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp} = {model_parallel * p.dp} does not match "
+             f"the world size {world_size}")
+
+    # --- attention heads under TP / Ulysses CP
+    heads, kv = getattr(m, "num_heads", None), getattr(m, "num_kv_heads", None)
+    if heads is not None:
+        _require(heads % p.tp == 0,
+                 f"model.num_heads={heads} is not divisible by parallel.tp={p.tp}")
+    if kv is not None:
+        _require(kv % p.tp == 0 or p.tp % kv == 0,
+                 f"model.num_kv_heads={kv} and parallel.tp={p.tp}: one must divide the other "
+                 f"(kv heads are split across tp ranks, or replicated when tp > num_kv_heads)")
+    if p.cp > 1 and p.cp_mode == "ulysses" and heads is not None:
+        _require((heads // p.tp) % p.cp == 0,
+                 f"cp_mode=ulysses needs the heads per tp rank (model.num_heads/tp = {heads}/{p.tp} "
+                 f"= {heads // p.tp}) divisible by parallel.cp={p.cp}")
+
+    # --- sequence length under CP / SP
+    max_len = getattr(m, "max_seq_len", None)
+    if max_len is not None:
+        _require(t.seq_len <= max_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={max_len}")
+    if p.cp > 1:
+        _require(t.seq_len % (2 * p.cp) == 0,
+                 f"train.seq_len={t.seq_len} must be divisible by 2*cp = {2 * p.cp} (load-balanced "
+                 f"causal context parallelism splits each sequence into 2*cp chunks)")
+    if p.sp and p.tp == 1:
+        p.sp = False                 # sequence parallelism over one rank is the identity
+    if p.sp:
+        _require(t.seq_len % (p.tp * p.cp) == 0,
+                 f"train.seq_len={t.seq_len} must be divisible by tp*cp = {p.tp}*{p.cp} with "
+                 f"sequence parallelism (each CP rank's seq_len/cp tokens are split across tp ranks)")
+
+    # --- experts
+    experts, top_k = getattr(m, "num_experts", 0) or 0, getattr(m, "moe_top_k", 1)
+    if p.ep > 1:
+        _require(experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
+        _require((p.dp * p.cp) % p.ep == 0,
+                 f"parallel.ep={p.ep} must divide dp*cp = {p.dp}*{p.cp} = {p.dp * p.cp} "
+                 f"(expert parallelism is carved out of the data x context parallel ranks)")
+    if experts:
+        _require(experts % p.ep == 0,
+                 f"model.num_experts={experts} is not divisible by parallel.ep={p.ep}")
+        _require(1 <= top_k <= experts, f"model.moe_top_k={top_k} must be in [1, model.num_experts={experts}]")
+
+    # --- batch
+    per_step = t.micro_batch_size * p.dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size} is not divisible by "
+             f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp} = {per_step}")
+    nmb = t.global_batch_size // per_step
+    _require(t.num_microbatches in (0, nmb),
+             f"train.num_microbatches={t.num_microbatches} disagrees with global_batch_size/"
+             f"(micro_batch_size*dp) = {nmb}; leave it 0 to derive it")
+    t.num_microbatches = nmb
+
+    # --- pipeline
+    chunks = p.pp * p.virtual_stages
+    if p.schedule == "interleaved":
+        _require(p.virtual_stages >= 2,
+                 f"schedule=interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
+        _require(nmb % p.pp == 0,
+                 f"schedule=interleaved needs the number of microbatches ({nmb}) divisible by "
+                 f"parallel.pp={p.pp}")
+    else:
+        _require(p.virtual_stages == 1,
+                 f"parallel.virtual_stages={p.virtual_stages} needs schedule=interleaved "
+                 f"(got schedule={p.schedule})")
+    layers = getattr(m, "num_layers", None)
+    if layers is not None:
+        _require(layers >= chunks,
+                 f"model.num_layers={layers} is fewer than pp*virtual_stages = {p.pp}*{p.virtual_stages} "
+                 f"= {chunks} (every pipeline chunk needs at least one layer)")
+    if p.layers_per_stage is not None:
+        lps = p.layers_per_stage
+        _require(len(lps) == chunks and all(n >= 1 for n in lps),
+                 f"parallel.layers_per_stage={lps} must list {chunks} positive counts "
+                 f"(pp*virtual_stages = {p.pp}*{p.virtual_stages})")
+        if layers is not None:
+            _require(sum(lps) == layers,
+                     f"parallel.layers_per_stage={lps} sums to {sum(lps)}, not model.num_layers={layers}")
+
+    # --- checkpoints and logging
+    for name in ("interval", "keep"):
+        _require(getattr(cfg.checkpoint, name) >= 0,
+                 f"checkpoint.{name} must be >= 0, got {getattr(cfg.checkpoint, name)}")
+    _require(cfg.log.interval >= 1, f"log.interval must be >= 1, got {cfg.log.interval}")
+    return cfg

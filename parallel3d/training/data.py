@@ -1,0 +1,262 @@
+"""Tokenizers, token files and the layout-independent batch sampler (DESIGN.md sections 2 and 3).
+
+Token files are 1-D NumPy `.npy` arrays of ids (uint16/uint32/int32/int64), read memory-mapped.
+Sample i is the window tokens[i*seq_len : i*seq_len + seq_len + 1] (inputs and shifted targets), so
+samples tile the file without overlap except the one shared boundary token.
+
+The sampler makes the global batch at step s a function of (seed, step) only: an endless stream of
+sample indices, one seeded permutation per epoch, read global_batch_size at a time. Any dp size and
+microbatch count then sees the same sequences, which the parity tests rely on. Context-parallel splitting
+of each sequence happens in `parallel3d.context_parallel`, not here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
+class DataError(ValueError):
+    """Bad data input; the message names the file and the sizes involved."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; special tokens (e.g. "<eos>") get ids 256, 257, ...
+
+    Without special tokens the end-of-document id is byte 0 (NUL, which never occurs in text), so the
+    vocabulary stays at 256 — a power of two that every tensor-parallel degree divides (the tiny preset).
+    """
+
+    def __init__(self, special_tokens: Sequence[str] = ()) -> None:
+        self.special_tokens = list(special_tokens)
+        self.vocab_size = 256 + len(self.special_tokens)
+        self.eos_id = self.token_id("<eos>") if "<eos>" in self.special_tokens else 0
+
+    def token_id(self, token: str) -> int:
+        return 256 + self.special_tokens.index(token)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(int(i) for i in ids if 0 < int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` through the `tokenizers` package (imported only when used)."""
+
+    EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
+
+    def __init__(self, path: str, eos_token: Optional[str] = None) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("a tokenizer.json needs the 'tokenizers' package (pip install tokenizers)") from None
+        if not os.path.exists(path):
+            raise DataError(f"tokenizer file {path!r} does not exist")
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        names = [eos_token] if eos_token else list(self.EOS_CANDIDATES)
+        ids = [self._tok.token_to_id(n) for n in names]
+        found = [i for i in ids if i is not None]
+        if not found:
+            raise DataError(f"tokenizer {path!r} has no end-of-text token among {names}; pass one")
+        self.eos_id = found[0]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def smallest_token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest allowed token dtype holding ids 0..vocab_size-1 (uint8 is not a token dtype)."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32 if vocab_size <= 1 << 32 else np.int64)
+
+
+def iter_documents(path: str, jsonl_key: str = "text"):
+    """Yield documents: each line's `jsonl_key` for .jsonl/.json-lines files, else the whole file."""
+    if not os.path.exists(path):
+        raise DataError(f"input file {path!r} does not exist")
+    if path.endswith((".jsonl", ".ndjson")):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
+                if not isinstance(record, dict) or jsonl_key not in record:
+                    raise DataError(f"{path}:{n}: no key {jsonl_key!r} in the JSON record")
+                yield str(record[jsonl_key])
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield f.read()
+
+
+def tokenize_text_files(paths: Sequence[str], tokenizer, jsonl_key: str = "text") -> np.ndarray:
+    """Tokenize documents from text / JSONL files into one 1-D array, eos after every document.
+
+    The dtype is the smallest one that fits `tokenizer.vocab_size`."""
+    dtype = smallest_token_dtype(tokenizer.vocab_size)
+    eos = np.asarray([tokenizer.eos_id], dtype=np.int64)
+    parts = [np.concatenate([tokenizer.encode(doc), eos])
+             for path in paths for doc in iter_documents(path, jsonl_key)]
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+
+def synthetic_tokens(num_tokens: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """Deterministic, learnable demo data: byte-encoded sentences from a tiny grammar.
+
+    Used when `data.path` is null (the tiny CPU demo): a small model's loss falls quickly from
+    ln(vocab) because spelling and word order are predictable. ASCII only, so ids < 128; for a smaller
+    vocabulary ids are folded modulo vocab_size (still learnable)."""
+    rng = np.random.default_rng(seed)
+    subjects = ["the cat", "a dog", "the model", "my friend", "the parallel rank", "a small bird"]
+    verbs = ["sees", "likes", "computes", "follows", "sends", "reduces", "gathers"]
+    objects = ["the gradient", "a red ball", "the tensor", "some tokens", "the pipeline", "a tree"]
+    out, total = [], 0
+    while total < num_tokens:
+        s = f"{subjects[rng.integers(6)]} {verbs[rng.integers(7)]} {objects[rng.integers(6)]}. "
+        ids = np.frombuffer(s.encode("ascii"), dtype=np.uint8)
+        out.append(ids)
+        total += len(ids)
+    tokens = np.concatenate(out)[:num_tokens].astype(np.int64) % vocab_size
+    return tokens.astype(smallest_token_dtype(vocab_size))
+
+
+class TokenDataset:
+    """Samples of seq_len + 1 tokens from a memory-mapped 1-D token file."""
+
+    def __init__(self, path: str, seq_len: int, vocab_size: Optional[int] = None) -> None:
+        if not os.path.exists(path):
+            raise DataError(f"token file {path!r} does not exist")
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as e:               # corrupt header, pickled object array, not .npy ...
+            raise DataError(f"token file {path!r} is not a readable .npy array: {e}") from None
+        self._init(tokens, seq_len, path, vocab_size)
+
+    @classmethod
+    def from_array(cls, tokens: np.ndarray, seq_len: int, name: str = "<array>",
+                   vocab_size: Optional[int] = None) -> "TokenDataset":
+        """An in-memory dataset (e.g. `synthetic_tokens`), checked like a file."""
+        self = cls.__new__(cls)
+        self._init(np.asarray(tokens), seq_len, name, vocab_size)
+        return self
+
+    def _init(self, tokens: np.ndarray, seq_len: int, name: str, vocab_size: Optional[int]) -> None:
+        if seq_len < 1:
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        if tokens.ndim != 1:
+            raise DataError(f"token file {name!r} must be a 1-D array of token ids, got shape {tokens.shape}")
+        if tokens.dtype.name not in TOKEN_DTYPES:
+            raise DataError(f"token file {name!r} has dtype {tokens.dtype.name}; expected one of "
+                            f"{', '.join(TOKEN_DTYPES)}")
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"token file {name!r} holds {len(tokens)} tokens, fewer than "
+                            f"seq_len + 1 = {seq_len + 1} needed for one sample")
+        if vocab_size is not None:               # chunked scan: out-of-range ids crash embeddings later
+            for start in range(0, len(tokens), 1 << 24):
+                chunk = np.asarray(tokens[start:start + (1 << 24)])
+                lo, hi = int(chunk.min()), int(chunk.max())
+                if lo < 0 or hi >= vocab_size:
+                    raise DataError(f"token file {name!r} holds id {hi if hi >= vocab_size else lo} "
+                                    f"outside the vocabulary [0, {vocab_size})")
+        self.path, self.tokens, self.seq_len = name, tokens, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = int(i) * self.seq_len
+        return torch.from_numpy(np.array(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+
+    def gather(self, indices: Sequence[int]) -> torch.Tensor:
+        """LongTensor (len(indices), seq_len + 1) of the given samples, in order."""
+        if len(indices) == 0:
+            return torch.zeros(0, self.seq_len + 1, dtype=torch.long)
+        return torch.stack([self[i] for i in indices])
+
+
+class BatchSampler:
+    """Global and per-rank batches as a pure function of (seed, step), plus a resumable cursor.
+
+    The stream of sample indices is epoch 0's permutation, then epoch 1's, ... (each seeded by
+    (seed, epoch); `shuffle=False` gives 0..N-1 every epoch, for evaluation). The global batch at step s
+    is stream positions [s*B, (s+1)*B). `local_batch` gives dp rank r the contiguous block
+    [r*B/dp, (r+1)*B/dp) of that batch and cuts it, in order, into microbatches of micro_batch_size rows.
+    """
+
+    def __init__(self, dataset: TokenDataset, global_batch_size: int, seed: int,
+                 shuffle: bool = True, start_step: int = 0) -> None:
+        if global_batch_size < 1:
+            raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        self.dataset, self.global_batch_size, self.seed = dataset, global_batch_size, seed
+        self.shuffle, self.step = shuffle, start_step
+        self._perm_cache: tuple[int, np.ndarray] | None = None   # (epoch, permutation)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            n = len(self.dataset)
+            order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+            self._perm_cache = (epoch, order)
+        return self._perm_cache[1]
+
+    def indices(self, step: int, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """Sample indices of rows [start, stop) of the global batch at `step`."""
+        stop = self.global_batch_size if stop is None else stop
+        n, base = len(self.dataset), step * self.global_batch_size
+        out = np.empty(stop - start, dtype=np.int64)
+        for j, pos in enumerate(range(base + start, base + stop)):
+            out[j] = self._epoch_order(pos // n)[pos % n]
+        return out
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """LongTensor (global_batch_size, seq_len + 1): the same for every parallel layout."""
+        return self.dataset.gather(self.indices(step))
+
+    def local_batch(self, step: int, dp_rank: int, dp_size: int, num_microbatches: int,
+                    micro_batch_size: int) -> list[torch.Tensor]:
+        """This dp rank's microbatches at `step`: `num_microbatches` tensors (micro_batch_size, seq_len+1)."""
+        if dp_size * num_microbatches * micro_batch_size != self.global_batch_size:
+            raise DataError(f"dp_size*num_microbatches*micro_batch_size = {dp_size}*{num_microbatches}*"
+                            f"{micro_batch_size} != global_batch_size {self.global_batch_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank={dp_rank} not in [0, {dp_size})")
+        per_rank = self.global_batch_size // dp_size
+        rows = self.dataset.gather(self.indices(step, dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        return list(rows.split(micro_batch_size))
+
+    def next_local(self, dp_rank: int, dp_size: int, num_microbatches: int,
+                   micro_batch_size: int) -> list[torch.Tensor]:
+        """`local_batch` at the cursor, then advance the cursor by one step."""
+        batch = self.local_batch(self.step, dp_rank, dp_size, num_microbatches, micro_batch_size)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        """JSON-able position: the next step to serve, plus what must match on resume."""
+        n = len(self.dataset)
+        return {"step": self.step, "epoch": self.step * self.global_batch_size // n,
+                "position": self.step * self.global_batch_size, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_samples": n, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at `state["step"]`; refuses a different seed, batch size or dataset size, which would
+        silently change the stream."""
+        mine = self.state_dict()
+        for key in ("seed", "global_batch_size", "num_samples", "shuffle"):
+            if key in state and state[key] != mine[key]:
+                raise DataError(f"data state mismatch on resume: saved {key}={state[key]!r}, "
+                                f"current {key}={mine[key]!r}")
+        self.step = int(state["step"])

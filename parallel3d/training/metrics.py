@@ -1,0 +1,217 @@
+"""Throughput, MFU and per-step metric logging (DESIGN.md sections 3 and 4).
+
+FLOPs per token = 6 * N + 12 * L * h * s: 6N for the forward and backward matmuls over the N parameters
+a token actually meets (for MoE only the routed top-k experts plus shared experts and router: the
+*active* parameters), 12*L*h*s for the attention score and value matmuls at sequence length s.
+N excludes the input embedding table (a lookup, no FLOPs) but counts the output projection (a matmul),
+as in PaLM / TorchTitan. MFU = achieved FLOP/s per device / that device's peak.
+
+Model fields are read by name (`parallel3d` does not import `models`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Optional, TextIO
+
+import torch
+
+
+def _mlp_params(hidden: int, ffn: int) -> int:
+    return 3 * hidden * ffn                  # SwiGLU: gate, up, down
+
+
+def param_counts(m: Any) -> dict[str, int]:
+    """Parameter counts by part from model fields: embedding, output, attention, dense_mlp,
+    experts_total, experts_active (routed top_k per token), shared_experts, router, norms."""
+    h, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    head_dim = h // m.num_heads
+    kv = getattr(m, "num_kv_heads", m.num_heads)
+    experts = getattr(m, "num_experts", 0) or 0
+    moe_layers = max(0, L - getattr(m, "first_k_dense", 0)) if experts else 0
+    dense_layers = L - moe_layers
+    fe = getattr(m, "moe_ffn_hidden_size", 0) or m.ffn_hidden_size
+    expert = _mlp_params(h, fe)
+    return {
+        "embedding": V * h,
+        "output": 0 if getattr(m, "tie_embeddings", False) else V * h,
+        "attention": L * (2 * h * m.num_heads * head_dim + 2 * h * kv * head_dim),
+        "dense_mlp": dense_layers * _mlp_params(h, m.ffn_hidden_size),
+        "experts_total": moe_layers * experts * expert,
+        "experts_active": moe_layers * min(getattr(m, "moe_top_k", 0), experts) * expert,
+        "shared_experts": moe_layers * getattr(m, "num_shared_experts", 0) * expert,
+        "router": moe_layers * experts * h,
+        "norms": (2 * L + 1) * h,
+    }
+
+
+def total_params(m: Any) -> int:
+    """All parameters of the model described by `m`."""
+    c = param_counts(m)
+    return sum(v for k, v in c.items() if k != "experts_active")
+
+
+def active_params(m: Any) -> int:
+    """Parameters one token uses: everything except the routed experts it is not sent to."""
+    c = param_counts(m)
+    return sum(v for k, v in c.items() if k != "experts_total")
+
+
+def flops_per_token(m: Any, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * L * h * s, with N_matmul = active parameters
+    minus the input-embedding lookup plus the output projection (once, even when tied)."""
+    c = param_counts(m)
+    n = active_params(m) - c["embedding"] - c["output"] + m.vocab_size * m.hidden_size
+    return 6.0 * n + 12.0 * m.num_layers * m.hidden_size * seq_len
+
+
+def peak_flops_table() -> dict[str, dict[str, float]]:
+    """Dense per-device peak FLOP/s by precision, keyed by a lower-case device-name substring.
+    Checked in order, so more specific names come first. fp32 is the non-tensor-core rate; tf32 is
+    used for fp32 training when `torch.backends.cuda.matmul.allow_tf32` is on."""
+    return {
+        "gh200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+        "h200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+        "h100 pcie": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
+        "h100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+        "h800": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+        "b200": {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 80e12},
+        "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+        "a800": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+        "l40s": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+        "a10g": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
+        "v100": {"bf16": 125e12, "fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12},
+        "mi300x": {"bf16": 1307e12, "fp16": 1307e12, "tf32": 653e12, "fp32": 163e12},
+    }
+
+
+def lookup_peak_flops(device_name: str, precision: str) -> Optional[float]:
+    """Table peak for a `torch.cuda.get_device_name()` string, or None for an unknown device."""
+    name = device_name.lower()
+    for key, rates in peak_flops_table().items():
+        if key in name:
+            return rates.get(precision, rates["fp32"])
+    return None
+
+
+def measure_cpu_matmul_flops(n: int = 512, repeats: int = 3) -> float:
+    """Best-of-`repeats` fp32 matmul FLOP/s on this CPU with the current torch thread count: the
+    honest 'peak' for CPU runs, which have no spec sheet. Takes a few tens of milliseconds."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)                           # warm up the BLAS
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / max(best, 1e-9)
+
+
+def resolve_peak_flops(precision: str, device: Optional[torch.device] = None,
+                       override: Optional[float] = None) -> float:
+    """Per-device peak FLOP/s: `override` if given, else the table for the CUDA device, else a
+    measured CPU matmul rate. Call once and keep the result (measuring costs time)."""
+    if override:
+        return float(override)
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        kind = precision
+        if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            kind = "tf32"
+        peak = lookup_peak_flops(torch.cuda.get_device_name(device), kind)
+        if peak is not None:
+            return peak
+    return measure_cpu_matmul_flops()
+
+
+def peak_memory_bytes(device: Optional[torch.device] = None) -> int:
+    """Peak allocated CUDA memory on a CUDA device, else this process's max resident set size."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        import sys
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)   # Linux reports KiB
+    except (ImportError, AttributeError):
+        return 0
+
+
+def _scalar(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    return x
+
+
+class MetricsLogger:
+    """One JSON object per optimizer step to a jsonl file, a progress line, optional TensorBoard.
+
+    Only rank 0 (`is_rank0`) writes the file, prints and writes TensorBoard; every rank gets the record
+    back from `log`. `tokens` passed to `log` is the number of tokens in the global batch, and MFU is
+    achieved FLOP/s per device (over `world_size` devices) divided by `peak_flops` per device. The peak is
+    resolved once here (table, override or CPU measurement) and cached on this object.
+    """
+
+    def __init__(self, jsonl_path: Optional[str], *, flops_per_token: float, world_size: int = 1,
+                 peak_flops: Optional[float] = None, precision: str = "fp32",
+                 device: Optional[torch.device] = None, tensorboard_dir: Optional[str] = None,
+                 is_rank0: bool = True, print_interval: int = 1,
+                 printer: Callable[[str], None] = print) -> None:
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.device, self.is_rank0 = device, is_rank0
+        self.print_interval, self.printer = max(1, print_interval), printer
+        self.peak_flops = resolve_peak_flops(precision, device, peak_flops)
+        self._file: Optional[TextIO] = None
+        self._tb = None
+        if is_rank0 and jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._file = open(jsonl_path, "a")
+        if is_rank0 and tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(tensorboard_dir)
+            except ImportError:              # tensorboard not installed: jsonl only
+                self._tb = None
+
+    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens: int,
+            elapsed_s: float, extra: Optional[dict] = None) -> dict:
+        """Record one optimizer step; returns the record (also on ranks that do not write)."""
+        tokens_per_s = tokens / elapsed_s if elapsed_s > 0 else 0.0
+        mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
+        record = {"step": int(step), "loss": float(_scalar(loss)), "grad_norm": float(_scalar(grad_norm)),
+                  "lr": float(lr), "tokens": int(tokens), "step_time_s": float(elapsed_s),
+                  "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "peak_mem_bytes": peak_memory_bytes(self.device)}
+        for k, v in (extra or {}).items():
+            record[k] = _scalar(v)
+        if not self.is_rank0:
+            return record
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"train/{k}", v, step)
+        if step % self.print_interval == 0:
+            self.printer(f"step {step:>6} | loss {record['loss']:.4f} | gnorm {record['grad_norm']:.3f} | "
+                         f"lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | mfu {100 * mfu:.2f}% | "
+                         f"mem {record['peak_mem_bytes'] / 2 ** 30:.2f} GiB")
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

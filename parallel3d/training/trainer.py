@@ -1,0 +1,171 @@
+"""The training loop: data -> (pipeline) forward/backward -> gradient sync -> clip -> AdamW -> metrics.
+
+The trainer knows nothing about a particular model: `build_stage(layer_ids, pre, post)` returns one model
+chunk (a module whose forward(x, position_ids, labels) returns hidden states, or the summed token loss on
+the chunk holding the head). Everything layout-specific comes from the ParallelContext and the config.
+
+Loss convention (DESIGN.md 2): each rank's loss is the sum of its token losses divided by the number of
+target tokens in the global batch, so DP, CP, microbatching and accumulation leave the loss unchanged.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from parallel3d import comm
+from parallel3d.mesh import ParallelContext
+from parallel3d.pipeline.partition import partition_layers
+from parallel3d.training.config import ExperimentConfig
+from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
+from parallel3d.training.lr_schedule import lr_at
+
+IGNORE_INDEX = -100
+BuildStage = Callable[[list[int], bool, bool], nn.Module]
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradients were NaN/inf and train.nan_policy=stop."""
+
+
+def make_dataset(cfg: ExperimentConfig, path: Optional[str], seed_offset: int = 0) -> TokenDataset:
+    """The token file, or (path None) the built-in synthetic demo text."""
+    seq = cfg.train.seq_len
+    if path is None:
+        need = (cfg.train.global_batch_size * max(cfg.train.steps, 1) + 1) * seq + 1
+        tokens = synthetic_tokens(max(need, 64 * seq), cfg.model.vocab_size, cfg.train.seed + seed_offset)
+        return TokenDataset.from_array(tokens, seq, name="<synthetic demo data>")
+    return TokenDataset(path, seq, vocab_size=cfg.model.vocab_size)
+
+
+def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """(b, s+1) token windows -> this rank's ids, labels and positions (its CP shard of the sequence)."""
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    s = ids.shape[1]
+    positions = torch.arange(s)
+    if ctx.cp.size > 1:
+        from parallel3d.context_parallel.sharding import cp_chunk_indices, shard_sequence
+        ids = shard_sequence(ids, ctx.cp.size, ctx.cp.rank, dim=1)
+        labels = shard_sequence(labels, ctx.cp.size, ctx.cp.rank, dim=1)
+        positions = cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank)
+    device = ctx.device
+    return {"ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device)}
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        p = cfg.parallel
+        v = p.virtual_stages if p.schedule == "interleaved" else 1
+        stages = partition_layers(cfg.model.num_layers, p.pp, v, p.layers_per_stage)
+        pp_rank = ctx.coords.pp
+        # chunk c of pipeline rank r is global (virtual) stage c * pp + r
+        self.stage_ids = [c * p.pp + pp_rank for c in range(v)]
+        last = p.pp * v - 1
+        self.chunks = [build_stage(stages[s], s == 0, s == last).to(ctx.device) for s in self.stage_ids]
+        for chunk in self.chunks:
+            chunk.init_weights(cfg.train.seed)
+        self.optimizer = self._build_optimizer()
+        self.dataset = make_dataset(cfg, cfg.data.path)
+        self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
+        self.step = 0
+
+    def _build_optimizer(self):
+        try:
+            from parallel3d.data_parallel import DistributedOptimizer
+        except ImportError:
+            from parallel3d.training.simple_optimizer import SimpleOptimizer as DistributedOptimizer
+
+        t, p = self.cfg.train, self.cfg.parallel
+        return DistributedOptimizer(self.chunks, self.ctx, zero=p.zero, precision=t.precision, lr=t.lr,
+                                    betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
+                                    bucket_size_mb=p.bucket_size_mb, loss_scale=t.loss_scale,
+                                    initial_loss_scale=t.initial_loss_scale,
+                                    loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale)
+
+    # ------------------------------------------------------------------ one optimizer step
+    def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        t = self.cfg.train
+        rows = self.sampler.local_batch(step, self.ctx.coords.dp, self.ctx.spec.dp, t.num_microbatches,
+                                        t.micro_batch_size)
+        return [split_microbatch(mb, self.ctx) for mb in rows]
+
+    def _global_token_count(self, mbs: list[dict[str, torch.Tensor]]) -> float:
+        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs)
+        count = torch.tensor([float(local)])
+        comm.all_reduce(count, self.ctx.dp_cp)
+        return max(count.item(), 1.0)
+
+    def _forward_backward(self, mbs: list[dict[str, torch.Tensor]], tokens: float) -> torch.Tensor:
+        """Sum over microbatches of this rank's loss / tokens (on the last stage; 0 elsewhere)."""
+        opt = self.optimizer
+        if self.ctx.spec.pp > 1:
+            from parallel3d.pipeline.runtime import run_pipeline_step
+
+            p = self.cfg.parallel
+            return run_pipeline_step(self.ctx, self.chunks, p.schedule, mbs, loss_scale=1.0 / tokens,
+                                     backward=lambda loss: opt.scale_loss(loss).backward(),
+                                     before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1))
+        total = torch.zeros((), device=self.ctx.device)
+        model = self.chunks[0]
+        for i, mb in enumerate(mbs):
+            opt.set_last_microbatch(i == len(mbs) - 1)
+            loss = model(mb["ids"], mb["position_ids"], mb["labels"]) / tokens
+            opt.scale_loss(loss).backward()
+            total += loss.detach().float()
+        return total
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        cfg, ctx, opt = self.cfg, self.ctx, self.optimizer
+        lr = lr_at(self.step, cfg.train)
+        mbs = self._microbatches(self.step)
+        tokens = self._global_token_count(mbs)
+        opt.zero_grad()
+        loss = self._forward_backward(mbs, tokens).reshape(1).float()
+        opt.finish_grad_sync()
+        comm.all_reduce(loss, ctx.dp_cp)
+        comm.all_reduce(loss, ctx.pp)  # only the last stage holds a nonzero loss
+        grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)
+        loss_value = loss.item()
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if not finite and cfg.train.nan_policy == "stop":
+            raise NonFiniteError(f"step {self.step}: non-finite loss {loss_value} or grad norm {grad_norm} "
+                                 f"(rank {ctx.rank}); train.nan_policy=stop")
+        stepped = opt.step(lr) if finite else False
+        if not finite:
+            print(f"[rank {ctx.rank}] step {self.step}: non-finite loss {loss_value} / grad norm {grad_norm}; "
+                  f"step skipped (train.nan_policy=skip)", flush=True)
+        self.step += 1
+        return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
+                "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def evaluate(self, dataset: TokenDataset, steps: int) -> tuple[float, float]:
+        """(mean token loss, token count) over the first `steps` global batches of `dataset`, in order."""
+        cfg, ctx = self.cfg, self.ctx
+        if ctx.spec.pp > 1:
+            from parallel3d.pipeline.runtime import run_pipeline_forward
+        sampler = BatchSampler(dataset, cfg.train.global_batch_size, cfg.train.seed, shuffle=False)
+        total, count = torch.zeros(1), 0.0
+        steps = min(steps, len(dataset) // cfg.train.global_batch_size)
+        for chunk in self.chunks:
+            chunk.eval()
+        for step in range(steps):
+            rows = sampler.local_batch(step, ctx.coords.dp, ctx.spec.dp, cfg.train.num_microbatches,
+                                       cfg.train.micro_batch_size)
+            mbs = [split_microbatch(mb, ctx) for mb in rows]
+            count += self._global_token_count(mbs)
+            if ctx.spec.pp > 1:
+                total += run_pipeline_forward(ctx, self.chunks, mbs).float().cpu()
+            else:
+                for mb in mbs:
+                    total += self.chunks[0](mb["ids"], mb["position_ids"], mb["labels"]).float().cpu()
+        for chunk in self.chunks:
+            chunk.train()
+        comm.all_reduce(total, ctx.dp_cp)
+        comm.all_reduce(total, ctx.pp)
+        return total.item() / max(count, 1.0), count

@@ -1,0 +1,15 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="parallel3d",
+    version="0.1.0",
+    description="Megatron-style TP x PP x DP x CP x EP parallelism for transformer pretraining",
+    python_requires=">=3.10",
+    packages=find_packages(include=["parallel3d*", "models*", "kernels*"]),
+    install_requires=["torch>=2.5", "triton>=3.0", "numpy>=1.24", "einops>=0.7", "safetensors>=0.4",
+                      "pyyaml>=6.0", "matplotlib>=3.7"],
+    extras_require={
+        "test": ["pytest>=8.0", "transformers>=4.45", "tokenizers>=0.19"],
+        "gpu": ["flash-attn>=2.6"],
+    },
+)
