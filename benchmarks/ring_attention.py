@@ -1,0 +1,89 @@
+"""Context-parallel attention per-rank time (forward + backward): ring / allgather / ulysses vs the ideal.
+
+    python benchmarks/ring_attention.py [--seq 1024] [--heads 8] [--kv-heads 2] [--head-dim 64] [--cps 2 4]
+
+The ideal for cp ranks is the single-rank time of the whole sequence divided by cp; the table prints
+ms per rank (slowest rank, median over iterations) and the ratio to that ideal (1.00 = perfect scaling;
+causal work is quadratic, so a naive contiguous split would be far worse for the last rank).
+Runs on gloo CPU by default (one thread per rank): on a machine with fewer cores than ranks the ranks
+share cores and the ratios include that contention. Timings are never asserted anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+MODES = ("ring", "allgather", "ulysses")
+
+
+def _time_fwd_bwd(q, k, v, group, mode: str, iters: int, backend: str) -> float:
+    """Median seconds of one forward + backward."""
+    from parallel3d import comm
+    from parallel3d.context_parallel import context_parallel_attention_with_lse
+
+    times = []
+    for i in range(iters + 2):  # two warm-up iterations
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        comm.barrier(group)
+        t0 = time.perf_counter()
+        out, _ = context_parallel_attention_with_lse(qq, kk, vv, group, mode, True, backend)
+        out.sum().backward()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _inputs(shape: dict, seq: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hk, d = shape["b"], shape["hq"], shape["hk"], shape["d"]
+    return (torch.randn(b, seq, hq, d, generator=gen), torch.randn(b, seq, hk, d, generator=gen),
+            torch.randn(b, seq, hk, d, generator=gen))
+
+
+def _bench_rank(w, shape: dict, modes: tuple, iters: int, backend: str) -> dict:
+    from parallel3d.context_parallel import shard_sequence
+    from parallel3d.mesh import MeshSpec
+
+    ctx = w.context(MeshSpec(cp=w.world_size))
+    q, k, v = (shard_sequence(t, w.world_size, ctx.cp.rank) for t in _inputs(shape, shape["seq"]))
+    return {m: _time_fwd_bwd(q, k, v, ctx.cp, m, iters, backend) for m in modes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--cps", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--backend", default="auto", help="auto | torch | triton (block attention kernel)")
+    args = ap.parse_args()
+    from parallel3d.testing import WorldPool
+
+    shape = dict(seq=args.seq, b=args.batch, hq=args.heads, hk=args.kv_heads, d=args.head_dim)
+    pool = WorldPool(backend="gloo")
+    try:
+        single = pool.run(1, _bench_rank, shape, ("ring",), args.iters, args.backend, timeout=600)[0]["ring"]
+        print(f"seq={args.seq} batch={args.batch} heads={args.heads} kv_heads={args.kv_heads} "
+              f"head_dim={args.head_dim} causal fwd+bwd, gloo CPU, {os.cpu_count()} cores, backend={args.backend}")
+        print(f"single rank, whole sequence: {single * 1e3:.1f} ms")
+        print(f"{'cp':>3} {'mode':>10} {'ms/rank':>9} {'ideal ms':>9} {'ratio':>6}")
+        for cp in args.cps:
+            per_rank = pool.run(cp, _bench_rank, shape, MODES, args.iters, args.backend, timeout=600)
+            for m in MODES:
+                t = max(r[m] for r in per_rank)  # the slowest rank sets the step time
+                print(f"{cp:>3} {m:>10} {t * 1e3:>9.1f} {single / cp * 1e3:>9.1f} {t / (single / cp):>6.2f}")
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    main()

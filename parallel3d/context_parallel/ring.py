@@ -1,0 +1,131 @@
+"""Ring attention: K/V blocks travel around the CP ring; partial results merge through the log-sum-exp.
+
+Layout (see sharding.py): the sequence is cut into 2*cp chunks of c tokens, rank r holds chunks
+(r, 2cp-1-r) as its local sequence [q0 | q1]. At step i (i = 0 .. cp-1) rank r holds the K/V of rank
+src = (r - i) mod cp, i.e. key chunks (src, 2cp-1-src):
+
+    cp = 2, causal           key chunks held          query chunk vs key chunk (global indices)
+    rank 0, step 0 (src 0)   k: c0 c3   q: c0 c3      (0,0) diag  (0,3) skip  (3,0) full  (3,3) diag
+    rank 0, step 1 (src 1)   k: c1 c2   q: c0 c3      (0,1) skip  (0,2) skip  (3,1) full  (3,2) full
+    rank 1, step 1 (src 0)   k: c0 c3   q: c1 c2      (1,0) full  (1,3) skip  (2,0) full  (2,3) skip
+
+A (query chunk a, key chunk b) pair is full when b < a, diagonal-causal when b == a and skipped when
+b > a. `block_plan` turns the pairs into at most two block-attention calls per step (every rank does the
+same 2c^2 work per step: that is the load balance).
+
+Forward: before computing on the current K/V block the send/recv of it to the next rank / from the
+previous one is posted (one batched p2p of the packed (2, b, s/cp, hk, d) K/V tensor), then each block's
+(out_i, lse_i) is merged into the running (out, lse): out = sum_i exp(lse_i - lse) * out_i.
+Backward: K/V travel the same way; each rank adds its block's dK/dV into an accumulator that travels
+with them and, after the last step, one more hop brings it home to the owner. dQ stays local.
+Per rank: forward sends cp-1 K/V blocks; backward sends cp-1 K/V blocks and cp dK/dV blocks.
+
+Note: `comm.batch_p2p` waits for its transfers, so on gloo the communication does not overlap compute;
+the order (post next block, then compute) is what an asynchronous p2p needs for overlap.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from parallel3d import comm
+from parallel3d.comm import Group
+from parallel3d.context_parallel.blocks import acc_dtype, block_backward, block_forward, merge_into
+
+# (query chunk range, key chunk range, causal) in units of local chunks (0, 1 or 2), per block call.
+Plan = list[tuple[tuple[int, int], tuple[int, int], bool]]
+
+
+def block_plan(rank: int, src: int, cp: int, causal: bool) -> Plan:
+    """Which block attentions rank `rank` runs on the K/V of rank `src` (global chunk indices, exact)."""
+    if not causal:
+        return [((0, 2), (0, 2), False)]
+    q_chunks = (rank, 2 * cp - 1 - rank)
+    k_chunks = (src, 2 * cp - 1 - src)  # ascending, since src < cp
+    if q_chunks == k_chunks:  # own K/V: the local causal mask over [c_r | c_2cp-1-r] is exact
+        return [((0, 2), (0, 2), True)]
+    per_query = []
+    for iq, a in enumerate(q_chunks):
+        n = sum(1 for kb in k_chunks if kb <= a)  # visible key chunks form a prefix (keys ascending)
+        if n:
+            per_query.append(((iq, iq + 1), (0, n), k_chunks[n - 1] == a))  # last one diagonal?
+    if len(per_query) == 2 and per_query[0][1:] == per_query[1][1:] and not per_query[0][2]:
+        return [((0, 2), per_query[0][1], False)]  # both query chunks see the same keys fully
+    return per_query
+
+
+def _ring_ops(send: torch.Tensor, recv: torch.Tensor, group: Group) -> list[comm.P2P]:
+    r, n = group.rank, group.size
+    return [comm.P2P("send", send, group.ranks[(r + 1) % n]), comm.P2P("recv", recv, group.ranks[(r - 1) % n])]
+
+
+class RingAttention(torch.autograd.Function):
+    """(out (b, s/cp, hq, d), lse (b, hq, s/cp)) of the local queries against the whole sharded sequence."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool,
+                scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cp, r = group.size, group.rank
+        b, s, hq, d = q.shape
+        c = s // 2
+        dt = acc_dtype(q.dtype)
+        out = torch.zeros((b, s, hq, d), dtype=dt, device=q.device)  # (b, s/cp, hq, d) running output
+        lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)  # (b, hq, s/cp)
+        kv = torch.stack([k, v])  # (2, b, s/cp, hk, d) packed: one message per step
+        for i in range(cp):
+            src = (r - i) % cp
+            if i < cp - 1:  # post the next block's transfer before computing on this one
+                kv_next = torch.empty_like(kv)
+                comm.batch_p2p(_ring_ops(kv, kv_next, group), group)
+            for (q0, q1), (k0, k1), blk_causal in block_plan(r, src, cp, causal):
+                qs, ks = slice(q0 * c, q1 * c), slice(k0 * c, k1 * c)
+                o_i, l_i = block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], blk_causal, scale, backend)
+                merge_into(out[:, qs], lse[..., qs], o_i, l_i)  # out = sum_i exp(lse_i - lse) * out_i
+            if i < cp - 1:
+                kv = kv_next
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, backend = ctx.group, ctx.causal, ctx.scale, ctx.backend
+        cp, r = group.size, group.rank
+        s = q.shape[1]
+        c = s // 2
+        dt = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)  # (b, s/cp, hq, d)
+        kv = torch.stack([k, v])  # (2, b, s/cp, hk, d)
+        dkv_in: Optional[torch.Tensor] = None  # accumulated dK/dV of the current block, from rank r-1
+        for i in range(cp):
+            src = (r - i) % cp
+            if i < cp - 1:
+                kv_next = torch.empty_like(kv)
+                comm.batch_p2p(_ring_ops(kv, kv_next, group), group)
+            dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # (2, b, s/cp, hk, d)
+            for (q0, q1), (k0, k1), blk_causal in block_plan(r, src, cp, causal):
+                qs, ks = slice(q0 * c, q1 * c), slice(k0 * c, k1 * c)
+                dq_i, dk_i, dv_i = block_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                                  lse[..., qs], blk_causal, scale, backend)
+                dq[:, qs] += dq_i
+                dkv[0][:, ks] += dk_i
+                dkv[1][:, ks] += dv_i
+            if dkv_in is not None:
+                dkv += dkv_in  # contributions of the ranks this block visited before
+            # pass the accumulator on; after step cp-1 the one received is our own block's, complete
+            dkv_in = torch.empty_like(dkv)
+            comm.batch_p2p(_ring_ops(dkv, dkv_in, group), group)
+            if i < cp - 1:
+                kv = kv_next
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool = True,
+                   scale: Optional[float] = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention over the CP group on load-balanced shards -> (out (b, s/cp, hq, d), lse (b, hq, s/cp))."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, group, causal, scale, backend)
