@@ -2,16 +2,24 @@
 
 backend: "auto" (Triton when the tensor is on CUDA and Triton imports), "triton" (forced; on CPU this
 needs TRITON_INTERPRET=1 set before import) or "torch".
+
+Entries: rms_norm, rms_norm_residual (fused add + norm), rope, swiglu, cross_entropy (per-token, full
+vocab), cross_entropy_partial_stats / cross_entropy_partial_grad / vocab_parallel_cross_entropy (the
+vocab-parallel pieces), fused_linear_cross_entropy (chunked, never the full logits), attention,
+attention_with_lse.
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Callable, Optional
 
 import torch
 
-from kernels.cross_entropy import cross_entropy_reference
+from kernels.cross_entropy import (cross_entropy_partial_grad_reference, cross_entropy_partial_stats_reference,
+                                   cross_entropy_reference)
 from kernels.flash_attention import attention_reference, sdpa_attention
-from kernels.rmsnorm import rmsnorm_reference
+from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy as _fused_linear_ce
+from kernels.rmsnorm import rmsnorm_reference, rmsnorm_residual_reference
 from kernels.rope import rope_reference
 from kernels.swiglu import swiglu_reference
 
@@ -24,6 +32,9 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
     if backend == "torch":
         return False
     if backend == "triton":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise RuntimeError("backend 'triton' on a CPU tensor needs TRITON_INTERPRET=1 in the environment "
+                               "before kernels are imported (DESIGN.md section 5)")
         return True
     return x.is_cuda
 
@@ -33,6 +44,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
         from kernels.rmsnorm import rmsnorm
         return rmsnorm(x, weight, eps)
     return rmsnorm_reference(x, weight, eps)
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual): new_residual = x + residual, normed = rms_norm(new_residual)."""
+    if use_triton(backend, x):
+        from kernels.rmsnorm import rmsnorm_residual
+        return rmsnorm_residual(x, residual, weight, eps)
+    return rmsnorm_residual_reference(x, residual, weight, eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
@@ -57,6 +77,53 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         from kernels.cross_entropy import cross_entropy as ce_triton
         return ce_triton(logits, target, ignore_index)
     return cross_entropy_reference(logits, target, ignore_index)
+
+
+def cross_entropy_partial_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                                ignore_index: int = -100, backend: str = "auto"
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Vocab-parallel CE pieces of a logits shard: (local_max, local_sumexp, local_target_logit), each (n,).
+    How to combine them across TP ranks: see the kernels.cross_entropy module docstring."""
+    if use_triton(backend, logits):
+        from kernels.cross_entropy import cross_entropy_partial_stats as stats
+        return stats(logits, target, vocab_start, ignore_index)
+    return cross_entropy_partial_stats_reference(logits, target, vocab_start, ignore_index)
+
+
+def cross_entropy_partial_grad(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                               lse: torch.Tensor, grad_loss: torch.Tensor, ignore_index: int = -100,
+                               backend: str = "auto") -> torch.Tensor:
+    """d loss / d logits of a shard (n, v_local) given the global lse (n,) and dloss (n,)."""
+    if use_triton(backend, logits):
+        from kernels.cross_entropy import cross_entropy_partial_grad as grad
+        return grad(logits, target, vocab_start, lse, grad_loss, ignore_index)
+    return cross_entropy_partial_grad_reference(logits, target, vocab_start, lse, grad_loss, ignore_index)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                                 ignore_index: int, all_reduce_max: Callable[[torch.Tensor], torch.Tensor],
+                                 all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                                 backend: str = "auto") -> torch.Tensor:
+    """Per-token loss (n,) from a logits shard; the caller supplies the TP-group all-reduces (MAX, SUM).
+    Only the Triton path lives here; the torch path is parallel3d's own vocab-parallel loss."""
+    if not use_triton(backend, logits):
+        raise ValueError("vocab_parallel_cross_entropy is the Triton path; use the torch reference pieces "
+                         "(cross_entropy_partial_stats/grad with backend='torch') elsewhere")
+    from kernels.cross_entropy import vocab_parallel_cross_entropy as vp_ce
+    return vp_ce(logits, target, vocab_start, ignore_index, all_reduce_max, all_reduce_sum)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                               ignore_index: int = -100, chunk: int = 4096, backend: str = "auto",
+                               vocab_start: int = 0,
+                               all_reduce_max: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                               all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                               ) -> torch.Tensor:
+    """Per-token loss (n,) of CE(hidden @ weight.T) computed `chunk` rows at a time (never the full logits).
+    The chunking is used on both paths; `backend` picks the per-chunk CE (Triton kernels or torch).
+    Vocab-parallel weight shard: pass vocab_start and the TP-group all-reduces (see the kernel module)."""
+    return _fused_linear_ce(hidden, weight, target, ignore_index, chunk, use_triton(backend, hidden),
+                            vocab_start, all_reduce_max, all_reduce_sum)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
