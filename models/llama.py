@@ -171,5 +171,5 @@ class Llama(nn.Module):
             full = gather_from_tp(logits, self.ctx.tp, -1)  # (b, s, V_padded)
             return full[..., : self.cfg.vocab_size]
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.ctx.tp, self.vocab_start,
-                                              self.vocab_real, IGNORE_INDEX)  # (b*s,)
+                                              self.vocab_real, IGNORE_INDEX, self.cfg.kernels)  # (b*s,)
         return losses.sum()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import dispatch
 from parallel3d import comm
 from parallel3d.comm import Group
 
@@ -49,7 +50,13 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int,
-                                 real_cols: int, ignore_index: int = -100) -> torch.Tensor:
+                                 real_cols: int, ignore_index: int = -100, backend: str = "torch") -> torch.Tensor:
     """logits (n, v/tp) this rank's vocabulary columns [vocab_start, vocab_start + real_cols) plus padding;
-    target (n,) global ids -> per-token loss (n,) fp32."""
+    target (n,) global ids -> per-token loss (n,) fp32. backend "triton"/"auto" on CUDA: the chunked
+    kernel (never an fp32 softmax of the whole shard), with this module's TP all-reduces plugged in."""
+    if dispatch.use_triton(backend, logits):
+        real = logits[:, :real_cols]  # padding columns are not part of the vocabulary
+        return dispatch.vocab_parallel_cross_entropy(
+            real if real_cols == logits.shape[1] else real.contiguous(), target, vocab_start, ignore_index,
+            lambda t: comm.all_reduce(t, group, op="max"), lambda t: comm.all_reduce(t, group), backend=backend)
     return _VocabParallelCE.apply(logits, target, group, vocab_start, real_cols, ignore_index)
