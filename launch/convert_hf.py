@@ -31,7 +31,7 @@ def do_import(hf_dir: str, out: str) -> None:
         hf_cfg = json.load(f)
     if _is_moe(hf_cfg):
         from parallel3d.checkpoint import hf_moe
-        fields = hf.import_hf(hf_dir, out, name_map=hf_moe.hf_to_ours_name, config_map=hf_moe.hf_config_to_model_fields)
+        fields = hf_moe.import_mixtral(hf_dir, out)
     else:
         fields = hf.import_hf(hf_dir, out)
     model = ModelConfig(**fields)
@@ -49,7 +49,7 @@ def do_export(ckpt: str, out: str) -> None:
     fields = CheckpointReader(ckpt, verify=False).meta["model"]
     if _is_moe(fields):
         from parallel3d.checkpoint import hf_moe
-        hf.export_hf(ckpt, out, name_map=hf_moe.ours_to_hf_name, config_map=hf_moe.model_fields_to_hf_config)
+        hf_moe.export_mixtral(ckpt, out)
     else:
         hf.export_hf(ckpt, out)
 

@@ -1,0 +1,129 @@
+"""Mixture-of-Experts decoder: the Llama stage with MoE MLPs (parallel3d.expert_parallel.MoELayer).
+
+    Mixtral style    every layer MoE (first_k_dense=0), no shared experts, softmax top-2, normalised
+    DeepSeek style   first_k_dense dense layers, num_shared_experts always-on experts beside many small
+                     ("fine-grained") routed ones (moe_ffn_hidden_size), sigmoid scores, bias balancing
+
+Parameter names: `layers.{i}.mlp.router.weight` (E, h), `layers.{i}.mlp.experts.{gate,up,down}_proj`
+(stacked, global (E, f, h) / (E, h, f)), `layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight`, and
+the buffer `layers.{i}.mlp.router.expert_bias` (E,) (checkpoint state; carries `.meta`).
+
+Loss convention. With labels on the last stage, forward returns
+    sum of token losses + sum over this stage's MoE layers of T_l * (aux_coef * aux_l + z_coef * z_l) / n
+per rank (T_l tokens routed in the global micro-batch, n = DP x CP ranks; see MoELayer). The trainer sums
+over DP x CP and divides by the global target-token count N, so each layer adds coef * aux_l weighted by
+T_l / N: the plain coefficient when every position has a target, a token-weighted mean over micro-batches
+with gradient accumulation. Summed over layers (Megatron's convention). Without labels, or on a stage
+without the head, the stage's term is left in `last_aux_loss` (same units, or None): the pipeline runtime
+must back-propagate it together with the stage output, scaled like the loss.
+
+Telemetry and bias balancing: `moe_load_stats()` once per optimizer step on every rank (a collective over
+DP x CP) returns the step's tokens per expert per layer and imbalance (max/mean), applies the DeepSeek-V3
+bias update from the step's global load and resets the counters; `moe_load_stats(step_end=False)` peeks.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from models.config import ModelConfig
+from models.llama import Block, Llama
+from parallel3d import comm
+from parallel3d.expert_parallel import MoELayer
+from parallel3d.mesh import ParallelContext
+
+
+class MoETransformer(Llama):
+    """One pipeline stage (or all) of an MoE decoder; see the module docstring for the conventions."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layers: Optional[Sequence[int]] = None,
+                 pre: bool = True, post: bool = True, sequence_parallel: bool = False, cp_mode: str = "ring",
+                 recompute: str = "none", expert_impl: str = "auto") -> None:
+        if cfg.num_experts < 1:
+            raise ValueError("MoETransformer needs model.num_experts > 0 (use Llama for dense models)")
+        self.expert_impl = expert_impl
+        super().__init__(cfg, ctx, layers, pre, post, sequence_parallel, cp_mode, recompute)
+        self.last_aux_loss: Optional[torch.Tensor] = None
+
+    def make_block(self, index: int, cp_mode: str, recompute: str) -> Block:
+        cfg = self.cfg
+        if index < cfg.first_k_dense:
+            return Block(cfg, self.ctx, self.sp, cp_mode, recompute)
+        ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        mlp = MoELayer(cfg.hidden_size, ffn, cfg.num_experts, cfg.moe_top_k, self.ctx, self.sp,
+                       shared_ffn_hidden=cfg.num_shared_experts * ffn, score=cfg.router_score,
+                       norm_topk=cfg.router_norm_topk, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
+                       bias_update_rate=cfg.router_bias_update_rate, capacity_factor=cfg.capacity_factor,
+                       impl=getattr(self, "expert_impl", "auto"), backend=cfg.kernels)
+        return Block(cfg, self.ctx, self.sp, cp_mode, recompute, mlp=mlp)
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """Global layer index -> MoE layer, for the layers of this stage."""
+        return {int(i): blk.mlp for i, blk in self.layers.items() if isinstance(blk.mlp, MoELayer)}
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        layers = self.moe_layers()
+        for layer in layers.values():
+            layer.positions = position_ids  # capacity under CP orders slots by position
+        out = super().forward(x, position_ids, labels)
+        terms = [t for t in (layer.pop_aux_loss() for layer in layers.values()) if t is not None]
+        aux = torch.stack(terms).sum() if terms else None
+        if self.post and labels is not None:
+            self.last_aux_loss = None
+            return out if aux is None else out + aux
+        self.last_aux_loss = aux
+        return out
+
+    # ---- telemetry ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _global_load(self) -> dict[int, torch.Tensor]:
+        layers = self.moe_layers()
+        if not layers:
+            return {}
+        local = torch.stack([layer.local_load() for layer in layers.values()])  # (L, 2, E) float64
+        glob = comm.all_reduce(local.to(self.ctx.device), self.ctx.dp_cp).cpu()
+        return dict(zip(layers, glob))
+
+    def moe_load_stats(self, step_end: bool = True) -> dict[str, Any]:
+        """Global expert load of this stage's MoE layers since the last step end, as flat JSON-ready keys
+        (layer = global layer index, so stages and virtual chunks never collide):
+
+            moe_tokens_per_expert.{layer}   [E ints] routed slots per expert (before capacity drops)
+            moe_dropped_per_expert.{layer}  [E ints] of which dropped (only with a capacity factor)
+            moe_imbalance.{layer}           max / mean load (1.0 is perfect balance)
+            moe_aux_loss.{layer}, moe_z_loss.{layer}   last micro-batch's global values (when enabled)
+            moe_imbalance_max, moe_imbalance_mean, moe_drop_fraction   over this stage's layers
+
+        step_end=True (call exactly once per optimizer step, on every rank): also applies the DeepSeek-V3
+        bias update from the step's global load and resets the counters. step_end=False only peeks.
+        A collective over DP x CP.
+        """
+        loads = self._global_load()
+        if not loads:
+            return {}
+        layers = self.moe_layers()
+        out: dict[str, Any] = {}
+        imbalance = []
+        for i, load in loads.items():
+            routed, dropped = load[0], load[1]
+            imbalance.append(float(routed.max() / routed.mean()) if routed.sum() > 0 else 1.0)
+            out[f"moe_tokens_per_expert.{i}"] = [int(v) for v in routed.tolist()]
+            out[f"moe_imbalance.{i}"] = imbalance[-1]
+            if layers[i].capacity_factor > 0:
+                out[f"moe_dropped_per_expert.{i}"] = [int(v) for v in dropped.tolist()]
+            for key, value in layers[i].last_aux.items():
+                out[f"moe_{key}.{i}"] = value
+        routed_all = sum(float(l[0].sum()) for l in loads.values())
+        out.update(moe_imbalance_max=max(imbalance), moe_imbalance_mean=sum(imbalance) / len(imbalance),
+                   moe_drop_fraction=sum(float(l[1].sum()) for l in loads.values()) / routed_all if routed_all else 0.0)
+        if step_end:
+            for i, layer in layers.items():
+                layer.update_bias(loads[i][0])
+                layer.reset_load()
+        return out
+
+    def moe_step_end(self) -> dict[str, Any]:
+        """Alias of moe_load_stats(step_end=True): stats of the step, bias update, counter reset."""
+        return self.moe_load_stats(step_end=True)

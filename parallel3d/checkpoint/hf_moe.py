@@ -1,0 +1,206 @@
+"""Hugging Face Mixtral <-> parallel3d MoE: pure tensor and config mapping, plus directory import/export.
+
+Dense tensors (embeddings, attention, norms, head) map exactly as for Llama (`checkpoint.hf`). The MoE MLP:
+
+    ours                                      Hugging Face (what save_pretrained writes, transformers 4 and 5)
+    layers.{i}.mlp.router.weight   (E, h)     model.layers.{i}.block_sparse_moe.gate.weight
+    layers.{i}.mlp.experts.gate_proj (E,f,h)  model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight  (f, h)
+    layers.{i}.mlp.experts.up_proj   (E,f,h)  model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight  (f, h)
+    layers.{i}.mlp.experts.down_proj (E,h,f)  model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight  (h, f)
+
+Import also accepts transformers 5's in-memory names (a `state_dict()` of a loaded model):
+`model.layers.{i}.mlp.gate.weight` and the fused `mlp.experts.gate_up_proj` (E, 2f, h) = [w1; w3] along
+dim 1, `mlp.experts.down_proj` (E, h, f). Export writes the per-expert form, which every version loads.
+
+Semantics match: softmax over all experts, top-k, weights renormalised over the k (router_norm_topk),
+SwiGLU experts, drop-less. Mixtral has no router bias: exporting a model whose auxiliary-loss-free bias is
+non-zero is refused (routing would change). `router_aux_loss_coef` is copied to aux_loss_coef, but the
+losses differ in form: ours is the per-layer Switch loss summed over layers with f summing to 1;
+Hugging Face's pools all layers and its f sums to k.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from parallel3d.checkpoint import hf as dense
+from parallel3d.checkpoint.store import CheckpointError, CheckpointReader, write_metadata, write_shard_file
+from parallel3d.params import full_slices
+
+_PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_W_TO_PROJ = {v: k for k, v in _PROJ_TO_W.items()}
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_HF_GATE = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
+_OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
+
+
+# ---- config -------------------------------------------------------------------------------------------------
+def mixtral_config_to_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face MixtralConfig (config.json dict) -> ModelConfig field values."""
+    if hf.get("model_type") != "mixtral":
+        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; this importer reads mixtral")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act={hf['hidden_act']!r} is unsupported (experts are SwiGLU)")
+    window = hf.get("sliding_window")
+    if window is not None and window < hf.get("max_position_embeddings", 0):
+        raise CheckpointError(f"sliding_window={window} is unsupported: parallel3d attention is fully causal")
+    rope = dict(hf.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise CheckpointError(f"Mixtral rope type {rope.get('rope_type')!r} / rope_scaling is unsupported")
+    fields = dense.hf_config_to_model_fields({**hf, "model_type": "llama"})
+    fields.update(num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
+                  moe_ffn_hidden_size=hf["intermediate_size"], num_shared_experts=0, first_k_dense=0,
+                  router_score="softmax", router_norm_topk=True,
+                  aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+    return fields
+
+
+def model_fields_to_mixtral_config(m: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig field values -> a MixtralConfig dict; refuses MoE features Mixtral cannot express."""
+    problems = [f"{k}={m.get(k)!r}" for k, ok in [
+        ("num_experts", m.get("num_experts", 0) > 0), ("num_shared_experts", not m.get("num_shared_experts")),
+        ("first_k_dense", not m.get("first_k_dense")), ("router_score", m.get("router_score") == "softmax"),
+        ("router_norm_topk", m.get("router_norm_topk", True)), ("rope_scaling", not m.get("rope_scaling"))] if not ok]
+    if problems:
+        raise CheckpointError(f"cannot export as Mixtral: {', '.join(problems)}")
+    ffn = m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
+    rope = {"rope_type": "default", "rope_theta": m["rope_theta"]}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": m["vocab_size"],
+            "hidden_size": m["hidden_size"], "num_hidden_layers": m["num_layers"],
+            "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],
+            "intermediate_size": ffn, "num_local_experts": m["num_experts"], "num_experts_per_tok": m["moe_top_k"],
+            "rms_norm_eps": m["norm_eps"], "max_position_embeddings": m["max_seq_len"],
+            "tie_word_embeddings": m["tie_embeddings"], "hidden_act": "silu",
+            "initializer_range": m.get("init_std", 0.02), "router_aux_loss_coef": m.get("aux_loss_coef", 0.0),
+            "router_jitter_noise": 0.0, "sliding_window": None, "torch_dtype": "float32",
+            "head_dim": m["hidden_size"] // m["num_heads"], "rope_theta": m["rope_theta"], "rope_parameters": rope}
+
+
+# ---- tensors (pure) -------------------------------------------------------------------------------------------
+def mixtral_to_ours(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face Mixtral tensors (saved or in-memory names) -> our global tensors, experts stacked."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
+    for name, t in tensors.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if m := _HF_EXPERT.fullmatch(name):
+            experts[(int(m[1]), _W_TO_PROJ[m[3]])][int(m[2])] = t
+        elif m := _HF_GATE.fullmatch(name):
+            out[f"layers.{m[1]}.mlp.router.weight"] = t
+        elif m := _HF_FUSED.fullmatch(name):
+            if m[2] == "down_proj":
+                out[f"layers.{m[1]}.mlp.experts.down_proj"] = t
+            else:
+                gate, up = t.chunk(2, dim=1)  # (E, f, h) each
+                out[f"layers.{m[1]}.mlp.experts.gate_proj"] = gate.contiguous()
+                out[f"layers.{m[1]}.mlp.experts.up_proj"] = up.contiguous()
+        else:
+            try:
+                out[dense.hf_to_ours_name(name)] = t
+            except KeyError:
+                raise CheckpointError(f"unexpected tensor {name!r} in a Mixtral checkpoint") from None
+    for (layer, proj), per_expert in experts.items():
+        if sorted(per_expert) != list(range(len(per_expert))):
+            raise CheckpointError(f"layer {layer} {_PROJ_TO_W[proj]}: experts {sorted(per_expert)} are not 0..E-1")
+        out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+    return out
+
+
+def ours_to_mixtral(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our global tensors -> Hugging Face Mixtral names (per-expert, as save_pretrained writes them)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        out.update(_ours_tensor_to_mixtral(name, t))
+    return out
+
+
+def _ours_tensor_to_mixtral(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    if m := _OURS_EXPERTS.fullmatch(name):
+        w = _PROJ_TO_W[m[2]]
+        return {f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{w}.weight": t[e].contiguous()
+                for e in range(t.shape[0])}
+    if m := _OURS_ROUTER.fullmatch(name):
+        if m[2] == "weight":
+            return {f"model.layers.{m[1]}.block_sparse_moe.gate.weight": t}
+        if torch.count_nonzero(t):
+            raise CheckpointError(f"{name} is non-zero: Mixtral has no router bias, routing would change")
+        return {}
+    if ".mlp.shared_experts." in name:
+        raise CheckpointError(f"{name}: Mixtral has no shared experts")
+    return {dense.ours_to_hf_name(name): t}
+
+
+# ---- directories ----------------------------------------------------------------------------------------------
+def import_mixtral(hf_dir: str, out_dir: str) -> dict[str, Any]:
+    """Write a weights-only native checkpoint from a Hugging Face Mixtral directory; returns model fields."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path} is missing")
+    with open(cfg_path) as f:
+        fields = mixtral_config_to_model_fields(json.load(f))
+    ours = mixtral_to_ours({k: v.float() for k, v in dense.iter_hf_tensors(hf_dir)})
+    if fields.get("tie_embeddings"):
+        ours.pop("lm_head.weight", None)
+    for layer in range(fields["num_layers"]):
+        stacked = ours.get(f"layers.{layer}.mlp.experts.gate_proj")
+        if stacked is None or stacked.shape[0] != fields["num_experts"]:
+            raise CheckpointError(f"{hf_dir}: layer {layer} does not hold {fields['num_experts']} experts")
+    os.makedirs(out_dir, exist_ok=True)
+    index = write_shard_file(out_dir, "weights-00000.safetensors",
+                             {n: (t, tuple(t.shape), full_slices(t.shape)) for n, t in ours.items()})
+    write_metadata(out_dir, index, step=0, model=fields, weights_only=True, layout=None)
+    return fields
+
+
+def export_mixtral(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30) -> None:
+    """Write a Hugging Face Mixtral directory from a native checkpoint, reading one (stacked) tensor at a
+    time and flushing safetensors shards of at most `max_shard_bytes` (never the whole model in memory)."""
+    reader = CheckpointReader(ckpt_dir)
+    config = model_fields_to_mixtral_config(reader.meta["model"])
+    os.makedirs(out_dir, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    files: list[str] = []
+    shard: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        if shard:
+            file = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+            files.append(file)
+            weight_map.update({k: file for k in shard})
+            shard.clear()
+
+    for name in reader.tensor_names:
+        if name.startswith("optim.") or "." not in name:
+            continue
+        try:
+            mapped = _ours_tensor_to_mixtral(name, reader.read(name))
+        except KeyError:
+            continue  # optimizer state or other non-model entries
+        for hf_name, t in mapped.items():
+            if shard and sum(v.numel() * v.element_size() for v in shard.values()) + t.numel() * t.element_size() \
+                    > max_shard_bytes:
+                flush()
+            shard[hf_name] = t.contiguous()
+    flush()
+    if len(files) == 1:
+        os.replace(os.path.join(out_dir, files[0]), os.path.join(out_dir, "model.safetensors"))
+    else:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+# Same names as checkpoint.hf's config maps, for callers that pick the module by model type.
+hf_config_to_model_fields = mixtral_config_to_model_fields
+model_fields_to_hf_config = model_fields_to_mixtral_config

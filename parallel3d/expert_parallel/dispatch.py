@@ -1,0 +1,106 @@
+"""Token permutation and the expert-parallel all-to-all (dispatch / combine).
+
+A routed *slot* is one (token, choice) pair; T tokens with top-k give T*k slots, numbered t*k + j.
+
+    permute      sort the kept slots by expert (stable: token order within an expert), count per expert
+    exchange     all-to-all of the per-expert counts first, so every rank knows how many rows it will
+                 receive from each source for each of its local experts (the uneven splits)
+    dispatch     all-to-all of the sorted rows; regroup the received (source-major) rows expert-major
+    experts      run the local experts on contiguous row ranges (experts.py)
+    combine      undo the regrouping, all-to-all back with the splits swapped
+    unpermute    put every slot's output back in its place, weight by the combine weights, sum over k
+
+Expert e lives on EP rank e // E_local. Dropped slots (capacity) are never sent. The per-token sum over
+its k slots runs in a fixed order (choice order), so results do not depend on how tokens are spread over
+ranks; only the size of matrix products changes, which keeps layouts within fp32 rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from parallel3d import comm
+from parallel3d.comm import Group
+
+
+@dataclass
+class Permutation:
+    """Slots sorted by expert. `order[i]` is the slot (t*k + j) at sorted row i; dropped slots excluded."""
+    order: torch.Tensor    # (N,) int64 slot ids, expert-major
+    counts: torch.Tensor   # (E,) int64 kept slots per expert
+    num_tokens: int
+    top_k: int
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        return self.order // self.top_k  # (N,) token of each sorted row
+
+
+def permute(indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None) -> Permutation:
+    """indices (T, k) chosen experts, keep (T, k) bool or None -> Permutation."""
+    num_tokens, top_k = indices.shape
+    expert = indices.flatten()  # (T*k,)
+    if keep is not None:
+        expert = torch.where(keep.flatten(), expert, torch.full_like(expert, num_experts))  # dropped sort last
+    counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # (E,)
+    order = torch.argsort(expert, stable=True)[: int(counts.sum())]  # (N,)
+    return Permutation(order, counts, num_tokens, top_k)
+
+
+def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
+    """rows (N, h) expert outputs in sorted order, weights (T, k) -> (T, h) weighted sum over the k slots.
+
+    Dropped slots contribute zero. The weighting and sum are fp32, the result is cast to rows' dtype.
+    """
+    h = rows.shape[-1]
+    slots = rows.new_zeros(perm.num_tokens * perm.top_k, h).index_copy(0, perm.order, rows)  # (T*k, h)
+    slots = slots.view(perm.num_tokens, perm.top_k, h).float()  # (T, k, h)
+    return (slots * weights.unsqueeze(-1)).sum(1).to(rows.dtype)  # (T, h)
+
+
+def _inverse(p: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(p)
+    inv[p] = torch.arange(p.numel(), device=p.device)
+    return inv
+
+
+class ExpertExchange:
+    """One dispatch/combine round trip over the EP group, planned from this rank's per-expert counts.
+
+    Construction exchanges the counts (one all-to-all of E int64 per rank): recv[src, e] is how many rows
+    source rank `src` sends to this rank's local expert e. That fixes the uneven splits of both directions.
+    """
+
+    def __init__(self, counts: torch.Tensor, group: Group) -> None:
+        ep, num_experts = group.size, counts.numel()
+        if num_experts % ep:
+            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
+        self.group, self.local_experts = group, num_experts // ep
+        if ep == 1:
+            self.send_splits = self.recv_splits = [int(counts.sum())]
+            self.local_counts = [int(c) for c in counts.tolist()]
+            self.regroup = None
+            return
+        recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
+        self.send_splits = counts.view(ep, self.local_experts).sum(1).tolist()  # rows to each rank
+        self.recv_splits = recv.sum(1).tolist()  # rows from each rank
+        self.local_counts = recv.sum(0).tolist()  # rows per local expert
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.local_experts, device=counts.device).repeat(ep), recv.flatten())  # (N_recv,)
+        self.regroup = torch.argsort(expert_of_row, stable=True)  # source-major -> expert-major
+        self.ungroup = _inverse(self.regroup)
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N_send, h) sorted by global expert -> (N_recv, h) sorted by local expert (source order inside)."""
+        if self.regroup is None:
+            return rows
+        received = comm.all_to_all_autograd(rows, self.group, self.recv_splits, self.send_splits)  # (N_recv, h)
+        return received[self.regroup]
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N_recv, h) expert outputs, expert-major -> (N_send, h) back on the source ranks, sorted order."""
+        if self.regroup is None:
+            return rows
+        return comm.all_to_all_autograd(rows[self.ungroup], self.group, self.send_splits, self.recv_splits)

@@ -1,0 +1,118 @@
+"""Routed experts as stacked SwiGLU weights, run as one grouped computation over the local experts.
+
+Weights (global shapes; each rank holds experts [ep_r*E_local, (ep_r+1)*E_local) and, under TP, the
+ffn slice [tp_r*f/tp, (tp_r+1)*f/tp) exactly like the dense MLP's column/row split):
+
+    gate_proj, up_proj   (E, f, h)   local (E_local, f/tp, h)
+    down_proj            (E, h, f)   local (E_local, h, f/tp)
+
+`meta.expert=True`: gradients are summed over expert-data-parallel ranks, not DP x CP. Under TP each rank
+returns a *partial* output (its ffn slice), summed by the MoE layer's single TP reduce.
+
+Rows arrive sorted by local expert with host-side counts, so each expert's rows are one contiguous slice:
+  "loop"       one pair of GEMMs per local expert on its slice (few experts per rank: cheap, exact)
+  "padded"     rows scattered into (E_local, max_count, h), three batched matmuls, gathered back
+  "grouped_mm" torch.nn.functional.grouped_mm (CUDA, SM80+, bf16); never chosen by "auto"
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import dispatch as kernels
+from parallel3d.comm import Group
+from parallel3d.params import ParamMeta, new_param
+
+IMPLS = ("auto", "loop", "padded", "grouped_mm")
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str) -> torch.Tensor:
+    return kernels.swiglu(gate, up, backend)
+
+
+def grouped_swiglu_loop(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                        w_down: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """x (N, h) expert-major, counts (E_local,) -> (N, h). Every expert runs, even on 0 rows, so every
+    stacked weight takes part in autograd (zero gradient rather than None). The weights are unbound once:
+    indexing w[e] per expert would make backward materialise E full-size gradients (one per select)."""
+    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    outs = []
+    for xe, wg, wu, wd in zip(x.split(list(counts)), gates, ups, downs):  # xe (n_e, h)
+        outs.append(F.linear(_swiglu(F.linear(xe, wg), F.linear(xe, wu), backend), wd))  # (n_e, h)
+    return torch.cat(outs) if outs else x.new_zeros(0, w_down.shape[1])
+
+
+def grouped_swiglu_padded(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                          w_down: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """Same as the loop with three batched matmuls over (E_local, max_count, .) padded rows."""
+    num, cap = len(counts), max(counts) if len(counts) else 0
+    counts_t = torch.tensor(list(counts), device=x.device)
+    starts = torch.cumsum(counts_t, 0) - counts_t  # (E_local,)
+    expert = torch.repeat_interleave(torch.arange(num, device=x.device), counts_t)  # (N,)
+    slot = expert * cap + torch.arange(x.shape[0], device=x.device) - starts[expert]  # (N,) padded row
+    padded = x.new_zeros(num * cap, x.shape[1]).index_copy(0, slot, x).view(num, cap, x.shape[1])  # (E_l, C, h)
+    hid = _swiglu(torch.bmm(padded, w_gate.transpose(1, 2)), torch.bmm(padded, w_up.transpose(1, 2)),
+                  backend)  # (E_l, C, f)
+    out = torch.bmm(hid, w_down.transpose(1, 2))  # (E_l, C, h)
+    return out.reshape(num * cap, w_down.shape[1])[slot]  # (N, h)
+
+
+def grouped_swiglu_mm(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                      w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """torch's grouped GEMM (CUDA bf16, dims multiples of 8); offs are the cumulative row counts."""
+    offs = torch.cumsum(torch.tensor(list(counts), device=x.device), 0).to(torch.int32)
+    gate = F.grouped_mm(x, w_gate.transpose(1, 2), offs=offs)  # (N, f)
+    up = F.grouped_mm(x, w_up.transpose(1, 2), offs=offs)  # (N, f)
+    return F.grouped_mm(_swiglu(gate, up, backend), w_down.transpose(1, 2), offs=offs)  # (N, h)
+
+
+def per_expert_reference(x: torch.Tensor, expert: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                         w_down: torch.Tensor) -> torch.Tensor:
+    """Reference for tests and benchmarks: rows in any order, `expert` (N,) local expert id per row;
+    a masked gather/scatter per expert (how Hugging Face's Mixtral runs its experts)."""
+    out = torch.zeros_like(x)
+    for e in range(w_gate.shape[0]):
+        rows = torch.nonzero(expert == e).flatten()  # (n_e,)
+        xe = x[rows]
+        out = out.index_add(0, rows, F.linear(F.silu(F.linear(xe, w_gate[e])) * F.linear(xe, w_up[e]), w_down[e]))
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """This rank's E_local experts (of E), ffn dimension split over TP."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ep: Group, tp: Group, impl: str = "auto",
+                 backend: str = "auto", std: Optional[float] = None) -> None:
+        super().__init__()
+        if num_experts % ep.size:
+            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep.size}")
+        if ffn_hidden % tp.size:
+            raise ValueError(f"model.moe_ffn_hidden_size={ffn_hidden} is not divisible by parallel.tp={tp.size}")
+        if impl not in IMPLS:
+            raise ValueError(f"grouped expert implementation must be one of {IMPLS}, got {impl!r}")
+        self.num_experts, self.local_experts = num_experts, num_experts // ep.size
+        self.impl, self.backend = impl, backend
+        e0, f_l = ep.rank * self.local_experts, ffn_hidden // tp.size
+        f0 = tp.rank * f_l
+        experts = slice(e0, e0 + self.local_experts)
+        in_meta = dict(global_shape=(num_experts, ffn_hidden, hidden),
+                       slices=(experts, slice(f0, f0 + f_l), slice(0, hidden)), std=std, expert=True)
+        self.gate_proj = new_param((self.local_experts, f_l, hidden), ParamMeta(**in_meta))
+        self.up_proj = new_param((self.local_experts, f_l, hidden), ParamMeta(**in_meta))
+        self.down_proj = new_param((self.local_experts, hidden, f_l), ParamMeta(
+            (num_experts, hidden, ffn_hidden), (experts, slice(0, hidden), slice(f0, f0 + f_l)), std=std,
+            expert=True))
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP)."""
+        if len(counts) != self.local_experts or sum(counts) != x.shape[0]:
+            raise ValueError(f"expert counts {list(counts)} do not match {x.shape[0]} rows for "
+                             f"{self.local_experts} local experts")
+        impl = self.impl
+        if impl == "auto":
+            impl = "loop"
+        fn = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded, "grouped_mm": grouped_swiglu_mm}[impl]
+        return fn(x, counts, self.gate_proj, self.up_proj, self.down_proj, self.backend)

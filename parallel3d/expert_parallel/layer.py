@@ -1,0 +1,168 @@
+"""The MoE layer: router -> (capacity) -> permute -> all-to-all -> grouped experts -> all-to-all -> combine,
+plus always-on shared experts, auxiliary losses and load telemetry.
+
+Tensor parallelism: the layer is one TP region, like the dense MLP. The input enters it once (copy, or
+the SP all-gather), every TP rank routes the same tokens identically and runs its ffn slice of every
+expert (routed and shared), and the partial outputs are summed by one all-reduce (or SP reduce-scatter).
+The all-to-all runs inside each EP group, whose ranks share the TP rank.
+
+Auxiliary losses (Switch load balancing, router z-loss) are computed from *global* statistics: per-expert
+counts, probability sums, squared log-partition sums and the token count are all-reduced over DP x CP
+(every rank of a stage holding different tokens; EP is a subset), so every layout gets the world-size-1
+value of the same global micro-batch. The all-reduce passes gradients through unchanged (each rank
+back-propagates the global loss through its own tokens; the DP gradient sum completes it).
+
+`pop_aux_loss()` returns this layer's term in *summed-loss units*: its value is T * A / n_dpcp per rank
+(T = tokens routed in the global micro-batch, A = aux_coef * aux + z_coef * z, n_dpcp ranks), so summing
+over DP x CP and dividing by the global target-token count, as the trainer does with the summed token loss,
+adds A with weight T / N_tokens, i.e. exactly the coefficient when every position has a target. Its
+gradient is scaled 1/tp because every TP rank back-propagates the same replicated term.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import dispatch as kernels
+from parallel3d import comm
+from parallel3d.comm import Group
+from parallel3d.expert_parallel.dispatch import ExpertExchange, permute, unpermute
+from parallel3d.expert_parallel.experts import GroupedExperts
+from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, expert_capacity, expert_counts,
+                                               sharded_capacity_keep_mask, switch_aux_loss, update_expert_bias,
+                                               z_loss_sum)
+from parallel3d.mesh import ParallelContext
+from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
+                                        reduce_from_tp, reduce_scatter_to_sp)
+
+
+class _SumLocalGrad(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward: see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation recomputation re-runs forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class SharedExperts(nn.Module):
+    """Always-on SwiGLU expert(s) (DeepSeek): column-parallel gate/up, row-parallel down. Returns the
+    partial (pre-reduce) output so the MoE layer reduces routed and shared outputs together."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, tp: Group, sp: bool, backend: str,
+                 std: Optional[float] = None) -> None:
+        super().__init__()
+        self.backend = backend
+        self.gate_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
+        self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
+        self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hid = kernels.swiglu(self.gate_proj(x), self.up_proj(x), self.backend)  # (T, f/tp)
+        return F.linear(hid, self.down_proj.weight)  # (T, h) partial over TP
+
+
+class MoELayer(nn.Module):
+    """Drop-in replacement for the dense MLP of a block: (b, s, h) -> (b, s, h) ((b, s/tp, h) with SP)."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, ctx: ParallelContext,
+                 sequence_parallel: bool = False, shared_ffn_hidden: int = 0, score: str = "softmax",
+                 norm_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 bias_update_rate: float = 0.0, capacity_factor: float = 0.0, impl: str = "auto",
+                 backend: str = "auto", std: Optional[float] = None) -> None:
+        super().__init__()
+        self.tp, self.ep, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.cp, ctx.dp_cp
+        self.sp = sequence_parallel and ctx.tp.size > 1
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.bias_update_rate, self.capacity_factor = bias_update_rate, capacity_factor
+        self.router = Router(hidden, num_experts, top_k, ctx.tp, score, norm_topk, std=std)
+        self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, ctx.ep, ctx.tp, impl, backend, std=std)
+        self.shared_experts = (SharedExperts(hidden, shared_ffn_hidden, ctx.tp, self.sp, backend, std=std)
+                               if shared_ffn_hidden else None)
+        self.positions: Optional[torch.Tensor] = None  # (s,) token positions, needed for capacity under CP
+        self._aux_term: Optional[torch.Tensor] = None
+        self.last_aux: dict[str, float] = {}
+        self.reset_load()
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)  # (T, h)
+        r = self.router(tokens)
+        keep = None
+        if self.capacity_factor > 0:
+            cap = expert_capacity(self.capacity_factor, s * self.cp.size, self.top_k, self.num_experts)
+            keep = sharded_capacity_keep_mask(r.indices.view(b, s, -1), cap, self.num_experts, self.cp,
+                                              self.positions).reshape(b * s, -1)  # (T, k)
+        counts = expert_counts(r.indices, self.num_experts)  # (E,) routed slots before drops
+        if self.training and torch.is_grad_enabled() and not _in_backward():
+            self._observe(counts, keep, r.indices)
+        if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
+            term = self._aux(r, counts, b * s)
+            if not _in_backward():
+                self._aux_term = term
+        perm = permute(r.indices, self.num_experts, keep)
+        exchange = ExpertExchange(perm.counts, self.ep)
+        rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
+        rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
+        out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(b, s, h)
+        return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
+
+    # ---- auxiliary losses -------------------------------------------------------------------------------
+    def _aux(self, r: Routing, counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        e = self.num_experts
+        probs = balance_probs(r.scores, self.router.score)  # (T, E)
+        local = torch.cat([probs.sum(0), z_loss_sum(r.logits)[None],
+                           torch.cat([counts.float(), counts.new_tensor([num_tokens]).float()])])  # (2E+2,)
+        glob = _SumLocalGrad.apply(local, self.dp_cp) if self.dp_cp.size > 1 else local
+        prob_sum, z_sum, count_sum, tokens = glob[:e], glob[e], glob[e + 1:2 * e + 1], glob[-1].detach()
+        aux = switch_aux_loss(prob_sum, count_sum.detach(), tokens, self.top_k)
+        z = z_sum / tokens
+        self.last_aux = {"aux_loss": float(aux.detach()), "z_loss": float(z.detach())}
+        total = self.aux_loss_coef * aux + self.z_loss_coef * z
+        grad_weight, value_weight = tokens / self.tp.size, tokens / self.dp_cp.size
+        return total * grad_weight + (total * (value_weight - grad_weight)).detach()
+
+    def pop_aux_loss(self) -> Optional[torch.Tensor]:
+        """This layer's auxiliary term of the last forward (summed-loss units, see module doc), then forget it."""
+        term, self._aux_term = self._aux_term, None
+        return term
+
+    # ---- load telemetry and auxiliary-loss-free balancing --------------------------------------------------
+    def reset_load(self) -> None:
+        self._load = torch.zeros(self.num_experts, dtype=torch.float64)     # routed slots per expert
+        self._dropped = torch.zeros(self.num_experts, dtype=torch.float64)  # of which dropped (capacity)
+
+    @torch.no_grad()
+    def _observe(self, counts: torch.Tensor, keep: Optional[torch.Tensor], indices: torch.Tensor) -> None:
+        self._load += counts.to("cpu", torch.float64)
+        if keep is not None:
+            dropped = expert_counts(indices[~keep], self.num_experts)
+            self._dropped += dropped.to("cpu", torch.float64)
+
+    def local_load(self) -> torch.Tensor:
+        """(2, E) float64 [routed, dropped] slots per expert seen by this rank since the last reset."""
+        return torch.stack([self._load, self._dropped])
+
+    @torch.no_grad()
+    def update_bias(self, global_load: torch.Tensor) -> None:
+        """DeepSeek-V3 bias step from the global per-expert load of the step (no-op when the rate is 0)."""
+        if self.bias_update_rate > 0:
+            update_expert_bias(self.router.expert_bias, global_load.to(self.router.expert_bias.device),
+                               self.bias_update_rate)
