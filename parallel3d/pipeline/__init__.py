@@ -20,3 +20,15 @@ __all__ = [
     "peak_in_flight", "plot_side_by_side", "plot_timeline", "simulate", "split_steps",
     "stage_of", "verify", "zb_h1",
 ]
+
+# The runtime needs torch and torch.distributed, so it is imported only when first asked for.
+_RUNTIME = ("PipelineStats", "ScheduleCache", "forward_only_schedule", "run_pipeline_forward",
+            "run_pipeline_step")
+__all__ += list(_RUNTIME)
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME:
+        from . import runtime
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""Split one stage's backward into an input-gradient pass and a later weight-gradient pass (ZB-H1).
+
+Zero-bubble schedules send the gradient w.r.t. a stage's input (what the previous stage waits for)
+as early as possible and compute weight gradients later, in what would otherwise be bubble time.
+Recomputing the whole backward for the weights would waste the split, so :func:`backward_input`
+runs autograd once, only towards the stage input, and records the gradient flowing into every
+"intermediate": a node on the input's path that also consumes a weight (for ``y = x @ W.T`` the
+matmul node, which receives ``dy``). :func:`backward_weight` later restarts autograd from those
+intermediates with the recorded gradients and ``inputs=params``, so it computes only the ``dW``
+branches. Gradients land in ``param.grad`` through the normal AccumulateGrad path, so the
+optimizer's post-accumulate-grad hooks fire exactly as with one ``backward()``.
+
+The graph analysis follows ``torch.distributed.pipelining._backward`` (Qi et al. 2023). A stage whose
+input needs no gradient (the first stage reads token ids) has nothing to split: its input pass is
+empty and the weight pass is the whole backward.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The autograd node of ``t``: its grad_fn, or the AccumulateGrad node of a leaf."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]  # leaves create their accumulator lazily
+
+
+def _consumers(root: Node) -> dict[Node, list[Node]]:
+    """Reverse edges of the graph below ``root``: node -> nodes that pass it a gradient."""
+    rev: dict[Node, list[Node]] = {root: []}
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in rev:
+                rev[nxt] = []
+                queue.append(nxt)
+            rev[nxt].append(node)
+    return rev
+
+
+def _closure(starts: Sequence[Node], rev: dict[Node, list[Node]], stop: set[Node]
+             ) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from ``starts`` along reverse edges, not entering ``stop``; and the stop
+    nodes that were hit."""
+    seen, hit = set(starts), set()
+    queue = deque(starts)
+    while queue:
+        for node in rev.get(queue.popleft(), ()):
+            if node in seen:
+                continue
+            if node in stop:
+                hit.add(node)
+                continue
+            seen.add(node)
+            queue.append(node)
+    return seen, hit
+
+
+@dataclass
+class _Group:
+    """Parameters whose gradients start at the same intermediates (merged when they share one)."""
+    params: list[torch.Tensor]
+    nodes: list[Node]
+    grads: dict[Node, tuple] = field(default_factory=dict)  # grad_outputs seen by each node
+
+
+@dataclass
+class WeightWork:
+    """What :func:`backward_weight` needs; holds the graph (activations) until it runs."""
+    groups: list[_Group]
+    rest: list[torch.Tensor]             # params reached by no intermediate: full backward
+    output: torch.Tensor | None = None   # kept only when ``rest`` needs the whole graph
+    grad: torch.Tensor | None = None
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor | None,
+                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightWork]:
+    """Gradient of ``output`` (seeded with ``grad``) w.r.t. ``inp``; weight work for later.
+
+    ``inp`` is the stage input (a leaf requiring grad) or None. Nothing is written to any .grad.
+    """
+    params = [p for p in params if p.requires_grad]
+    if inp is None or not inp.requires_grad:
+        return None, WeightWork([], params, output, grad)
+    rev = _consumers(output.grad_fn)
+    on_input_path, _ = _closure([_node(inp)], rev, set())
+    by_node: dict[Node, _Group] = {}
+    rest = []
+    for p in params:
+        acc = _node(p)
+        if acc not in rev:
+            continue  # unused by this stage: no gradient, as with a plain backward
+        _, hit = _closure([acc], rev, on_input_path)
+        if not hit:
+            rest.append(p)
+            continue
+        merged = {id(g): g for g in (by_node.get(n) for n in hit) if g is not None}
+        group = _Group([p], sorted(hit, key=id))
+        for g in merged.values():  # params sharing an intermediate are differentiated together
+            group.params += g.params
+            group.nodes = sorted(set(group.nodes) | set(g.nodes), key=id)
+        for n in group.nodes:
+            by_node[n] = group
+    groups = list({id(g): g for g in by_node.values()}.values())
+
+    def capture(group: _Group, node: Node):
+        def hook(grad_outputs: tuple) -> None:
+            group.grads[node] = grad_outputs
+        return hook
+
+    handles = [n.register_prehook(capture(g, n)) for g in groups for n in g.nodes]
+    try:
+        (dinp,) = torch.autograd.grad(output, [inp], grad, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    keep = bool(rest)
+    return dinp, WeightWork(groups, rest, output if keep else None, grad if keep else None)
+
+
+def backward_weight(work: WeightWork) -> None:
+    """Accumulate the weight gradients into ``param.grad`` (hooks fire); frees the graph."""
+    for group in work.groups:
+        edges, grads = [], []
+        for node in group.nodes:
+            for i, g in enumerate(group.grads.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        # An intermediate reachable from another one would get its gradient twice (the recorded
+        # one plus one recomputed through the other); pin each to the recorded value.
+        handles = [n.register_prehook(lambda _, saved=group.grads.get(n): saved)
+                   for n in group.nodes if len(group.nodes) > 1 and n in group.grads]
+        try:
+            torch.autograd.backward(edges, grads, inputs=group.params)
+        finally:
+            for h in handles:
+                h.remove()
+    if work.rest:
+        torch.autograd.backward(work.output, work.grad, inputs=work.rest)
+    work.groups.clear()
+    work.output = work.grad = None
