@@ -44,7 +44,9 @@ def single_rank_losses(tmp_path_factory):
     return [r["loss"] for r in records]
 
 
-LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.tp=1", "parallel.cp=2"]]
+LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
+           ["parallel.tp=1", "parallel.cp=2"],
+           ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(x.split(".")[1] for x in l))

@@ -72,6 +72,7 @@ class Trainer:
         self.dataset = make_dataset(cfg, cfg.data.path)
         self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
+        self.schedules = None  # built and verified once per (schedule, p, m, v) when pp > 1
 
     def _build_optimizer(self):
         try:
@@ -103,12 +104,14 @@ class Trainer:
         """Sum over microbatches of this rank's loss / tokens (on the last stage; 0 elsewhere)."""
         opt = self.optimizer
         if self.ctx.spec.pp > 1:
-            from parallel3d.pipeline.runtime import run_pipeline_step
+            from parallel3d.pipeline.runtime import ScheduleCache, run_pipeline_step
 
             p = self.cfg.parallel
+            self.schedules = self.schedules or ScheduleCache()
             return run_pipeline_step(self.ctx, self.chunks, p.schedule, mbs, loss_scale=1.0 / tokens,
+                                     schedules=self.schedules,
                                      backward=lambda loss: opt.scale_loss(loss).backward(),
-                                     before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1))
+                                     before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1, chunk))
         total = torch.zeros((), device=self.ctx.device)
         model = self.chunks[0]
         for i, mb in enumerate(mbs):

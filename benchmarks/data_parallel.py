@@ -1,0 +1,159 @@
+"""Data-parallel benchmark: our DistributedOptimizer (ZeRO 0-3) vs PyTorch DDP and FSDP2 `fully_shard`.
+
+    python benchmarks/data_parallel.py [--world 2] [--hidden 256] [--layers 4] [--vocab 4096] [--seq 64]
+                                       [--batch 2] [--steps 5] [--precision fp32] [--markdown]
+
+Same Llama model, same per-rank batch, AdamW, one microbatch per step. For each implementation it reports
+the median step time (forward + backward + gradient sync + optimizer step) over `--steps` timed steps
+after two warm-up steps, the model-state bytes per rank (parameters + gradients + optimizer state,
+counted from the live tensors: FSDP2's DTensor shards by their local part) and the peak memory
+(CUDA: max_memory_allocated; CPU: growth of the process's peak RSS, coarse). Every implementation
+runs in a freshly spawned world so peak RSS is its own. Ratios compare ours with the PyTorch built-in of
+the same memory class: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 (> 1 means ours is faster / smaller).
+Timings are never asserted anywhere (DESIGN.md 5).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.config import ModelConfig  # noqa: E402
+from models.llama import Llama  # noqa: E402
+from parallel3d.data_parallel import DistributedOptimizer  # noqa: E402
+from parallel3d.mesh import MeshSpec, ParallelContext  # noqa: E402
+from parallel3d.testing import World  # noqa: E402
+
+IMPLS = ["ddp", "ours-zero0", "ours-zero1", "ours-zero2", "fsdp2", "ours-zero3"]
+
+
+def _bytes(t: torch.Tensor) -> int:
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _run(w, impl: str, a: dict) -> dict:
+    torch.manual_seed(0)
+    cuda = w.device.type == "cuda"
+    rss0 = _peak_rss()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    cfg = ModelConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], num_layers=a["layers"],
+                      num_heads=max(1, a["hidden"] // 64), num_kv_heads=max(1, a["hidden"] // 128),
+                      ffn_hidden_size=a["hidden"] * 8 // 3 // 8 * 8, kernels="torch")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a["precision"]]
+    ours = impl.startswith("ours")
+    ctx = w.context(MeshSpec(dp=w.world_size)) if ours else ParallelContext.single(w.device)
+    model = Llama(cfg, ctx).to(w.device)
+    model.init_weights(1)
+    n_params = sum(p.numel() for p in model.parameters())
+    if ours:
+        opt = DistributedOptimizer([model], ctx, zero=int(impl[-1]), precision=a["precision"], lr=1e-3)
+    else:
+        model = model.to(dtype)
+        if impl == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(w.device.type, (w.world_size,))
+            for blk in model.layers.values():
+                fully_shard(blk, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    g = torch.Generator().manual_seed(w.rank)
+    tokens = torch.randint(0, cfg.vocab_size, (a["batch"], a["seq"] + 1), generator=g).to(w.device)
+    ids, labels, pos = tokens[:, :-1], tokens[:, 1:], torch.arange(a["seq"], device=w.device)
+    n_tok = labels.numel() * w.world_size
+    times, state = [], {}
+    for step in range(2 + a["steps"]):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if ours:
+            opt.zero_grad()
+            opt.scale_loss(model(ids, pos, labels) / n_tok).backward()
+            opt.finish_grad_sync()
+            opt.clip_grad_norm(1.0)
+            opt.step(1e-3)
+        else:
+            opt.zero_grad(set_to_none=False)
+            (model(ids, pos, labels) / n_tok).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - t0)
+        if step == 0:
+            if ours:
+                state = opt.memory_bytes()
+            else:
+                params = list(model.parameters())
+                state = {"params": sum(_bytes(p) for p in params),
+                         "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
+                         "optimizer": sum(_bytes(t) for s in opt.state.values() for t in s.values()
+                                          if isinstance(t, torch.Tensor) and t.dim() > 0)}
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss() - rss0
+    return {"ms": statistics.median(times) * 1e3, "state": sum(state.values()), "peak": peak, "n": n_params}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    a = vars(args)
+    backend = "nccl" if torch.cuda.device_count() >= args.world else "gloo"
+    rows = {}
+    for impl in args.impls.split(","):
+        world = World(args.world, backend)
+        try:
+            res = world.run(_run, (impl, a), {}, timeout=900)
+        except Exception as e:  # report and go on: one failing built-in should not hide the others
+            print(f"{impl}: skipped ({str(e).splitlines()[0]})")
+            continue
+        finally:
+            world.close()
+        rows[impl] = {"ms": max(r["ms"] for r in res), "state": res[0]["state"], "peak": max(r["peak"] for r in res),
+                      "n": res[0]["n"]}
+    pair = {"ours-zero0": "ddp", "ours-zero1": "ddp", "ours-zero2": "ddp", "ours-zero3": "fsdp2"}
+    n = next(iter(rows.values()))["n"] if rows else 0
+    print(f"\n{backend}, world {args.world}, {n / 1e6:.2f}M params, {args.precision}, batch {args.batch}x{args.seq} "
+          f"per rank, torch {torch.__version__}")
+    sep = "|" if args.markdown else " "
+    head = ["impl", "step ms", "state MB/rank", "peak MB/rank", "vs", "time ratio", "state ratio"]
+    print(sep.join(f"{h:>14}" for h in head))
+    if args.markdown:
+        print("|".join(["---:"] * len(head)))
+    for impl, r in rows.items():
+        ref = rows.get(pair.get(impl, ""), None)
+        ratio = f"{ref['ms'] / r['ms']:.2f}" if ref else "-"
+        sratio = f"{ref['state'] / r['state']:.2f}" if ref else "-"
+        print(sep.join(f"{x:>14}" for x in [impl, f"{r['ms']:.1f}", f"{r['state'] / 2**20:.1f}",
+                                             f"{r['peak'] / 2**20:.1f}", pair.get(impl, "-"), ratio, sratio]))
+
+
+if __name__ == "__main__":
+    main()

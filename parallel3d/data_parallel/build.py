@@ -1,0 +1,131 @@
+"""Building the optimizer's buckets: which parameters go together, and how their storage is set up.
+
+ZeRO 0-2: per model chunk and per reduction group (dense DP x CP / expert-DP), parameters in reverse
+registration order (about the order backward produces their gradients) are cut into buckets of about
+`bucket_size_mb` of gradient, so the first buckets are ready, and reduced, while backward still runs.
+ZeRO-3: one bucket per (unit, group), units being the blocks and the chunk's root (zero3.py), because a
+unit is also what is gathered and freed together.
+
+Each bucket is a launch *sequence* member: buckets of one sequence are reduced strictly in order, so
+every rank issues the same collectives in the same order even if a bucket is complete earlier on one rank
+than on another (e.g. a parameter that got no gradient on some rank: its bucket, and the ones after it,
+wait for the end of that chunk's backward pass, where the optimizer launches whatever is left).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from parallel3d.comm import Group
+from parallel3d.data_parallel.buffer import Bucket, layout, make_slot, split_buckets
+from parallel3d.data_parallel.zero3 import Unit, find_units
+from parallel3d.mesh import ParallelContext
+from parallel3d.params import ParamMeta, full_slices
+
+Named = list[tuple[str, nn.Parameter, bool]]   # (global name, parameter, weight decay?)
+
+
+def reduction_group(ctx: ParallelContext, expert: bool) -> Group:
+    return ctx.edp if expert else ctx.dp_cp
+
+
+def named_params(modules: list[nn.Module], no_decay: Callable[[str, nn.Parameter], bool]) -> list[Named]:
+    """Trainable parameters of each chunk, each once (tied copies inside a chunk share one name)."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        named = []
+        for name, p in module.named_parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if getattr(p, "meta", None) is None:   # a plain torch parameter: whole and unsplit
+                p.meta = ParamMeta(tuple(p.shape), full_slices(p.shape))
+            named.append((name, p, not no_decay(name, p)))
+        out.append(named)
+    return out
+
+
+def plan(modules: list[nn.Module], ctx: ParallelContext, zero: int, no_decay: Callable, bucket_bytes: float,
+         grad_elem_bytes: int) -> tuple[list[list[Bucket]], list[list[Unit]]]:
+    """(launch sequences of buckets, ZeRO-3 unit chains [root, block0, ...] per chunk)."""
+    seqs, chains = [], []
+    for chunk, (module, named) in enumerate(zip(modules, named_params(modules, no_decay))):
+        mine = []
+        if zero == 3:
+            chain, mine = _unit_buckets(module, named, ctx)
+            chains.append(chain)
+        else:
+            for expert in (False, True):
+                part = [x for x in reversed(named) if x[1].meta.expert == expert]
+                if part:
+                    group = reduction_group(ctx, expert)
+                    n, k = (group.size, group.rank) if zero else (1, 0)
+                    mine.append(split_buckets(part, group, n, k, bucket_bytes, grad_elem_bytes))
+        for bs in mine:
+            for pos, b in enumerate(bs):
+                b.seq, b.pos, b.chunk, b.expert = len(seqs), pos, chunk, b.group is not ctx.dp_cp
+            seqs.append(bs)
+    return seqs, chains
+
+
+def _unit_buckets(module: nn.Module, named: Named, ctx: ParallelContext) -> tuple[list[Unit], list[list[Bucket]]]:
+    by_id = {id(x[1]): x for x in named}
+    claimed: set[int] = set()
+    items: list[tuple[Unit, Named]] = []
+    for blk in find_units(module):
+        mine = [by_id[id(p)] for p in blk.parameters() if id(p) in by_id and id(p) not in claimed]
+        claimed.update(id(x[1]) for x in mine)
+        items.append((Unit(blk, [x[1] for x in mine]), mine))
+    rest = [x for x in named if id(x[1]) not in claimed]
+    root = (Unit(module, [x[1] for x in rest]), rest)
+    seqs = []
+    for expert in (False, True):
+        seq = []
+        for unit, mine in items[::-1] + [root]:       # backward order: last block first, root last
+            part = [x for x in reversed(mine) if x[1].meta.expert == expert]
+            if part:
+                group = reduction_group(ctx, expert)
+                slots = [make_slot(n, p, group.size, d) for n, p, d in part]
+                b = Bucket(slots, group, group.size, group.rank, layout(slots), unit=unit)
+                unit.buckets.append(b)
+                seq.append(b)
+        if seq:
+            seqs.append(seq)
+    return [root[0]] + [u for u, _ in items], seqs
+
+
+@torch.no_grad()
+def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
+    """fp32 master (this rank's segment; everything for ZeRO-0), Adam state, parameter storage.
+
+    ZeRO-0: parameters become views of one flat buffer (the master itself in fp32, so no copy).
+    ZeRO-1/2: parameters stay separate tensors, converted to the compute dtype.
+    ZeRO-3: a persistent shard in the compute dtype (the master itself in fp32); parameters are freed.
+    """
+    dev = b.slots[0].param.device
+    master = torch.zeros(b.seg, dtype=torch.float32, device=dev)
+    for s in b.slots:
+        n, r0 = s.valid_rows(b.shard), b.shard * s.chunk_rows
+        if n:
+            s.rows_view(master)[:n].copy_(s.param.data.reshape(s.shape)[r0: r0 + n])
+    b.master = master
+    b.exp_avg, b.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    if zero == 0:
+        b.param_flat = master if dtype == torch.float32 else master.to(dtype)
+        for s in b.slots:
+            s.param.data = s.flat(b.param_flat).view(s.param.shape)
+        b.grad_full = b.grad_shard = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
+    elif zero in (1, 2):
+        for s in b.slots:
+            if s.param.dtype != dtype:
+                s.param.data = s.param.data.to(dtype)
+        if zero == 1:
+            b.grad_full = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
+    else:
+        b.param_flat = master if dtype == torch.float32 else master.to(dtype)
+        for s in b.slots:
+            s.param.data = torch.empty(s.param.shape, dtype=dtype, device=dev)
+            s.param.data.untyped_storage().resize_(0)

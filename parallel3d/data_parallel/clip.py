@@ -1,0 +1,101 @@
+"""Global gradient norm, overflow detection and clipping -- exact across every kind of shard -- and the
+AdamW update on a bucket's flat state (the two passes over the held gradients of a step).
+
+After gradient reduction each rank holds, per bucket, the reduced gradient of its segment (ZeRO >= 1)
+or of the whole bucket (ZeRO-0). A gradient element is counted by exactly one rank:
+  * ZeRO >= 1: the rank whose segment holds the element (segments partition DP x CP / expert-DP);
+    ZeRO-0: DP x CP (or expert-DP) rank 0, the others hold identical copies;
+  * the first rank (rank 0) of every group in `meta.replicated` (TP-replicated norms, the tied
+    embedding copy on the last pipeline stage);
+  * vocabulary padding rows are skipped; TP-split, PP stages and expert (EP) shards are disjoint
+    slices held by different ranks, so summing over the world counts them once.
+Each rank sums the squares it owns; one all-reduce over the world of [sum of squares, non-finite flag]
+gives the exact global norm and a consistent skip decision (the flag scans every element a rank holds,
+owned or not, so a replica that alone went non-finite still makes every rank skip).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parallel3d import comm
+from parallel3d.data_parallel.buffer import Bucket, Slot
+from parallel3d.mesh import ParallelContext
+
+
+def counts_once(b: Bucket, s: Slot, ctx: ParallelContext, zero: int) -> bool:
+    """Whether this rank is the one that counts (and checkpoints) its held rows of `s`."""
+    if zero == 0 and b.group.rank != 0:
+        return False
+    for name in s.meta.replicated:
+        g = getattr(ctx, name, None)
+        if g is not None and g.rank != 0:
+            return False
+    return True
+
+
+def held(b: Bucket, s: Slot) -> tuple[int, int]:
+    """(segment index, real rows) of `s` held in this rank's reduced segment."""
+    return b.shard, s.real_rows_in(b.shard)
+
+
+@torch.no_grad()
+def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale: float) -> tuple[float, bool]:
+    """Unscale the held gradients in place; return (global L2 norm, any non-finite anywhere).
+
+    One fused pass unscales and flags non-finite values (torch's AMP kernel); per-parameter norms are
+    fp32 (as torch.nn.utils.clip_grad_norm_) and their squares are summed in fp64."""
+    found = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    grads = [b.grad_shard for b in buckets]
+    if grads:
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=ctx.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    norms = []
+    for b in buckets:
+        for s in b.slots:
+            _, n = held(b, s)
+            if n and counts_once(b, s, ctx, zero):
+                norms.append(torch.linalg.vector_norm(s.flat(b.grad_shard)[: n * s.row_numel], dtype=torch.float32))
+    sumsq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                    device=ctx.device)
+    stats = torch.stack([sumsq, found[0].double()])
+    comm.all_reduce(stats, ctx.world)
+    total, bad = float(stats[0]), bool(stats[1] > 0)
+    norm = math.sqrt(total) if math.isfinite(total) else float("nan")
+    return norm, bad or not math.isfinite(norm)
+
+
+@torch.no_grad()
+def clip_(buckets: list[Bucket], norm: float, max_norm: float) -> None:
+    """Scale every held gradient by max_norm / (norm + 1e-6) when that is < 1 (torch's convention)."""
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for b in buckets:
+            b.grad_shard.mul_(coef)
+
+
+@torch.no_grad()
+def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+           step: int, block: int = 1 << 16) -> None:
+    """torch.optim.AdamW's single-tensor update on the bucket's flat fp32 state (padding stays 0).
+
+    Weight decay is applied per parameter (views); the moment and parameter updates run over the flat
+    segment in cache-sized blocks (the update is ~7 passes over 4 tensors: blocking keeps them in cache).
+    """
+    p, m, v = b.master, b.exp_avg, b.exp_avg_sq
+    if weight_decay:
+        for s in b.slots:
+            if s.decay:
+                s.flat(p).mul_(1 - lr * weight_decay)
+    beta1, beta2 = betas
+    step_size = lr / (1 - beta1 ** step)
+    bc2_sqrt = math.sqrt(1 - beta2 ** step)
+    for i in range(0, p.numel(), block):
+        sl = slice(i, i + block)
+        g = b.grad_shard[sl] if b.grad_shard.dtype == torch.float32 else b.grad_shard[sl].float()
+        mb, vb = m[sl], v[sl]
+        mb.lerp_(g, 1 - beta1)
+        vb.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = vb.sqrt().div_(bc2_sqrt).add_(eps)
+        p[sl].addcdiv_(mb, denom, value=-step_size)

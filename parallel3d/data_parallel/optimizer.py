@@ -1,0 +1,315 @@
+"""DistributedOptimizer: bucketed, overlapped gradient reduction + AdamW with ZeRO-0/1/2/3 and mixed precision.
+
+Trainer protocol, per optimizer step:
+
+    opt.zero_grad()
+    for i, mb in enumerate(microbatches):
+        opt.set_last_microbatch(i == len(microbatches) - 1)   # reductions start only on the last one
+        opt.scale_loss(model(mb) / global_target_tokens).backward()
+    opt.finish_grad_sync()          # wait for every bucket; grad_reduce groups (tp, embedding)
+    norm = opt.clip_grad_norm(1.0)  # exact global norm (unscaled); clips if max_norm > 0
+    ok = opt.step(lr)               # False (on every rank) if some gradient is inf/nan
+
+Gradients are summed over DP x CP (dense) or expert-DP (meta.expert), never averaged: the loss is
+already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradients` is the reference).
+
+    zero  gradient reduction per bucket       after reduction keeps   optimizer state    params
+    0     all-reduce                          full buffer             full (every rank)   full
+    1     reduce-scatter, all-gather params   full buffer             1/N                 full
+    2     reduce-scatter, all-gather params   1/N (full one freed)    1/N                 full
+    3     reduce-scatter; params gathered     1/N                     1/N                 1/N
+          around each unit's fwd and bwd (zero3.py)
+
+Buckets, shard layout and why it is rank-major: buffer.py, build.py. Norm, clipping and AdamW: clip.py.
+Checkpoint state, gradient views and memory accounting: state.py. The optimizer only assumes its
+`modules` list (the model chunks on this rank): it works under any TP/PP/CP/EP layout whose parameters
+carry `meta`. Construct it after the weights are final (initialised or loaded): it copies them into its
+master weights (and under ZeRO-3 frees the unsharded parameters); later loads go through
+`load_state_tensors`.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from parallel3d import comm
+from parallel3d.data_parallel import state as _state
+from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
+from parallel3d.data_parallel.build import init_bucket, plan, reduction_group
+from parallel3d.data_parallel.clip import adamw_, clip_, grad_stats
+from parallel3d.data_parallel.collectives import (clone_group, start_all_gather, start_all_reduce,
+                                                  start_reduce_scatter, wait)
+from parallel3d.data_parallel.precision import LossScaler, compute_dtype
+from parallel3d.data_parallel.zero3 import Zero3
+from parallel3d.mesh import ParallelContext
+
+
+class DistributedOptimizer:
+    """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
+    and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads)."""
+
+    def __init__(self, modules: list[nn.Module], ctx: ParallelContext, *, zero: int = 0, precision: str = "fp32",
+                 lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 bucket_size_mb: float = 25.0, no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
+                 loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
+                 min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None) -> None:
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
+        self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+        self.ctx, self.zero, self.precision = ctx, zero, precision
+        self.dtype = compute_dtype(precision)
+        self.grad_dtype = grad_dtype or torch.float32
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.scaler: Optional[LossScaler] = None
+        if precision == "fp16":
+            self.scaler = LossScaler(loss_scale if loss_scale > 0 else initial_loss_scale, loss_scale_window,
+                                     min_loss_scale, static=loss_scale > 0)
+        self.step_count = 0
+        self._synced, self._prepared, self._clipped = False, False, False
+        self._norm, self._found_inf = 0.0, False
+        self._inflight: collections.deque[Bucket] = collections.deque()
+        self.zero3: Optional[Zero3] = None
+        no_decay = no_decay or (lambda name, p: p.dim() == 1)
+        self.seqs, chains = plan(self.modules, ctx, zero, no_decay, bucket_size_mb * 2 ** 20,
+                                 torch.finfo(self.grad_dtype).bits // 8)
+        self.buckets = [b for bs in self.seqs for b in bs]
+        self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
+        self.params = [s.param for b in self.buckets for s in b.slots]
+        for b in self.buckets:
+            init_bucket(b, zero, self.dtype, self.grad_dtype)
+        if zero == 3:
+            gather = {e: clone_group(reduction_group(ctx, e), "edp" if e else "dp_cp", ctx) for e in (False, True)}
+            self.zero3 = Zero3(chains, gather, self.dtype)
+        self._chains = chains
+        self._last = [True] * len(self.modules)  # per chunk: is the running backward the step's last one?
+        self._chunk_seqs: dict[int, list[int]] = {}
+        for i, bs in enumerate(self.seqs):
+            self._chunk_seqs.setdefault(bs[0].chunk, []).append(i)
+        self._touched: set[int] = set()      # chunks whose gradients arrived during the running backward
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(b, s))
+                       for b in self.buckets for s in b.slots]
+
+    # ---- backward ----------------------------------------------------------------------------------
+    def _grad_hook(self, b: Bucket, s: Slot):
+        def hook(p: torch.Tensor) -> None:
+            g, p.grad = p.grad, None
+            if g is None:
+                return
+            if b.launched:
+                raise RuntimeError(f"gradient of {s.name} arrived after its bucket was reduced: call "
+                                   f"set_last_microbatch(False) before every microbatch but the last")
+            with torch.no_grad():
+                if b.grad_full is None:
+                    b.grad_full = torch.zeros(b.numel, dtype=self.grad_dtype, device=g.device)
+                add_rows(b.grad_full, b.seg, b.nshard, s, g)
+            if b.unit is not None:
+                self.zero3.on_grad(b.unit)
+            if not self._touched:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._touched.add(b.chunk)
+            if self._last[b.chunk]:
+                b.count += 1
+                if b.count == len(b.slots):
+                    b.ready = True
+                    self._launch_ready(b.seq)
+        return hook
+
+    def _end_of_backward(self) -> None:
+        """Runs when the backward pass ends: parameters that got no gradient in it will not get one, so
+        launch the rest of the chunk's buckets now (ranks agree on when, unlike bucket readiness), and
+        under ZeRO-3 free units that stayed gathered because some parameter had no gradient."""
+        touched, self._touched = sorted(self._touched), set()
+        for chunk in touched:
+            if self.zero3 is not None:
+                for unit in self._chains[chunk]:
+                    if unit.gathered or unit.pending is not None:
+                        self.zero3.free(unit)
+            if self._last[chunk]:
+                for seq in self._chunk_seqs.get(chunk, []):
+                    for b in self.seqs[seq][self._next[seq]:]:
+                        b.ready = True
+                    self._launch_ready(seq)
+
+    def _launch_ready(self, seq: int) -> None:
+        bs = self.seqs[seq]
+        while self._next[seq] < len(bs) and bs[self._next[seq]].ready:
+            self._launch(bs[self._next[seq]])
+            self._next[seq] += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if b.grad_full is None:   # no gradient reached this bucket on this rank (unused parameters)
+            b.grad_full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.master.device)
+        if self.zero == 0:
+            b.work = start_all_reduce(b.grad_full, b.group)
+        else:
+            b.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad_full.device)
+            b.work = start_reduce_scatter(b.out, b.grad_full, b.group)
+        b.launched = True
+        self._inflight.append(b)
+        while self._inflight and (self._inflight[0].work is None or self._inflight[0].work.is_completed()):
+            self._finalize(self._inflight.popleft())   # frees ZeRO-2/3 full buffers early
+
+    def _finalize(self, b: Bucket) -> None:
+        wait(b.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
+        b.work = None
+        if self.zero == 1:
+            seg = b.grad_full[b.shard * b.seg: (b.shard + 1) * b.seg]
+            seg.copy_(b.out)
+            b.grad_shard = seg
+        elif self.zero >= 2:
+            b.grad_shard, b.grad_full = b.out, None
+        b.out = None
+
+    # ---- trainer API --------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.work is not None:
+                wait(b.work, b.group, "reduction")
+            b.count, b.ready, b.launched, b.work, b.out = 0, False, False, None, None
+            if self.zero <= 1:
+                b.grad_full.zero_()
+                b.grad_shard = b.grad_full if self.zero == 0 else None
+            else:
+                b.grad_full = b.grad_shard = None
+        for p in self.params:
+            p.grad = None
+        self._inflight.clear()
+        self._touched.clear()
+        self._next = [0] * len(self.seqs)
+        self._synced = self._prepared = self._clipped = False
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def set_last_microbatch(self, last: bool, chunk: Optional[int] = None) -> None:
+        """Mark whether the next backward is the step's last for every chunk, or only for `chunk` (index
+        into `modules`: interleaved pipeline schedules finish the chunks' microbatches at different times)."""
+        for i in range(len(self._last)) if chunk is None else [chunk]:
+            self._last[i] = bool(last)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        if self._synced:
+            return
+        for seq, bs in enumerate(self.seqs):        # unused parameters: launch what never became ready
+            for b in bs[self._next[seq]:]:
+                b.ready = True
+            self._launch_ready(seq)
+        while self._inflight:
+            self._finalize(self._inflight.popleft())
+        self._reduce_extra_groups()
+        if self.zero3 is not None:
+            self.zero3.free_all()
+        self._synced = True
+
+    def _reduce_extra_groups(self) -> None:
+        """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each."""
+        views: dict[str, list[torch.Tensor]] = {}
+        for b in self.buckets:
+            for s in b.slots:
+                for name in s.meta.grad_reduce:
+                    g = getattr(self.ctx, name, None)
+                    if g is not None and g.size > 1:
+                        views.setdefault(name, []).append(s.flat(b.grad_shard))
+        for name in sorted(views):
+            flat = torch.cat(views[name])
+            comm.all_reduce(flat, getattr(self.ctx, name))
+            for v, part in zip(views[name], flat.split([v.numel() for v in views[name]])):
+                v.copy_(part)
+
+    def _prepare(self) -> None:
+        if self._prepared:
+            return
+        self.finish_grad_sync()
+        inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        self._norm, self._found_inf = grad_stats(self.buckets, self.ctx, self.zero, inv)
+        self._prepared = True
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Exact global L2 norm of the unscaled gradients (nan/inf on overflow); clips once if max_norm > 0.
+        Collective over the world: every rank (every pipeline stage) must call it."""
+        self._prepare()
+        if max_norm > 0 and not self._found_inf and not self._clipped:
+            clip_(self.buckets, self._norm, max_norm)
+            self._clipped = True
+        return self._norm
+
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> bool:
+        """AdamW on the held shard, then refresh the parameters. Collective over the world (the skip
+        decision is shared); lr=None uses the constructor's lr."""
+        lr = self.lr if lr is None else lr
+        self._prepare()
+        found = self._found_inf
+        if self.scaler is not None:
+            self.scaler.update(found)
+        self._prepared = False
+        if found:
+            return False
+        self.step_count += 1
+        for b in self.buckets:
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
+        self.publish_params()
+        return True
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2)."""
+        if self.zero in (0, 3):
+            for b in self.buckets:
+                if b.param_flat is not b.master:
+                    b.param_flat.copy_(b.master)
+            return
+        pending = []
+        for b in self.buckets:
+            shard = b.master if self.dtype == torch.float32 else b.master.to(self.dtype)
+            full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
+            pending.append((b, full, start_all_gather(full, shard, b.group)))
+        for b, full, work in pending:
+            wait(work, b.group, "all_gather")
+            for s in b.slots:
+                copy_rows_out(full, b.seg, b.nshard, s, s.param.data)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def grad_norm(self) -> float:
+        return self._norm
+
+    def scalar_state(self) -> dict:
+        out = {"step": self.step_count}
+        if self.scaler is not None:
+            out.update(self.scaler.state())
+        return out
+
+    def load_scalar_state(self, d: dict) -> None:
+        self.step_count = int(d.get("step", 0))
+        if self.scaler is not None:
+            self.scaler.load(d)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (gradient hooks, ZeRO-3 forward hooks)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self.zero3 is not None:
+            self.zero3.remove()
+
+    # ---- checkpoint state, gradients for tests, memory (state.py) ---------------------------------------
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
+        return _state.state_tensors(self)
+
+    def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],
+                           kinds: tuple[str, ...] = _state.KINDS) -> None:
+        _state.load_state_tensors(self, read, kinds)
+
+    def grad_slices(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple]]:
+        return _state.grad_slices(self)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return _state.memory_bytes(self)

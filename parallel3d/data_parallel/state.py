@@ -1,0 +1,101 @@
+"""Optimizer state for checkpoints, reduced gradients for tests, and measured memory.
+
+state_tensors representation (exact and rectangular):
+    "master/<name>", "exp_avg/<name>", "exp_avg_sq/<name>" -> (fp32 data, global shape, global slices)
+Under ZeRO >= 1 a rank holds rows [r*c, (r+1)*c) (c = ceil(rows/N)) of the TP-local tensor of every
+parameter (buffer.py): a dim-0 block, so its global slices are meta.slices with dim 0 narrowed, minus
+vocabulary padding rows. Without ZeRO a rank holds the whole TP-local tensor. Every element of every
+global tensor is returned by exactly one rank in the world (the rule of clip.counts_once: ZeRO-0 only on
+DP x CP / expert-DP rank 0, replicas in meta.replicated only on their group's rank 0), so the shards of
+all ranks tile each tensor exactly, and a checkpoint written under one layout (any tp/pp/dp/zero) can be
+read back under another through `read(name, slices)`. Entries are live views; copy before mutating.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from parallel3d.data_parallel.buffer import Bucket, Slot
+from parallel3d.data_parallel.clip import counts_once, held
+
+if TYPE_CHECKING:
+    from parallel3d.data_parallel.optimizer import DistributedOptimizer
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _rows(s: Slot, flat: torch.Tensor, n: int) -> torch.Tensor:
+    t = s.rows_view(flat)[:n]
+    return t.reshape(()) if s.scalar else t
+
+
+def state_tensors(opt: "DistributedOptimizer") -> dict:
+    out = {}
+    for b in opt.buckets:
+        for s in b.slots:
+            k, n = held(b, s)
+            if n == 0 or not counts_once(b, s, opt.ctx, opt.zero):
+                continue
+            slices = s.global_slices(k, n)
+            for kind in KINDS:
+                out[f"{kind}/{s.name}"] = (_rows(s, getattr(b, kind), n), s.meta.global_shape, slices)
+    return out
+
+
+@torch.no_grad()
+def load_state_tensors(opt: "DistributedOptimizer", read: Callable, kinds: tuple[str, ...] = KINDS) -> None:
+    """Fill every held row (replicas included) from read(name, global slices); then refresh the model
+    parameters from the master weights. Collective under ZeRO-1/2 (parameter all-gather): call on all ranks."""
+    for b in opt.buckets:
+        for s in b.slots:
+            k, n = held(b, s)
+            if n == 0:
+                continue
+            slices = s.global_slices(k, n)
+            for kind in kinds:
+                data = read(f"{kind}/{s.name}", slices)
+                s.rows_view(getattr(b, kind))[:n].copy_(data.reshape((n,) + s.shape[1:]))
+    if "master" in kinds:
+        opt.publish_params()
+
+
+def grad_slices(opt: "DistributedOptimizer") -> dict:
+    """name -> (reduced, unscaled gradient rows this rank holds, global slices, global shape).
+
+    Call after finish_grad_sync (before clipping/step); the format of tests/parity.local_slices."""
+    opt.finish_grad_sync()
+    inv = 1.0 if opt._prepared or opt.scaler is None else 1.0 / opt.scaler.scale
+    out = {}
+    for b in opt.buckets:
+        for s in b.slots:
+            k, n = held(b, s)
+            if n:
+                out[s.name] = (_rows(s, b.grad_shard, n).float() * inv, s.global_slices(k, n), s.meta.global_shape)
+    return out
+
+
+def memory_bytes(opt: "DistributedOptimizer") -> dict[str, int]:
+    """Bytes of the tensor storages allocated right now, each storage counted once (first category wins).
+
+    params: model parameters (0 while ZeRO-3 has them freed) + ZeRO-3's persistent shards;
+    grads: accumulation buffers, reduced shards, reductions in flight, stray .grad;
+    optimizer: fp32 master weights (unless they are the parameters: fp32 without ZeRO / ZeRO-3) + Adam m, v.
+    """
+    seen: set[int] = set()
+
+    def nbytes(t) -> int:
+        if t is None:
+            return 0
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+
+    bs: list[Bucket] = opt.buckets
+    params = sum(nbytes(p.data) for p in opt.params) + sum(nbytes(b.param_flat) for b in bs)
+    grads = sum(nbytes(b.grad_full) + nbytes(b.grad_shard) + nbytes(b.out) for b in bs)
+    grads += sum(nbytes(p.grad) for p in opt.params)
+    optimizer = sum(nbytes(b.master) + nbytes(b.exp_avg) + nbytes(b.exp_avg_sq) for b in bs)
+    return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -1,0 +1,162 @@
+"""ZeRO-3: parameters live as 1/N shards and are all-gathered around each unit's forward and backward.
+
+Units: the children of the first `nn.ModuleList` / `nn.ModuleDict` found on each path from a model chunk
+(the transformer blocks), plus the chunk itself ("root") for every remaining parameter (embedding, final
+norm, LM head; they may be used directly in the chunk's forward, e.g. a tied head through F.linear, so
+only the chunk's own forward brackets their use).
+
+    forward   root.pre: gather root, prefetch block0 │ block i.pre: wait block i, prefetch block i+1
+              block i.post: free block i             │ root.post: free root
+    backward  (grad of root output) gather root, prefetch block n-1
+              (grad of block i output) wait block i, prefetch block i-1
+              a unit is freed once every one of its parameters has received its gradient
+
+Per step and microbatch every parameter is gathered twice (forward, backward) and its gradient
+reduce-scattered once: 3x the parameter bytes, vs 2x for DP's all-reduce (counted as 2x in ring terms).
+
+Freeing = resizing the parameter's storage to 0 bytes; gathering resizes it back and copies the chunks
+in through `p.data` (which does not bump the autograd version counter), so tensors autograd saved during
+forward (the weight or views of it) are valid again when backward runs -- the FSDP1 storage trick.
+Gathers run on a clone of the DP group (see `collectives.clone_group`), so they are ordered independently
+of the gradient reduce-scatters. Activation recomputation re-enters a unit's forward inside backward:
+then the unit is gathered but neither freed nor re-hooked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from parallel3d.comm import Group
+from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.data_parallel.collectives import start_all_gather, wait
+
+
+def find_units(root: nn.Module) -> list[nn.Module]:
+    """Block modules of one model chunk (children of the first container on each path)."""
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                units.extend(child.children())
+            else:
+                visit(child)
+
+    visit(root)
+    return units
+
+
+@dataclass
+class Unit:
+    module: nn.Module
+    params: list[nn.Parameter]
+    buckets: list[Bucket] = field(default_factory=list)
+    gathered: bool = False
+    pending: Optional[list] = None
+    grads_left: int = 0
+    next_fwd: Optional["Unit"] = None
+    next_bwd: Optional["Unit"] = None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Zero3:
+    """Gathers/frees units around forward and backward. `groups` maps expert-ness to the gather group."""
+
+    def __init__(self, chains: list[list[Unit]], groups: dict[bool, Group], dtype: torch.dtype) -> None:
+        self.units = [u for chain in chains for u in chain]
+        self.groups, self.dtype = groups, dtype
+        self.handles = []
+        for chain in chains:               # chain = [root, block0, block1, ...]
+            root, blocks = chain[0], chain[1:]
+            fwd = [root] + blocks
+            bwd = [root] + blocks[::-1]
+            for a, b in zip(fwd, fwd[1:]):
+                a.next_fwd = b
+            for a, b in zip(bwd, bwd[1:]):
+                a.next_bwd = b
+            for u in chain:
+                self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
+                self.handles.append(u.module.register_forward_hook(self._post_forward(u)))
+
+    # ---- gather / free ------------------------------------------------------------------------------
+    def start_gather(self, unit: Optional[Unit]) -> None:
+        if unit is None or unit.gathered or unit.pending is not None:
+            return
+        pend = []
+        for b in unit.buckets:
+            full = torch.empty(b.numel, dtype=self.dtype, device=b.param_flat.device)
+            pend.append((b, full, start_all_gather(full, b.param_flat, self.groups[b.expert])))
+        unit.pending = pend
+
+    def gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        self.start_gather(unit)
+        for b, full, work in unit.pending:
+            wait(work, self.groups[b.expert], "all_gather")
+            for s in b.slots:
+                data = s.param.data
+                storage = data.untyped_storage()
+                if storage.nbytes() == 0:
+                    storage.resize_(data.numel() * data.element_size())
+                copy_rows_out(full, b.seg, b.nshard, s, data)
+        unit.pending = None
+        unit.gathered = True
+        unit.grads_left = len(unit.params)
+
+    def free(self, unit: Unit) -> None:
+        if unit.pending is not None:  # a prefetch that was not used: finish it before dropping buffers
+            for b, _, work in unit.pending:
+                wait(work, self.groups[b.expert], "all_gather")
+            unit.pending = None
+        for p in unit.params:
+            p.data.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def free_all(self) -> None:
+        for u in self.units:
+            if u.gathered or u.pending is not None:
+                self.free(u)
+
+    def on_grad(self, unit: Unit) -> None:
+        """A parameter of `unit` received its gradient (after it was added to the bucket)."""
+        unit.grads_left -= 1
+        if unit.grads_left == 0:
+            self.free(unit)
+
+    # ---- hooks ----------------------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit):
+        def hook(module, args):
+            self.gather(unit)
+            if not _in_backward():
+                self.start_gather(unit.next_fwd)
+        return hook
+
+    def _post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if _in_backward():   # recomputation inside backward: keep the unit for its backward
+                return output
+            self.free(unit)
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
+            return output
+        return hook
+
+    def _pre_backward(self, unit: Unit):
+        def hook(grad):
+            self.gather(unit)
+            self.start_gather(unit.next_bwd)
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
