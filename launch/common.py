@@ -11,11 +11,13 @@ import torch  # noqa: E402
 
 from models.config import ModelConfig  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
+from parallel3d.comm import CollectiveError  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
 from parallel3d.training.config import ConfigError, ExperimentConfig, load_config, resolve_and_validate  # noqa: E402
 from parallel3d.training.data import DataError  # noqa: E402
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError, ValueError, FileNotFoundError)
+RUN_ERRORS = USER_ERRORS + (CollectiveError,)  # after start-up: also a collective that timed out
 
 
 def fail(message: str, code: int = 2) -> "NoReturn":  # noqa: F821
@@ -41,8 +43,10 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
     """Everything that can be checked without processes; raises a user error with one clear message."""
     if config is None:
         load_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.load_dir=")), None)
-        if load_dir and os.path.isfile(os.path.join(load_dir, "config.yaml")):
-            config = os.path.join(load_dir, "config.yaml")
+        if load_dir and os.path.isdir(load_dir):
+            from parallel3d.checkpoint.load import resolve_checkpoint_dir
+            candidate = os.path.join(resolve_checkpoint_dir(load_dir), "config.yaml")
+            config = candidate if os.path.isfile(candidate) else None
     if config is not None and not os.path.isfile(config):
         raise ConfigError(f"config file {config} does not exist")
     cfg = load_config(config, overrides, ModelConfig)
@@ -74,3 +78,11 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
         return model_cls(cfg.model, ctx, layers=layer_ids, pre=pre, post=post, sequence_parallel=p.sp,
                          cp_mode=p.cp_mode, recompute=recompute)
     return build
+
+
+def shutdown() -> None:
+    """Tear the process groups down cleanly (an abandoned gloo group can abort at interpreter exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -44,8 +44,10 @@ def do_import(hf_dir: str, out: str) -> None:
 
 def do_export(ckpt: str, out: str) -> None:
     from parallel3d.checkpoint import hf
+    from parallel3d.checkpoint.load import resolve_checkpoint_dir
     from parallel3d.checkpoint.store import CheckpointReader
 
+    ckpt = resolve_checkpoint_dir(ckpt)  # a save root follows its `latest`
     fields = CheckpointReader(ckpt, verify=False).meta["model"]
     if _is_moe(fields):
         from parallel3d.checkpoint import hf_moe

@@ -12,7 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import USER_ERRORS, build_context, fail, load_and_validate, parse_args, stage_builder  # noqa: E402
+from common import (RUN_ERRORS, USER_ERRORS, build_context, fail, load_and_validate, parse_args,  # noqa: E402
+                    shutdown, stage_builder)
 
 
 def main(argv=None) -> int:
@@ -34,8 +35,10 @@ def main(argv=None) -> int:
         load_weights_if_any(trainer, cfg.checkpoint.load_dir)
         steps = max(1, len(trainer.dataset) // cfg.train.global_batch_size)
         loss, tokens = trainer.evaluate(trainer.dataset, steps)
-    except USER_ERRORS as e:
+    except RUN_ERRORS as e:
         fail(f"[rank {ctx.rank}] {e}")
+    finally:
+        shutdown()
     if ctx.rank == 0:
         print(json.dumps({"loss": loss, "tokens": int(tokens)}), flush=True)
     return 0

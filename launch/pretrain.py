@@ -12,7 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import USER_ERRORS, build_context, fail, load_and_validate, parse_args, stage_builder  # noqa: E402
+from common import (RUN_ERRORS, USER_ERRORS, build_context, fail, load_and_validate, parse_args,  # noqa: E402
+                    shutdown, stage_builder)
 
 
 def main(argv=None) -> int:
@@ -26,8 +27,10 @@ def main(argv=None) -> int:
     ctx = build_context(cfg)
     try:
         run_training(cfg, ctx, stage_builder(cfg, ctx))
-    except USER_ERRORS as e:
+    except RUN_ERRORS as e:
         fail(f"[rank {ctx.rank}] {e}")
+    finally:
+        shutdown()
     return 0
 
 

@@ -213,5 +213,17 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun shares one store across restarts (--max-restarts): give every attempt its own key
+            # space, or a restarted worker would meet stale rendezvous keys of the attempt that died.
+            world = int(os.environ["WORLD_SIZE"])
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                 timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"parallel3d/attempt_{attempt}", base)
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()

@@ -1,1 +1,16 @@
-"""Checkpoints: sharded safetensors + JSON metadata (no pickle), loadable under any layout."""
+"""Distributed checkpoints: sharded safetensors + JSON metadata, resharding on load, HF import/export.
+
+    save_checkpoint(trainer, root, step)   every rank writes the shards it owns; atomic commit + `latest`
+    load_checkpoint(trainer, directory)    any layout; a step dir or a root (follows `latest`)
+    CheckpointManager(trainer)             the policy run_training follows (interval, keep, async, resume)
+
+Modules: `store` (on-disk format, CheckpointReader), `save`, `load`, `manager`, `collective` (JSON
+all-gather, error agreement), `rng`, `hf` / `hf_moe` (Hugging Face conversion).
+"""
+from parallel3d.checkpoint.load import LoadResult, latest_checkpoint, load_checkpoint, resolve_checkpoint_dir
+from parallel3d.checkpoint.manager import CheckpointManager, resume_source
+from parallel3d.checkpoint.save import save_checkpoint
+from parallel3d.checkpoint.store import CheckpointError, CheckpointReader
+
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointReader", "LoadResult", "latest_checkpoint",
+           "load_checkpoint", "resolve_checkpoint_dir", "resume_source", "save_checkpoint"]

@@ -96,9 +96,13 @@ class CheckpointReader:
             with open(path) as f:
                 self.meta = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} is corrupt: {e}") from e
+            raise CheckpointError(f"{path} is corrupt or truncated: {e}") from e
+        if not isinstance(self.meta, dict):
+            raise CheckpointError(f"{path} is corrupt: expected a JSON object")
         if self.meta.get("format") != FORMAT:
             raise CheckpointError(f"{path}: unknown format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        if not isinstance(self.meta.get("tensors"), dict) or not isinstance(self.meta.get("files"), dict):
+            raise CheckpointError(f"{path} is corrupt: no 'tensors' / 'files' index")
         self._checked: set[str] = set()
 
     @property
@@ -119,35 +123,76 @@ class CheckpointReader:
             self._checked.add(name)
         return path
 
+    def verified_file(self, file_name: str) -> str:
+        """Path of a file listed in the metadata, after checking it exists with the recorded size and sha256."""
+        return self._file(file_name)
+
     def global_shape(self, name: str) -> tuple[int, ...]:
         if name not in self.meta["tensors"]:
             raise CheckpointError(f"tensor {name!r} not found in {self.directory}")
         return tuple(self.meta["tensors"][name]["global_shape"])
 
-    def read(self, name: str, slices: Optional[Sequence[slice]] = None) -> torch.Tensor:
-        """The part `slices` of global tensor `name`, assembled from every overlapping shard."""
+    def _plan(self, name: str, slices: Optional[Sequence[slice]]) -> tuple[tuple[slice, ...], list]:
+        """The requested slices and the (path, key, source box, destination box) parts covering them.
+
+        Raises CheckpointError naming the file when a needed shard is missing or damaged, or when the shards
+        do not cover the request. Shards with identical slices (replicas) are read once."""
         shape = self.global_shape(name)
         entry = self.meta["tensors"][name]
         slices = tuple(slices) if slices is not None else tuple(slice(0, n) for n in shape)
-        out = torch.empty([s.stop - s.start for s in slices], dtype=getattr(torch, entry["dtype"]))
-        covered = 0
+        if len(slices) != len(shape) or any(s.start < 0 or s.stop > n or s.start > s.stop
+                                            for s, n in zip(slices, shape)):
+            raise CheckpointError(f"tensor {name!r} in {self.directory}: requested slices {slices_to_json(slices)} "
+                                  f"do not fit its global shape {list(shape)}")
+        parts, seen, covered = [], set(), 0
         for shard in entry["shards"]:
             ranges = [(a, b) for a, b in shard["slices"]]
+            if tuple(map(tuple, ranges)) in seen:
+                continue
             lo = [max(a, s.start) for (a, _), s in zip(ranges, slices)]
             hi = [min(b, s.stop) for (_, b), s in zip(ranges, slices)]
             if any(l >= h for l, h in zip(lo, hi)):
                 continue
-            path = self._file(shard["file"])
+            seen.add(tuple(map(tuple, ranges)))
+            src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, ranges))
+            dst = tuple(slice(l - s.start, h - s.start) for l, h, s in zip(lo, hi, slices))
+            parts.append((self._file(shard["file"]), shard["key"], src, dst))
+            n = 1
+            for l, h in zip(lo, hi):
+                n *= h - l
+            covered += n
+        want = 1
+        for s in slices:
+            want *= s.stop - s.start
+        if covered > want:  # partially overlapping shards (replicas sharded differently): count exactly
+            mask = torch.zeros([s.stop - s.start for s in slices], dtype=torch.bool)
+            for *_, dst in parts:
+                mask[dst] = True
+            covered = int(mask.sum())
+        if covered < want:
+            raise CheckpointError(f"tensor {name!r} in {self.directory}: shards cover {covered} of {want} "
+                                  f"requested elements (a shard file is missing from the metadata)")
+        return slices, parts
+
+    def check(self, name: str, slices: Optional[Sequence[slice]] = None) -> None:
+        """Validate that `read(name, slices)` would succeed (files present, checksums, coverage), reading no data."""
+        self._plan(name, slices)
+
+    def read(self, name: str, slices: Optional[Sequence[slice]] = None) -> torch.Tensor:
+        """The part `slices` of global tensor `name`, assembled from every overlapping shard."""
+        slices, parts = self._plan(name, slices)
+        dtype = getattr(torch, self.meta["tensors"][name]["dtype"])
+        out = torch.empty([s.stop - s.start for s in slices], dtype=dtype)
+        for path, key, src, dst in parts:
             try:
                 with safe_open(path, framework="pt") as f:
-                    part = f.get_slice(shard["key"])[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, ranges))]
+                    part = f.get_slice(key)[src]
             except Exception as e:  # safetensors raises its own error types for damaged files
-                raise CheckpointError(f"cannot read {shard['key']!r} from {path}: {e}") from e
-            out[tuple(slice(l - s.start, h - s.start) for l, h, s in zip(lo, hi, slices))] = part
-            covered += part.numel()
-        if covered < out.numel():
-            raise CheckpointError(f"tensor {name!r} in {self.directory}: shards cover {covered} of {out.numel()} "
-                                  f"requested elements (a shard file is missing from the metadata)")
+                raise CheckpointError(f"cannot read {key!r} from {path}: {e}") from e
+            if tuple(part.shape) != tuple(d.stop - d.start for d in dst):
+                raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(part.shape)}, which does not "
+                                      f"match its slices in {METADATA}")
+            out[dst] = part
         return out
 
 

@@ -381,6 +381,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     if p.schedule == "interleaved":
         _require(p.virtual_stages >= 2,
                  f"schedule=interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
+        _require(p.pp >= 2, f"schedule=interleaved needs parallel.pp >= 2, got pp={p.pp}")
         _require(nmb % p.pp == 0,
                  f"schedule=interleaved needs the number of microbatches ({nmb}) divisible by "
                  f"parallel.pp={p.pp}")

@@ -1,4 +1,10 @@
-"""run_training: the outer loop around Trainer (checkpoint load/save, evaluation, metrics)."""
+"""run_training: the outer loop around Trainer (checkpoint resume/save, evaluation, metrics).
+
+Checkpoint policy (parallel3d.checkpoint.CheckpointManager): start from checkpoint.load_dir, or, when
+torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0, e.g. `--max-restarts=1` after a rank died),
+from the newest complete checkpoint in checkpoint.save_dir; save every checkpoint.interval steps and at the
+end. Resuming replays the exact data, LR and optimizer state, so the losses continue as if never stopped.
+"""
 from __future__ import annotations
 
 from parallel3d.mesh import ParallelContext
@@ -8,20 +14,21 @@ from parallel3d.training.trainer import BuildStage, Trainer, make_dataset
 
 
 def load_weights_if_any(trainer: Trainer, load_dir: str | None) -> None:
-    """Weights-only checkpoints (e.g. a Hugging Face import) initialise the model; training starts at 0."""
+    """Model weights only (evaluation): from a weights-only import or a full training checkpoint, a step
+    directory or a save root (follows `latest`). The step and optimizer stay fresh."""
     if not load_dir:
         return
-    from parallel3d.checkpoint.store import CheckpointReader, load_model_weights
+    from parallel3d.checkpoint import load_checkpoint
 
-    reader = CheckpointReader(load_dir)
-    for chunk in trainer.chunks:
-        load_model_weights(reader, chunk)
-    trainer.optimizer.reload_model_weights() if hasattr(trainer.optimizer, "reload_model_weights") else None
+    load_checkpoint(trainer, load_dir, model_only=True)
 
 
 def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> list[dict]:
+    from parallel3d.checkpoint import CheckpointManager
+
     trainer = Trainer(cfg, ctx, build_stage)
-    load_weights_if_any(trainer, cfg.checkpoint.load_dir)
+    checkpoints = CheckpointManager(trainer)
+    checkpoints.resume()
     eval_data = make_dataset(cfg, cfg.data.eval_path, seed_offset=1) if cfg.train.eval_interval else None
     records = []
     is_rank0 = ctx.rank == 0
@@ -40,4 +47,6 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
                 extra["eval_loss"], _ = trainer.evaluate(eval_data, cfg.train.eval_steps)
             records.append(logger.log(out["step"], loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                                       tokens=out["tokens"], elapsed_s=out["elapsed_s"], extra=extra))
+            checkpoints.after_step()
+        checkpoints.finish()
     return records

@@ -75,10 +75,7 @@ class Trainer:
         self.schedules = None  # built and verified once per (schedule, p, m, v) when pp > 1
 
     def _build_optimizer(self):
-        try:
-            from parallel3d.data_parallel import DistributedOptimizer
-        except ImportError:
-            from parallel3d.training.simple_optimizer import SimpleOptimizer as DistributedOptimizer
+        from parallel3d.data_parallel import DistributedOptimizer
 
         t, p = self.cfg.train, self.cfg.parallel
         return DistributedOptimizer(self.chunks, self.ctx, zero=p.zero, precision=t.precision, lr=t.lr,

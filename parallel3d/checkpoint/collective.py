@@ -1,0 +1,74 @@
+"""Small collectives the checkpoint code needs, built on `comm` (no pickle, no object collectives).
+
+Checkpoint saving and loading must never leave some ranks waiting in a collective while another rank has
+failed: every phase ends with `agree_on_errors`, an all-gather of each rank's error message (or nothing),
+after which either every rank continues or every rank raises the same CheckpointError. JSON travels as
+uint8 tensors so the same code works on gloo (CPU) and NCCL (CUDA tensors).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional, Sequence
+
+import torch
+
+from parallel3d import comm
+from parallel3d.checkpoint.store import CheckpointError
+
+
+def _gather_varlen(data: torch.Tensor, group: comm.Group, device: torch.device) -> list[torch.Tensor]:
+    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest."""
+    if group.size == 1:
+        return [data]
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = comm.all_gather(length, group).tolist()
+    padded = torch.zeros(max(max(lengths), 1), dtype=data.dtype, device=device)
+    padded[: data.numel()] = data.to(device)
+    everyone = comm.all_gather(padded, group).view(group.size, -1).cpu()
+    return [everyone[r, :n] for r, n in enumerate(lengths)]
+
+
+def all_gather_json(obj: Any, group: comm.Group, device: Optional[torch.device] = None) -> list[Any]:
+    """Every rank's JSON-able `obj`, in group-rank order (world size 1: `[obj]`, no communication)."""
+    if group.size == 1:
+        return [obj]
+    device = device or torch.device("cpu")
+    raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    return [json.loads(bytes(t.tolist()).decode()) for t in _gather_varlen(raw, group, device)]
+
+
+def agree_on_errors(error: Optional[str], group: comm.Group, device: Optional[torch.device] = None,
+                    what: str = "checkpoint") -> None:
+    """Raise CheckpointError on every rank if any rank reports an error (the lowest failing rank's message)."""
+    errors = all_gather_json(error, group, device)
+    failed = [(r, e) for r, e in zip(group.ranks, errors) if e]
+    if failed:
+        rank, message = failed[0]
+        more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        prefix = "" if group.size == 1 else f"rank {rank}{more}: "
+        raise CheckpointError(f"{what} failed: {prefix}{message}")
+
+
+def entry_key(name: str, slices: Sequence[slice]) -> int:
+    """A 63-bit fingerprint of (tensor name, slices): equal keys on two ranks mean replicas of the same data."""
+    text = name + "|" + ",".join(f"{s.start}:{s.stop}" for s in slices)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def first_holders(keys: Sequence[int], group: comm.Group, device: Optional[torch.device] = None) -> list[bool]:
+    """For each of this rank's keys: True when no lower rank holds the same key (this rank writes it).
+
+    This is the dedup rule of the checkpoint: a slice replicated over dp/tp/embedding groups (or, for
+    optimizer state, wherever the optimizer replicates it) is written by its lowest-ranked holder only,
+    whatever the layout or ZeRO stage, at the cost of one all-gather of 8 bytes per local tensor."""
+    if group.size == 1:
+        return [True] * len(keys)
+    device = device or torch.device("cpu")
+    mine = torch.tensor(list(keys), dtype=torch.int64)
+    lower: set[int] = set()
+    for r, t in enumerate(_gather_varlen(mine, group, device)):
+        if r == group.rank:
+            break
+        lower.update(t.tolist())
+    return [k not in lower for k in keys]
