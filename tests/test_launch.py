@@ -124,3 +124,39 @@ def test_hf_import_evaluate_and_train(tmp_path):
     first = _losses(log)[0]
     with torch.no_grad():  # step 0 trains from the imported weights: loss of the first global batch
         assert first < 5.0 and abs(first - ref.item()) < 0.5
+
+
+def test_imported_mixtral_evaluates_and_trains_under_expert_parallelism(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    _run(["launch/convert_hf.py", "import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 64, size=8 * 16 + 1).astype(np.uint16))
+    common = ["--config", str(tmp_path / "ckpt" / "config.yaml"), f"checkpoint.load_dir={tmp_path / 'ckpt'}",
+              f"data.path={tmp_path / 'tokens.npy'}", "train.seq_len=16", "train.global_batch_size=8",
+              "train.micro_batch_size=2"]
+    single = json.loads(_run(["launch/evaluate.py", *common]).stdout.strip().splitlines()[-1])
+    expert = json.loads(_run(["launch/evaluate.py", *common, "parallel.ep=2", "parallel.tp=2"],
+                             nproc=4).stdout.strip().splitlines()[-1])
+    assert single["tokens"] == expert["tokens"] == 8 * 16
+    assert abs(single["loss"] - expert["loss"]) <= 1e-5 * single["loss"]
+    log = tmp_path / "train.jsonl"
+    _run(["launch/pretrain.py", *common, "parallel.ep=2", "train.steps=2", f"log.jsonl={log}",
+          "train.global_batch_size=4", "train.micro_batch_size=1"], nproc=2)
+    assert len(_losses(log)) == 2
+
+
+def test_periodic_evaluation_on_held_out_file(tmp_path):
+    data = np.random.default_rng(1).integers(0, 256, size=4096).astype(np.uint16)
+    np.save(tmp_path / "train.npy", data)
+    np.save(tmp_path / "eval.npy", data[:1024])
+    log = tmp_path / "m.jsonl"
+    _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", *SMALL,
+          f"data.path={tmp_path / 'train.npy'}", f"data.eval_path={tmp_path / 'eval.npy'}", "train.eval_interval=2",
+          "train.eval_steps=2", "train.steps=4", f"log.jsonl={log}"])
+    records = [json.loads(line) for line in open(log)]
+    assert [("eval_loss" in r) for r in records] == [False, True, False, True]
+    assert all(0 < r["eval_loss"] < 10 for r in records if "eval_loss" in r)
