@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,7 +21,7 @@ USER_ERRORS = (ConfigError, CheckpointError, DataError, ValueError, FileNotFound
 RUN_ERRORS = USER_ERRORS + (CollectiveError,)  # after start-up: also a collective that timed out
 
 
-def fail(message: str, code: int = 2) -> "NoReturn":  # noqa: F821
+def fail(message: str, code: int = 2) -> NoReturn:
     rank = os.environ.get("RANK", "0")
     if rank == "0" or "RANK" not in os.environ:
         print(f"error: {message}", file=sys.stderr, flush=True)

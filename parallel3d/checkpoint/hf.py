@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -141,34 +141,32 @@ def import_hf(hf_dir: str, out_dir: str, name_map=hf_to_ours_name, config_map=hf
     return fields
 
 
-def export_hf(ckpt_dir: str, out_dir: str, name_map=ours_to_hf_name, config_map=model_fields_to_hf_config,
-              max_shard_bytes: int = 2 << 30) -> None:
-    """Write a Hugging Face directory, reading one tensor at a time (never the whole model in memory)."""
-    reader = CheckpointReader(ckpt_dir)
-    fields = reader.meta["model"]
+def write_hf_directory(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], out_dir: str,
+                       max_shard_bytes: int = 2 << 30) -> None:
+    """Write (HF name, tensor) pairs as safetensors shards of at most `max_shard_bytes` plus config.json.
+    Tensors are consumed one at a time, so a caller that reads them lazily never holds the whole model."""
     os.makedirs(out_dir, exist_ok=True)
-    names = [n for n in reader.tensor_names if "." in n and not n.startswith("optim.")]
-    weight_map, shard, shard_bytes, files = {}, {}, 0, []
+    weight_map: dict[str, str] = {}
+    files: list[str] = []
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
 
     def flush() -> None:
-        nonlocal shard, shard_bytes
+        nonlocal shard_bytes
         if shard:
             file = f"model-{len(files) + 1:05d}.safetensors"
             save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
             files.append(file)
             weight_map.update({k: file for k in shard})
-            shard, shard_bytes = {}, 0
+            shard.clear()
+            shard_bytes = 0
 
-    for name in names:
-        try:
-            hf_name = name_map(name)
-        except KeyError:
-            continue  # optimizer state or extra buffers
-        t = reader.read(name).contiguous()
-        if shard_bytes + t.numel() * t.element_size() > max_shard_bytes:
+    for hf_name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
             flush()
-        shard[hf_name] = t
-        shard_bytes += t.numel() * t.element_size()
+        shard[hf_name] = t.contiguous()
+        shard_bytes += nbytes
     flush()
     if len(files) == 1:
         os.replace(os.path.join(out_dir, files[0]), os.path.join(out_dir, "model.safetensors"))
@@ -176,4 +174,24 @@ def export_hf(ckpt_dir: str, out_dir: str, name_map=ours_to_hf_name, config_map=
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config_map(fields), f, indent=1)
+        json.dump(config, f, indent=1)
+
+
+def model_tensor_names(reader: CheckpointReader) -> list[str]:
+    """Model weights of a checkpoint (optimizer state is stored under "optim.")."""
+    return [n for n in reader.tensor_names if "." in n and not n.startswith("optim.")]
+
+
+def export_hf(ckpt_dir: str, out_dir: str, name_map=ours_to_hf_name, config_map=model_fields_to_hf_config,
+              max_shard_bytes: int = 2 << 30) -> None:
+    """Write a Hugging Face directory, reading one tensor at a time (never the whole model in memory)."""
+    reader = CheckpointReader(ckpt_dir)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in model_tensor_names(reader):
+            try:
+                hf_name = name_map(name)
+            except KeyError:
+                continue  # buffers with no Hugging Face counterpart
+            yield hf_name, reader.read(name)
+    write_hf_directory(tensors(), config_map(reader.meta["model"]), out_dir, max_shard_bytes)

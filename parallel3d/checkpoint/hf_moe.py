@@ -27,7 +27,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from parallel3d.checkpoint import hf as dense
 from parallel3d.checkpoint.store import CheckpointError, CheckpointReader, write_metadata, write_shard_file
@@ -163,42 +162,17 @@ def import_mixtral(hf_dir: str, out_dir: str) -> dict[str, Any]:
 
 def export_mixtral(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30) -> None:
     """Write a Hugging Face Mixtral directory from a native checkpoint, reading one (stacked) tensor at a
-    time and flushing safetensors shards of at most `max_shard_bytes` (never the whole model in memory)."""
+    time (never the whole model in memory)."""
     reader = CheckpointReader(ckpt_dir)
     config = model_fields_to_mixtral_config(reader.meta["model"])
-    os.makedirs(out_dir, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    files: list[str] = []
-    shard: dict[str, torch.Tensor] = {}
 
-    def flush() -> None:
-        if shard:
-            file = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
-            files.append(file)
-            weight_map.update({k: file for k in shard})
-            shard.clear()
-
-    for name in reader.tensor_names:
-        if name.startswith("optim.") or "." not in name:
-            continue
-        try:
-            mapped = _ours_tensor_to_mixtral(name, reader.read(name))
-        except KeyError:
-            continue  # optimizer state or other non-model entries
-        for hf_name, t in mapped.items():
-            if shard and sum(v.numel() * v.element_size() for v in shard.values()) + t.numel() * t.element_size() \
-                    > max_shard_bytes:
-                flush()
-            shard[hf_name] = t.contiguous()
-    flush()
-    if len(files) == 1:
-        os.replace(os.path.join(out_dir, files[0]), os.path.join(out_dir, "model.safetensors"))
-    else:
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    def tensors():
+        for name in dense.model_tensor_names(reader):
+            try:
+                yield from _ours_tensor_to_mixtral(name, reader.read(name)).items()
+            except KeyError:
+                continue  # buffers with no Hugging Face counterpart (e.g. the router bias, refused earlier)
+    dense.write_hf_directory(tensors(), config, out_dir, max_shard_bytes)
 
 
 # Same names as checkpoint.hf's config maps, for callers that pick the module by model type.
