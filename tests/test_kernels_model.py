@@ -1,5 +1,4 @@
 """The Llama trained with the Triton kernels forced on (interpreter on CPU) matches the torch path."""
-import pytest
 import torch
 
 from models.config import ModelConfig
