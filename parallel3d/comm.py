@@ -160,18 +160,34 @@ class P2P:
     peer: int
 
 
-def batch_p2p(ops: Sequence[P2P], group: Group) -> None:
-    """Issue sends and receives together (batch_isend_irecv) and wait for all of them."""
-    if not ops:
-        return
+@dataclass
+class PendingP2P:
+    """Sends and receives in flight; `wait()` before reading the received buffers (or reusing sent ones)."""
+    group: Group
+    works: list
+    tensors: list  # kept alive until the transfers finish
+
+    def wait(self) -> None:
+        for w in self.works:
+            _run(self.group, "batch_p2p wait", w.wait)
+        self.works, self.tensors = [], []
+
+
+def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
+    """Post sends and receives together (batch_isend_irecv) and return at once, so the caller can compute
+    while they travel (ring attention overlaps the next K/V block's transfer with this block's math)."""
     p2p_ops = []
     for o in ops:
         group._record(o.op, _nbytes(o.tensor))
         fn = dist.isend if o.op == "send" else dist.irecv
         p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
-    works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops))
-    for w in works:
-        _run(group, "batch_p2p wait", w.wait)
+    works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops)) if p2p_ops else []
+    return PendingP2P(group, list(works), [o.tensor for o in ops])
+
+
+def batch_p2p(ops: Sequence[P2P], group: Group) -> None:
+    """Issue sends and receives together (batch_isend_irecv) and wait for all of them."""
+    start_batch_p2p(ops, group).wait()
 
 
 def barrier(group: Group) -> None:

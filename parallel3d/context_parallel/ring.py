@@ -20,8 +20,8 @@ Backward: K/V travel the same way; each rank adds its block's dK/dV into an accu
 with them and, after the last step, one more hop brings it home to the owner. dQ stays local.
 Per rank: forward sends cp-1 K/V blocks; backward sends cp-1 K/V blocks and cp dK/dV blocks.
 
-Note: `comm.batch_p2p` waits for its transfers, so on gloo the communication does not overlap compute;
-the order (post next block, then compute) is what an asynchronous p2p needs for overlap.
+The next block's transfer is posted with `comm.start_batch_p2p` and waited only after this block's
+math, so communication overlaps compute (gloo and NCCL both progress the p2p in the background).
 """
 from __future__ import annotations
 
@@ -77,12 +77,13 @@ class RingAttention(torch.autograd.Function):
             src = (r - i) % cp
             if i < cp - 1:  # post the next block's transfer before computing on this one
                 kv_next = torch.empty_like(kv)
-                comm.batch_p2p(_ring_ops(kv, kv_next, group), group)
+                pending = comm.start_batch_p2p(_ring_ops(kv, kv_next, group), group)
             for (q0, q1), (k0, k1), blk_causal in block_plan(r, src, cp, causal):
                 qs, ks = slice(q0 * c, q1 * c), slice(k0 * c, k1 * c)
                 o_i, l_i = block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], blk_causal, scale, backend)
                 merge_into(out[:, qs], lse[..., qs], o_i, l_i)  # out = sum_i exp(lse_i - lse) * out_i
             if i < cp - 1:
+                pending.wait()
                 kv = kv_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -105,7 +106,7 @@ class RingAttention(torch.autograd.Function):
             src = (r - i) % cp
             if i < cp - 1:
                 kv_next = torch.empty_like(kv)
-                comm.batch_p2p(_ring_ops(kv, kv_next, group), group)
+                pending = comm.start_batch_p2p(_ring_ops(kv, kv_next, group), group)
             dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # (2, b, s/cp, hk, d)
             for (q0, q1), (k0, k1), blk_causal in block_plan(r, src, cp, causal):
                 qs, ks = slice(q0 * c, q1 * c), slice(k0 * c, k1 * c)
@@ -116,6 +117,8 @@ class RingAttention(torch.autograd.Function):
                 dkv[1][:, ks] += dv_i
             if dkv_in is not None:
                 dkv += dkv_in  # contributions of the ranks this block visited before
+            if i < cp - 1:
+                pending.wait()  # the K/V transfer overlapped this block's gradient math
             # pass the accumulator on; after step cp-1 the one received is our own block's, complete
             dkv_in = torch.empty_like(dkv)
             comm.batch_p2p(_ring_ops(dkv, dkv_in, group), group)
