@@ -9,9 +9,9 @@ Every parameter created by a parallel3d layer carries `param.meta: ParamMeta`:
   replicated     names of context groups over which the slice is replicated (count it once in norms)
   init           "normal" | "ones" | "zeros"; `init_name` overrides the name used for seeding (tied copies)
 
-Initialisation is a function of (seed, name, global shape): the full tensor is drawn from a generator
-seeded by a stable hash of (seed, name) and this rank keeps its slice, so every layout starts from the
-same weights.
+Initialisation is a function of (seed, name, global shape): values are drawn in row blocks, each from a
+generator seeded by a stable hash of (seed, name, block), and a rank draws only the blocks its slice
+overlaps, so every layout starts from the same weights without materialising whole tensors.
 """
 from __future__ import annotations
 
@@ -60,21 +60,48 @@ def new_param(local_shape: tuple[int, ...], meta: ParamMeta, dtype: torch.dtype 
     return p
 
 
-def _seed_for(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+def _seed_for(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}:{block}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def global_init_tensor(seed: int, name: str, meta: ParamMeta, default_std: float) -> torch.Tensor:
-    """The whole parameter as every layout sees it (fp32, CPU)."""
+_BLOCK_ELEMENTS = 1 << 22  # random values are drawn in row blocks of about 16 MB
+
+
+def init_slice(seed: int, name: str, meta: ParamMeta, default_std: float,
+               slices: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
+    """Part `slices` (default: this rank's meta.slices) of the layout-independent initial value (fp32, CPU).
+
+    Values are drawn in blocks of rows whose size depends only on the global shape, each block from its own
+    generator seeded by (seed, name, block index). A rank therefore draws only the row blocks it overlaps:
+    the full tensor (e.g. a 128k-row embedding) is never materialised on a rank that holds a shard of it.
+    """
     shape = meta.global_shape
-    if meta.init == "ones":
-        return torch.ones(shape)
-    if meta.init == "zeros":
-        return torch.zeros(shape)
-    gen = torch.Generator().manual_seed(_seed_for(seed, meta.init_name or name))
+    slices = meta.slices if slices is None else slices
+    out_shape = tuple(s.stop - s.start for s in slices)
+    if meta.init in ("ones", "zeros"):
+        return (torch.ones if meta.init == "ones" else torch.zeros)(out_shape)
     std = default_std if meta.std is None else meta.std
-    return torch.randn(shape, generator=gen) * std
+    if len(shape) == 0:
+        gen = torch.Generator().manual_seed(_seed_for(seed, meta.init_name or name, 0))
+        return torch.randn((), generator=gen) * std
+    row_numel = max(1, int(torch.tensor(shape[1:]).prod().item()) if len(shape) > 1 else 1)
+    rows_per_block = max(1, _BLOCK_ELEMENTS // row_numel)
+    out = torch.empty(out_shape)
+    r0, r1 = slices[0].start, slices[0].stop
+    for block in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1 if r1 > r0 else 0):
+        b0 = block * rows_per_block
+        b1 = min(b0 + rows_per_block, shape[0])
+        gen = torch.Generator().manual_seed(_seed_for(seed, meta.init_name or name, block))
+        values = torch.randn((b1 - b0,) + tuple(shape[1:]), generator=gen) * std  # (rows in block, ...)
+        lo, hi = max(b0, r0), min(b1, r1)
+        out[lo - r0:hi - r0] = values[(slice(lo - b0, hi - b0),) + tuple(slices[1:])]
+    return out
+
+
+def global_init_tensor(seed: int, name: str, meta: ParamMeta, default_std: float) -> torch.Tensor:
+    """The whole parameter as every layout sees it (fp32, CPU): for tests and tools, not for training."""
+    return init_slice(seed, name, meta, default_std, full_slices(meta.global_shape))
 
 
 @torch.no_grad()
@@ -85,8 +112,7 @@ def init_parameters(module: torch.nn.Module, seed: int, default_std: float = 0.0
         meta = getattr(p, "meta", None)
         if meta is None:
             meta = p.meta = ParamMeta(tuple(p.shape), full_slices(p.shape))
-        full = global_init_tensor(seed, name, meta, default_std)
-        load_global_slice(p, full[meta.slices])
+        load_global_slice(p, init_slice(seed, name, meta, default_std))
 
 
 @torch.no_grad()

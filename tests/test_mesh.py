@@ -83,3 +83,23 @@ def test_single_context_needs_no_distributed():
     ctx = ParallelContext.single()
     assert not dist.is_initialized()
     assert ctx.tp.size == 1 and ctx.tp.rank == 0 and ctx.is_first_stage and ctx.is_last_stage
+
+
+def test_init_slices_agree_with_the_global_tensor(monkeypatch):
+    """Layout-free init: any slice drawn alone equals that slice of the whole tensor (many row blocks)."""
+    import torch
+
+    import parallel3d.params as params
+
+    monkeypatch.setattr(params, "_BLOCK_ELEMENTS", 50)
+    for shape in [(37, 10), (5, 7, 3), (12,)]:
+        meta = params.ParamMeta(shape, params.full_slices(shape))
+        full = params.global_init_tensor(3, "w", meta, 0.02)
+        assert full.std() > 0.01
+        for rows in [(0, shape[0]), (3, min(20, shape[0])), (shape[0] - 1, shape[0])]:
+            sl = (slice(*rows),) + params.full_slices(shape)[1:]
+            if len(shape) > 1:
+                sl = sl[:1] + (slice(1, shape[1] - 1),) + sl[2:]
+            assert torch.equal(params.init_slice(3, "w", params.ParamMeta(shape, sl), 0.02), full[sl])
+        other = params.global_init_tensor(3, "v", meta, 0.02)
+        assert not torch.equal(full, other)  # the name is part of the seed
