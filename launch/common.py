@@ -82,8 +82,15 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
 
 
 def shutdown() -> None:
-    """Tear the process groups down cleanly (an abandoned gloo group can abort at interpreter exit)."""
+    """Tear the process groups down cleanly (an abandoned gloo group can abort at interpreter exit).
+
+    The barrier first: a rank that destroys its groups while a peer is still finishing the last collective
+    can leave that peer's gloo thread failing on a closed connection (seen once as SIGABRT at exit)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass  # a peer is already gone (error path): nothing to wait for
         dist.destroy_process_group()
