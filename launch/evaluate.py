@@ -36,9 +36,8 @@ def main(argv=None) -> int:
         steps = max(1, len(trainer.dataset) // cfg.train.global_batch_size)
         loss, tokens = trainer.evaluate(trainer.dataset, steps)
     except RUN_ERRORS as e:
-        fail(f"[rank {ctx.rank}] {e}")
-    finally:
-        shutdown()
+        fail(f"[rank {ctx.rank}] {e}")  # no teardown: peers may be stuck; torchrun ends them
+    shutdown()
     if ctx.rank == 0:
         print(json.dumps({"loss": loss, "tokens": int(tokens)}), flush=True)
     return 0

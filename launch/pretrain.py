@@ -28,9 +28,8 @@ def main(argv=None) -> int:
     try:
         run_training(cfg, ctx, stage_builder(cfg, ctx))
     except RUN_ERRORS as e:
-        fail(f"[rank {ctx.rank}] {e}")
-    finally:
-        shutdown()
+        fail(f"[rank {ctx.rank}] {e}")  # no teardown: peers may be stuck; torchrun ends them
+    shutdown()
     return 0
 
 
