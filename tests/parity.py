@@ -42,3 +42,27 @@ def assert_close_dicts(got: dict, ref: dict, rtol: float = 1e-4, atol: float = 1
     for name, t in got.items():
         assert not torch.isnan(t).any(), f"{what} {name}: some slice was never filled"
         torch.testing.assert_close(t, ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def enlarge_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Hugging Face parity: weights large enough that RoPE, the norms, attention and routing all move the
+    logits far beyond the comparison tolerance (with std 0.02 attention is nearly uniform)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.25)
+    return model
+
+
+def load_imported(ckpt_dir: str, model_cls: type, **overrides) -> torch.nn.Module:
+    """Our model (world size 1) with the weights of a native checkpoint, config fields overridable."""
+    from models.config import ModelConfig
+    from parallel3d.checkpoint.store import CheckpointReader, load_model_weights
+    from parallel3d.mesh import ParallelContext
+
+    reader = CheckpointReader(ckpt_dir)
+    model = model_cls(ModelConfig(**{**reader.meta["model"], **overrides}), ParallelContext.single()).eval()
+    load_model_weights(reader, model)
+    return model

@@ -6,11 +6,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models.config import ModelConfig  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from parallel3d.checkpoint.hf import export_hf, import_hf  # noqa: E402
-from parallel3d.checkpoint.store import CheckpointReader, load_model_weights  # noqa: E402
-from parallel3d.mesh import ParallelContext  # noqa: E402
+from parity import enlarge_weights, load_imported  # noqa: E402
 
 
 def _hf_model(tied: bool, seed: int = 0):
@@ -19,21 +17,11 @@ def _hf_model(tied: bool, seed: int = 0):
                                    num_key_value_heads=2, intermediate_size=80, rms_norm_eps=1e-5,
                                    max_position_embeddings=64, tie_word_embeddings=tied, rope_theta=50.0)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # large weights so RoPE, the norms and attention all move the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.25)
-    return model
+    return enlarge_weights(model)
 
 
 def _ours(ckpt_dir, **overrides) -> Llama:
-    reader = CheckpointReader(ckpt_dir)
-    cfg = ModelConfig(**{**reader.meta["model"], **overrides})
-    model = Llama(cfg, ParallelContext.single()).eval()
-    load_model_weights(reader, model)
-    return model
+    return load_imported(ckpt_dir, Llama, **overrides)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -10,8 +10,8 @@ from models.config import ModelConfig  # noqa: E402
 from models.moe import MoETransformer  # noqa: E402
 from parallel3d.checkpoint.hf_moe import (export_mixtral, import_mixtral, mixtral_config_to_model_fields,  # noqa: E402
                                           mixtral_to_ours, model_fields_to_mixtral_config, ours_to_mixtral)
-from parallel3d.checkpoint.store import CheckpointError, CheckpointReader, load_model_weights  # noqa: E402
-from parallel3d.mesh import ParallelContext  # noqa: E402
+from parallel3d.checkpoint.store import CheckpointError, CheckpointReader  # noqa: E402
+from parity import enlarge_weights, load_imported  # noqa: E402
 
 VOCAB, EXPERTS = 96, 4
 
@@ -23,21 +23,11 @@ def _hf_model(seed: int = 0, tied: bool = False):
                                      num_experts_per_tok=2, max_position_embeddings=64, rope_theta=50.0,
                                      tie_word_embeddings=tied, attn_implementation="eager")
     model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():  # large weights so RoPE, norms, attention and the routing all move the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.25)
-    return model
+    return enlarge_weights(model)
 
 
 def _ours(ckpt_dir, **overrides) -> MoETransformer:
-    reader = CheckpointReader(ckpt_dir)
-    cfg = ModelConfig(**{**reader.meta["model"], **overrides})
-    model = MoETransformer(cfg, ParallelContext.single()).eval()
-    load_model_weights(reader, model)
-    return model
+    return load_imported(ckpt_dir, MoETransformer, **overrides)
 
 
 @pytest.mark.parametrize("tied", [False, True])
