@@ -98,18 +98,11 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's t along dim (all ranks' shapes equal)."""
     if group.size == 1:
         return t
-    t = t.contiguous()
-    out = torch.empty((group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    if dim != 0:
-        t_moved = t.movedim(dim, 0).contiguous()
-        out = torch.empty((group.size * t_moved.shape[0],) + tuple(t_moved.shape[1:]), dtype=t.dtype,
-                          device=t.device)
-        group._record("all_gather", _nbytes(out))
-        _run(group, "all_gather", lambda: dist.all_gather_single(out, t_moved, group=group.pg))
-        return out.movedim(0, dim).contiguous()
+    src = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move the axis back
+    out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("all_gather", _nbytes(out))
-    _run(group, "all_gather", lambda: dist.all_gather_single(out, t, group=group.pg))
-    return out
+    _run(group, "all_gather", lambda: dist.all_gather_single(out, src, group=group.pg))
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -160,6 +153,43 @@ class P2P:
     peer: int
 
 
+# ---- asynchronous collectives (bucketed gradient reduction, ZeRO-3 prefetch) -------------------------
+# Same accounting as the blocking ones; a group of size 1 moves nothing, records nothing, returns None.
+
+def start_all_reduce(t: torch.Tensor, group: Group) -> Optional[object]:
+    """In-place sum over the group; returns the work handle to `wait_work` (None for size 1)."""
+    if group.size == 1:
+        return None
+    group._record("all_reduce", _nbytes(t))
+    return _run(group, "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg,
+                                                             async_op=True))
+
+
+def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
+    """out (n,) <- this rank's n-element block of the sum over ranks of inp (size * n,)."""
+    if group.size == 1:
+        out.copy_(inp)
+        return None
+    group._record("reduce_scatter", _nbytes(inp))
+    return _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, inp, group=group.pg,
+                                                                            async_op=True))
+
+
+def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
+    """out (size * n,) <- every rank's inp (n,), in group-rank order."""
+    if group.size == 1:
+        out.copy_(inp)
+        return None
+    group._record("all_gather", _nbytes(out))
+    return _run(group, "all_gather", lambda: dist.all_gather_single(out, inp, group=group.pg, async_op=True))
+
+
+def wait_work(work: Optional[object], group: Group, op: str) -> None:
+    """Wait for a handle from a start_* call; a failure or timeout names the op and the group."""
+    if work is not None:
+        _run(group, op, work.wait)
+
+
 @dataclass
 class PendingP2P:
     """Sends and receives in flight; `wait()` before reading the received buffers (or reusing sent ones)."""
@@ -169,7 +199,7 @@ class PendingP2P:
 
     def wait(self) -> None:
         for w in self.works:
-            _run(self.group, "batch_p2p wait", w.wait)
+            wait_work(w, self.group, "batch_p2p wait")
         self.works, self.tensors = [], []
 
 

@@ -40,8 +40,8 @@ from parallel3d.data_parallel import state as _state
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
 from parallel3d.data_parallel.build import init_bucket, plan, reduction_group
 from parallel3d.data_parallel.clip import adamw_, clip_, grad_stats
-from parallel3d.data_parallel.collectives import (clone_group, start_all_gather, start_all_reduce,
-                                                  start_reduce_scatter, wait)
+from parallel3d.comm import start_all_gather, start_all_reduce, start_reduce_scatter, wait_work
+from parallel3d.data_parallel.collectives import clone_group
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
 from parallel3d.data_parallel.zero3 import Zero3
 from parallel3d.mesh import ParallelContext
@@ -153,7 +153,7 @@ class DistributedOptimizer:
             self._finalize(self._inflight.popleft())   # frees ZeRO-2/3 full buffers early
 
     def _finalize(self, b: Bucket) -> None:
-        wait(b.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
+        wait_work(b.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
         b.work = None
         if self.zero == 1:
             seg = b.grad_full[b.shard * b.seg: (b.shard + 1) * b.seg]
@@ -167,7 +167,7 @@ class DistributedOptimizer:
     def zero_grad(self) -> None:
         for b in self.buckets:
             if b.work is not None:
-                wait(b.work, b.group, "reduction")
+                wait_work(b.work, b.group, "reduction")
             b.count, b.ready, b.launched, b.work, b.out = 0, False, False, None, None
             if self.zero <= 1:
                 b.grad_full.zero_()
@@ -269,7 +269,7 @@ class DistributedOptimizer:
             full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
             pending.append((b, full, start_all_gather(full, shard, b.group)))
         for b, full, work in pending:
-            wait(work, b.group, "all_gather")
+            wait_work(work, b.group, "all_gather")
             for s in b.slots:
                 copy_rows_out(full, b.seg, b.nshard, s, s.param.data)
 

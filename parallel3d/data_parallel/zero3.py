@@ -30,9 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from parallel3d.comm import Group
+from parallel3d.comm import Group, start_all_gather, wait_work
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
-from parallel3d.data_parallel.collectives import start_all_gather, wait
 
 
 def find_units(root: nn.Module) -> list[nn.Module]:
@@ -100,7 +99,7 @@ class Zero3:
             return
         self.start_gather(unit)
         for b, full, work in unit.pending:
-            wait(work, self.groups[b.expert], "all_gather")
+            wait_work(work, self.groups[b.expert], "all_gather")
             for s in b.slots:
                 data = s.param.data
                 storage = data.untyped_storage()
@@ -114,7 +113,7 @@ class Zero3:
     def free(self, unit: Unit) -> None:
         if unit.pending is not None:  # a prefetch that was not used: finish it before dropping buffers
             for b, _, work in unit.pending:
-                wait(work, self.groups[b.expert], "all_gather")
+                wait_work(work, self.groups[b.expert], "all_gather")
             unit.pending = None
         for p in unit.params:
             p.data.untyped_storage().resize_(0)
