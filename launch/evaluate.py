@@ -31,7 +31,7 @@ def main(argv=None) -> int:
 
     ctx = build_context(cfg)
     try:
-        trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
+        trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx), train=False)
         load_weights_if_any(trainer, cfg.checkpoint.load_dir)
         steps = max(1, len(trainer.dataset) // cfg.train.global_batch_size)
         loss, tokens = trainer.evaluate(trainer.dataset, steps)

@@ -192,7 +192,8 @@ def load_checkpoint(trainer: Any, directory: str, model_only: bool = False) -> L
     except (CheckpointError, DataError, OSError, ValueError, KeyError, TypeError) as e:
         error = f"{e}" if isinstance(e, (CheckpointError, DataError)) else f"{directory}: {type(e).__name__}: {e}"
     agree_on_errors(error, ctx.world, ctx.device, "loading checkpoint")
-    _load_optimizer(reader, trainer, result.weights_only)
+    if trainer.optimizer is not None:  # an evaluation-only trainer has none
+        _load_optimizer(reader, trainer, result.weights_only)
     if not result.weights_only:
         trainer.step = result.step
     return result

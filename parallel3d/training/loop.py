@@ -39,7 +39,7 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
     with logger:
         while trainer.step < cfg.train.steps:
             out = trainer.train_step()
-            extra = {"skipped": out["skipped"], "loss_scale": getattr(trainer.optimizer, "loss_scale", 1.0)}
+            extra = {"skipped": out["skipped"], "loss_scale": trainer.optimizer.loss_scale}
             for chunk in trainer.chunks:
                 if hasattr(chunk, "moe_load_stats"):
                     extra.update(chunk.moe_load_stats())

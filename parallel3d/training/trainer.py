@@ -56,7 +56,9 @@ def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict[str, to
 
 
 class Trainer:
-    def __init__(self, cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> None:
+    def __init__(self, cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage,
+                 train: bool = True) -> None:
+        """train=False (evaluation) builds no optimizer: no fp32 master weights or Adam state."""
         self.cfg, self.ctx = cfg, ctx
         p = cfg.parallel
         v = p.virtual_stages if p.schedule == "interleaved" else 1
@@ -68,7 +70,7 @@ class Trainer:
         self.chunks = [build_stage(stages[s], s == 0, s == last).to(ctx.device) for s in self.stage_ids]
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
-        self.optimizer = self._build_optimizer()
+        self.optimizer = self._build_optimizer() if train else None
         self.dataset = make_dataset(cfg, cfg.data.path)
         self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
