@@ -119,6 +119,8 @@ MOE = ("model.num_experts=4", "model.moe_top_k=2")
     (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4",
          "train.global_batch_size=3"], r"needs the number of microbatches \(3\) divisible by parallel.pp=2"),
     (2, ["parallel.pp=2", "parallel.virtual_stages=2"], r"virtual_stages=2 needs schedule=interleaved"),
+    (1, ["parallel.pp=1", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4"],
+     r"schedule=interleaved needs parallel.pp >= 2"),
     (4, ["parallel.pp=4", "model.num_layers=2"], r"model.num_layers=2 is fewer than pp\*virtual_stages"),
     (2, ["parallel.pp=2", "parallel.layers_per_stage=[1,2]"], r"sums to 3, not model.num_layers=2"),
     (2, ["parallel.pp=2", "parallel.layers_per_stage=[2]"], r"must list 2 positive counts"),
