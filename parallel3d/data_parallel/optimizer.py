@@ -255,6 +255,20 @@ class DistributedOptimizer:
         self.publish_params()
         return True
 
+    def skip_step(self) -> bool:
+        """The trainer skips this step (non-finite loss or gradients): no update, but an fp16 dynamic
+        scaler still sees the overflow and backs off, so later steps can succeed. Returns False."""
+        self._prepare()
+        if self.scaler is not None:
+            self.scaler.update(True)
+        self._prepared = False
+        return False
+
+    @property
+    def overflowed(self) -> bool:
+        """The prepared gradients hold inf/nan (after clip_grad_norm or step preparation)."""
+        return self._found_inf
+
     @torch.no_grad()
     def publish_params(self) -> None:
         """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2)."""

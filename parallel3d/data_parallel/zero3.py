@@ -61,6 +61,15 @@ class Unit:
     next_bwd: Optional["Unit"] = None
 
 
+def check_split_backward(split: bool) -> None:
+    """ZeRO-3 gathers a unit when the gradient of its output arrives and frees it when its parameters'
+    gradients have; a split backward (zero-bubble schedules) computes the weight gradients later, from
+    recorded intermediates that bypass those triggers, after later forwards have freed the unit."""
+    if split:
+        raise ValueError("ZeRO-3 (parallel.zero=3) does not support a schedule that splits backward into "
+                         "input and weight passes (zb-h1); use zero<=2 or schedule=1f1b/interleaved")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 

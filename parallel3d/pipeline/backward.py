@@ -128,26 +128,41 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor |
 
 
 def backward_weight(work: WeightWork) -> None:
-    """Accumulate the weight gradients into ``param.grad`` (hooks fire); frees the graph."""
+    """Accumulate the weight gradients into ``param.grad`` (hooks fire); frees the graph.
+
+    All groups run in *one* engine call: a gradient consumer (the DistributedOptimizer) sees one
+    backward per microbatch, as with a plain ``backward()``, and its end-of-backward callback fires
+    once, after every weight gradient has arrived. Intermediates lie on one path, so the gradient
+    from one group's intermediate would flow into another's and be counted twice; a pre-hook pins
+    every intermediate to the gradient recorded during the input pass (the exact value it would
+    have received).
+    """
+    edges, grads, inputs = [], [], []
+    pinned: dict[Node, tuple] = {}
     for group in work.groups:
-        edges, grads = [], []
+        seeded = False
         for node in group.nodes:
-            for i, g in enumerate(group.grads.get(node, ())):
+            recorded = group.grads.get(node, ())
+            for i, g in enumerate(recorded):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        if not edges:
-            continue
-        # An intermediate reachable from another one would get its gradient twice (the recorded
-        # one plus one recomputed through the other); pin each to the recorded value.
-        handles = [n.register_prehook(lambda _, saved=group.grads.get(n): saved)
-                   for n in group.nodes if len(group.nodes) > 1 and n in group.grads]
+                    seeded = True
+            if recorded:
+                pinned[node] = recorded
+        if seeded:
+            inputs += group.params
+    if work.rest:  # parameters off the input path: the whole backward from the output reaches them
+        edges.append(work.output)
+        grads.append(work.grad)
+        inputs += work.rest
+    if edges:
+        multi = len(edges) > 1
+        handles = [n.register_prehook(lambda _, saved=saved: saved) for n, saved in pinned.items()] if multi else []
         try:
-            torch.autograd.backward(edges, grads, inputs=group.params)
+            torch.autograd.backward(edges, grads, inputs=inputs)
         finally:
             for h in handles:
                 h.remove()
-    if work.rest:
-        torch.autograd.backward(work.output, work.grad, inputs=work.rest)
     work.groups.clear()
     work.output = work.grad = None

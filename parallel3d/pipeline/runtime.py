@@ -213,6 +213,8 @@ class _Executor:
             self.hand_over(out.detach().contiguous(), mb, c, forward=True)  # (b, s_local, h)
         if self.train:
             aux = getattr(self.chunks[c], "last_aux_loss", None) if stage != self.last else None
+            if aux is not None:  # part of the objective, so part of the reported loss too
+                self.total += aux.detach().float() * self.loss_scale
             self.slots[(mb, c)] = _Slot(x if stage > 0 else None, out, aux=aux)
             self.stats.peak_live = max(self.stats.peak_live, len(self.slots))
 

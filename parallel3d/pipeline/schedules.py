@@ -300,6 +300,8 @@ def zb_h1(p: int, m: int) -> list[list[Action]]:
 
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# schedules whose backward runs as an input-gradient pass and a later weight-gradient pass
+SPLIT_BACKWARD = frozenset({"zb-h1"})
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:

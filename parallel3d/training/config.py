@@ -389,6 +389,13 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         _require(p.virtual_stages == 1,
                  f"parallel.virtual_stages={p.virtual_stages} needs schedule=interleaved "
                  f"(got schedule={p.schedule})")
+    if p.pp > 1 and p.zero == 3:
+        from parallel3d.data_parallel.zero3 import check_split_backward
+        from parallel3d.pipeline.schedules import SPLIT_BACKWARD
+        try:
+            check_split_backward(p.schedule in SPLIT_BACKWARD)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     layers = getattr(m, "num_layers", None)
     if layers is not None:
         _require(layers >= chunks,

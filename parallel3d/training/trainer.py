@@ -134,15 +134,20 @@ class Trainer:
         grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)
         loss_value = loss.item()
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-        if not finite and cfg.train.nan_policy == "stop":
+        # fp16 overflow is the dynamic loss scaler's business (skip + back off), not a NaN-policy event
+        overflow = not finite and opt.scaler is not None and not opt.scaler.static
+        if not finite and not overflow and cfg.train.nan_policy == "stop":
             raise NonFiniteError(f"step {self.step}: non-finite loss {loss_value} or grad norm {grad_norm} "
                                  f"(rank {ctx.rank}); train.nan_policy=stop")
-        stepped = opt.step(lr) if finite else False
-        if not finite:
+        stepped = opt.step(lr) if finite else opt.skip_step()
+        if overflow and ctx.rank == 0:
+            print(f"step {self.step}: fp16 overflow, step skipped; loss scale -> {opt.loss_scale:g}", flush=True)
+        elif not finite:
             print(f"[rank {ctx.rank}] step {self.step}: non-finite loss {loss_value} / grad norm {grad_norm}; "
                   f"step skipped (train.nan_policy=skip)", flush=True)
         self.step += 1
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
+                "loss_scale": opt.loss_scale,
                 "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0}
 
     @torch.no_grad()
