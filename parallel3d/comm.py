@@ -44,14 +44,31 @@ class CommStats:
         return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
 
 
+class SimulatedProcessGroup:
+    """Stands in for a process group in a dry run of one rank (planner, fake-CUDA tests): no peer exists,
+    so collectives move nothing. Output buffers keep their (correct) shapes and are filled as if every rank
+    held this rank's data; the bytes are recorded exactly as with a real group."""
+
+    def __repr__(self) -> str:
+        return "SimulatedProcessGroup()"
+
+
 @dataclass
 class Group:
-    """One process group as seen from this rank. `pg` is None when size == 1 (no communication)."""
+    """One process group as seen from this rank. `pg` is None when size == 1 (no communication).
+
+    `device` is where this group's tensors must live (cuda for NCCL, cpu for gloo); every collective checks
+    it, so a tensor on the wrong device fails here, on CPU, as it would fail under NCCL."""
     name: str
     ranks: list[int]
     global_rank: int
     pg: object = None
     stats: Optional[CommStats] = None
+    device: Optional[torch.device] = None
+
+    @property
+    def simulated(self) -> bool:
+        return isinstance(self.pg, SimulatedProcessGroup)
 
     @property
     def size(self) -> int:
@@ -74,7 +91,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(group: Group, op: str, fn: Callable[[], object]) -> object:
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index is None or have.index == want.index)
+
+
+def check_placement(group: Group, op: str, *tensors: torch.Tensor) -> None:
+    """Raise CollectiveError if a tensor handed to `op` is not on the group's device (NCCL would fail)."""
+    if group.device is None:
+        return
+    for t in tensors:
+        if not _same_device(t.device, group.device):
+            raise CollectiveError(f"{op} on {group.name} group (ranks {group.ranks}): tensor of shape "
+                                  f"{tuple(t.shape)} is on {t.device}, the group's device is {group.device}")
+
+
+def _run(group: Group, op: str, fn: Callable[[], object], *tensors: torch.Tensor) -> object:
+    check_placement(group, op, *tensors)
+    if group.simulated:
+        return None
     try:
         return fn()
     except RuntimeError as e:
@@ -90,7 +124,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     if group.size == 1:
         return t
     group._record("all_reduce", _nbytes(t))
-    _run(group, "all_reduce", lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg))
+    _run(group, "all_reduce", lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg), t)
     return t
 
 
@@ -101,7 +135,9 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     src = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move the axis back
     out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("all_gather", _nbytes(out))
-    _run(group, "all_gather", lambda: dist.all_gather_single(out, src, group=group.pg))
+    _run(group, "all_gather", lambda: dist.all_gather_single(out, src, group=group.pg), src)
+    if group.simulated:
+        out.copy_(src.repeat((group.size,) + (1,) * (src.dim() - 1)))
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -115,7 +151,9 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     src = t.movedim(dim, 0).contiguous() if dim != 0 else t.contiguous()
     out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("reduce_scatter", _nbytes(src))
-    _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, src, group=group.pg))
+    _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, src, group=group.pg), src)
+    if group.simulated:
+        out.copy_(src.narrow(0, group.rank * out.shape[0], out.shape[0]))
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -132,7 +170,9 @@ def all_to_all(t: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]
     group._record("all_to_all", _nbytes(t))
     _run(group, "all_to_all", lambda: dist.all_to_all_single(
         out, t, None if out_splits is None else list(out_splits),
-        None if in_splits is None else list(in_splits), group=group.pg))
+        None if in_splits is None else list(in_splits), group=group.pg), t)
+    if group.simulated:
+        _simulate_all_to_all(out, t)
     return out
 
 
@@ -141,7 +181,7 @@ def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     if group.size == 1:
         return t
     group._record("broadcast", _nbytes(t))
-    _run(group, "broadcast", lambda: dist.broadcast(t, group.ranks[src], group=group.pg))
+    _run(group, "broadcast", lambda: dist.broadcast(t, group.ranks[src], group=group.pg), t)
     return t
 
 
@@ -162,7 +202,7 @@ def start_all_reduce(t: torch.Tensor, group: Group) -> Optional[object]:
         return None
     group._record("all_reduce", _nbytes(t))
     return _run(group, "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg,
-                                                             async_op=True))
+                                                             async_op=True), t)
 
 
 def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
@@ -171,8 +211,11 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
         out.copy_(inp)
         return None
     group._record("reduce_scatter", _nbytes(inp))
-    return _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, inp, group=group.pg,
-                                                                            async_op=True))
+    work = _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, inp, group=group.pg,
+                                                                            async_op=True), out, inp)
+    if group.simulated:
+        out.copy_(inp.narrow(0, group.rank * out.numel(), out.numel()))
+    return work
 
 
 def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
@@ -181,7 +224,11 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
         out.copy_(inp)
         return None
     group._record("all_gather", _nbytes(out))
-    return _run(group, "all_gather", lambda: dist.all_gather_single(out, inp, group=group.pg, async_op=True))
+    work = _run(group, "all_gather", lambda: dist.all_gather_single(out, inp, group=group.pg, async_op=True),
+                out, inp)
+    if group.simulated:
+        out.copy_(inp.repeat(group.size))
+    return work
 
 
 def wait_work(work: Optional[object], group: Group, op: str) -> None:
@@ -209,10 +256,11 @@ def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
     p2p_ops = []
     for o in ops:
         group._record(o.op, _nbytes(o.tensor))
-        fn = dist.isend if o.op == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
-    works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops)) if p2p_ops else []
-    return PendingP2P(group, list(works), [o.tensor for o in ops])
+        if not group.simulated:
+            fn = dist.isend if o.op == "send" else dist.irecv
+            p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
+    works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops), *(o.tensor for o in ops)) if ops else []
+    return PendingP2P(group, list(works or []), [o.tensor for o in ops])
 
 
 def batch_p2p(ops: Sequence[P2P], group: Group) -> None:
@@ -225,6 +273,41 @@ def barrier(group: Group) -> None:
         return
     group._record("barrier", 0)
     _run(group, "barrier", lambda: dist.barrier(group=group.pg))
+
+
+def _simulate_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
+    """Every peer sends what this rank sends: the received rows are this rank's rows, cycled to fit."""
+    n = out.shape[0]
+    if n and t.shape[0]:
+        reps = -(-n // t.shape[0])
+        out.copy_(t.repeat((reps,) + (1,) * (t.dim() - 1))[:n])
+
+
+# ---- reading device values on the host ------------------------------------------------------------------
+# A dry run (meta or fake tensors) has shapes but no values. Every place that needs a value on the host (a
+# loss, a norm, split sizes) reads it through these, naming the nominal value a dry run assumes instead.
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for meta tensors and fake tensors (dry runs): shapes and devices only."""
+    if t.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+    return not isinstance(t, FakeTensor)
+
+
+def host_float(t: torch.Tensor, nominal: float = 0.0) -> float:
+    """float(t) for a one-element tensor (a device sync); `nominal` in a dry run."""
+    return float(t.item()) if has_values(t) else float(nominal)
+
+
+def host_list(t: torch.Tensor, nominal: Sequence[int]) -> list[int]:
+    """t as a list of ints (a device sync); `nominal` in a dry run."""
+    return [int(v) for v in t.tolist()] if has_values(t) else [int(v) for v in nominal]
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` items over `parts` as evenly as possible (the dry run's balanced routing)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 class _AllToAll(torch.autograd.Function):

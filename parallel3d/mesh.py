@@ -152,12 +152,25 @@ class ParallelContext:
         self.stats = CommStats()
         for dim in DIMS:
             ranks = spec.group_of(dim, rank)
-            setattr(self, dim, Group(dim, ranks, rank, None, self.stats) if ranks else None)
+            setattr(self, dim, Group(dim, ranks, rank, None, self.stats, device) if ranks else None)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
         """World size 1: plain single-device PyTorch, torch.distributed untouched."""
         return cls(MeshSpec(), 0, torch.device(device), None)
+
+    @classmethod
+    def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "cuda:0") -> "ParallelContext":
+        """Rank `rank` of `spec` alone, its groups answered by comm's simulated backend (no processes):
+        the planner's dry run and the fake-CUDA tests run the real training step through it."""
+        from parallel3d.comm import SimulatedProcessGroup
+
+        ctx = cls(spec, rank, torch.device(device), "simulated")
+        for dim in DIMS:
+            group = getattr(ctx, dim)
+            if group is not None and group.size > 1:
+                group.pg = SimulatedProcessGroup()
+        return ctx
 
     @classmethod
     def build(cls, spec: MeshSpec, device: Optional[torch.device] = None,

@@ -61,7 +61,7 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
                                                                                     device=ctx.device)
     stats = torch.stack([sumsq, found[0].double()])
     comm.all_reduce(stats, ctx.world)
-    total, bad = float(stats[0]), bool(stats[1] > 0)
+    total, bad = comm.host_float(stats[0]), comm.host_float(stats[1]) > 0
     norm = math.sqrt(total) if math.isfinite(total) else float("nan")
     return norm, bad or not math.isfinite(norm)
 

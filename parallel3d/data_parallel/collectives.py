@@ -16,7 +16,7 @@ def clone_group(group: Group, key: str, ctx) -> Group:
     over the whole world, so every rank builds the clones of every group of that kind, in spec order. The
     clones are cached on the context (`ctx._dp_clones`) so repeated optimizers do not leak groups.
     """
-    if group.size == 1 or not dist.is_initialized():
+    if group.size == 1 or group.simulated or not dist.is_initialized():
         return group
     cache = ctx.__dict__.setdefault("_dp_clones", {})
     if key not in cache:

@@ -23,6 +23,7 @@ import torch
 
 from parallel3d import comm
 from parallel3d.comm import Group
+from parallel3d.expert_parallel.router import expert_counts
 
 
 @dataclass
@@ -44,8 +45,9 @@ def permute(indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor
     expert = indices.flatten()  # (T*k,)
     if keep is not None:
         expert = torch.where(keep.flatten(), expert, torch.full_like(expert, num_experts))  # dropped sort last
-    counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # (E,)
-    order = torch.argsort(expert, stable=True)[: int(counts.sum())]  # (N,)
+    counts = expert_counts(expert, num_experts + 1)[:num_experts]  # (E,)
+    kept = num_tokens * top_k if keep is None else comm.host_float(counts.sum(), nominal=num_tokens * top_k)
+    order = torch.argsort(expert, stable=True)[: int(kept)]  # (N,)
     return Permutation(order, counts, num_tokens, top_k)
 
 
@@ -71,24 +73,32 @@ class ExpertExchange:
 
     Construction exchanges the counts (one all-to-all of E int64 per rank): recv[src, e] is how many rows
     source rank `src` sends to this rank's local expert e. That fixes the uneven splits of both directions.
+    `num_rows` is the number of rows this rank sends (the dry run spreads them evenly over the experts).
     """
 
-    def __init__(self, counts: torch.Tensor, group: Group) -> None:
+    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int) -> None:
         ep, num_experts = group.size, counts.numel()
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
         self.group, self.local_experts = group, num_experts // ep
+        # a dry run has no routing decisions: it assumes balanced routing of the rows it holds
+        nominal = comm.even_split(num_rows, num_experts)
+        sent = comm.host_list(counts, nominal)  # (E,) rows this rank sends to each expert
         if ep == 1:
-            self.send_splits = self.recv_splits = [int(counts.sum())]
-            self.local_counts = [int(c) for c in counts.tolist()]
+            self.send_splits = self.recv_splits = [sum(sent)]
+            self.local_counts = sent
             self.regroup = None
             return
         recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
-        self.send_splits = counts.view(ep, self.local_experts).sum(1).tolist()  # rows to each rank
-        self.recv_splits = recv.sum(1).tolist()  # rows from each rank
-        self.local_counts = recv.sum(0).tolist()  # rows per local expert
+        mine = nominal[group.rank * self.local_experts:(group.rank + 1) * self.local_experts]
+        received = comm.host_list(recv.flatten(), mine * ep)  # [src-major] rows per (source, local expert)
+        self.send_splits = [sum(sent[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]
+        self.recv_splits = [sum(received[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]
+        self.local_counts = [sum(received[r * self.local_experts + e] for r in range(ep))
+                             for e in range(self.local_experts)]  # rows per local expert
         expert_of_row = torch.repeat_interleave(
-            torch.arange(self.local_experts, device=counts.device).repeat(ep), recv.flatten())  # (N_recv,)
+            torch.arange(self.local_experts, device=counts.device).repeat(ep), recv.flatten(),
+            output_size=sum(self.recv_splits))  # (N_recv,)
         self.regroup = torch.argsort(expert_of_row, stable=True)  # source-major -> expert-major
         self.ungroup = _inverse(self.regroup)
 

@@ -115,7 +115,7 @@ class MoELayer(nn.Module):
             if not _in_backward():
                 self._aux_term = term
         perm = permute(r.indices, self.num_experts, keep)
-        exchange = ExpertExchange(perm.counts, self.ep)
+        exchange = ExpertExchange(perm.counts, self.ep, perm.order.shape[0])
         rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
         rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
         out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
@@ -134,7 +134,7 @@ class MoELayer(nn.Module):
         prob_sum, z_sum, count_sum, tokens = glob[:e], glob[e], glob[e + 1:2 * e + 1], glob[-1].detach()
         aux = switch_aux_loss(prob_sum, count_sum.detach(), tokens, self.top_k)
         z = z_sum / tokens
-        self.last_aux = {"aux_loss": float(aux.detach()), "z_loss": float(z.detach())}
+        self.last_aux = {"aux_loss": comm.host_float(aux.detach()), "z_loss": comm.host_float(z.detach())}
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         grad_weight, value_weight = tokens / self.tp.size, tokens / self.dp_cp.size
         return total * grad_weight + (total * (value_weight - grad_weight)).detach()
@@ -151,6 +151,8 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _observe(self, counts: torch.Tensor, keep: Optional[torch.Tensor], indices: torch.Tensor) -> None:
+        if not comm.has_values(counts):  # a dry run routes nothing real
+            return
         self._load += counts.to("cpu", torch.float64)
         if keep is not None:
             dropped = expert_counts(indices[~keep], self.num_experts)

@@ -89,8 +89,12 @@ class Router(nn.Module):
 
 # ---- balancing statistics -----------------------------------------------------------------------------
 def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(T, k) chosen experts -> (E,) int64 number of slots per expert."""
-    return torch.bincount(indices.flatten(), minlength=num_experts)
+    """(T, k) chosen experts -> (E,) int64 number of slots per expert.
+
+    A scatter-add rather than bincount: its output size is fixed by num_experts, so it also runs on
+    shape-only tensors (the dry run), and integer adds are exact in any order."""
+    flat = indices.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def balance_probs(scores: torch.Tensor, score: str) -> torch.Tensor:

@@ -41,7 +41,7 @@ def make_dataset(cfg: ExperimentConfig, path: Optional[str], seed_offset: int = 
     return TokenDataset(path, seq, vocab_size=cfg.model.vocab_size)
 
 
-def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict[str, torch.Tensor]:
+def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict:
     """(b, s+1) token windows -> this rank's ids, labels and positions (its CP shard of the sequence)."""
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     s = ids.shape[1]
@@ -52,7 +52,9 @@ def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict[str, to
         labels = shard_sequence(labels, ctx.cp.size, ctx.cp.rank, dim=1)
         positions = cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank)
     device = ctx.device
-    return {"ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device)}
+    targets = int((labels != IGNORE_INDEX).sum())  # counted on the host, before the copy: no device sync
+    return {"ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device),
+            "targets": targets}
 
 
 class Trainer:
@@ -67,7 +69,8 @@ class Trainer:
         # chunk c of pipeline rank r is global (virtual) stage c * pp + r
         self.stage_ids = [c * p.pp + pp_rank for c in range(v)]
         last = p.pp * v - 1
-        self.chunks = [build_stage(stages[s], s == 0, s == last).to(ctx.device) for s in self.stage_ids]
+        with torch.device(ctx.device):  # parameters are created where they live (no host copy first)
+            self.chunks = [build_stage(stages[s], s == 0, s == last) for s in self.stage_ids]
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.optimizer = self._build_optimizer() if train else None
@@ -94,10 +97,11 @@ class Trainer:
         return [split_microbatch(mb, self.ctx) for mb in rows]
 
     def _global_token_count(self, mbs: list[dict[str, torch.Tensor]]) -> float:
-        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs)
-        count = torch.tensor([float(local)])
+        """Target tokens of the global batch: this rank's count, summed over DP x CP on the device."""
+        local = float(sum(mb["targets"] for mb in mbs))
+        count = torch.tensor([local], device=self.ctx.device)  # NCCL reduces device tensors only
         comm.all_reduce(count, self.ctx.dp_cp)
-        return max(count.item(), 1.0)
+        return max(comm.host_float(count, nominal=local * self.ctx.dp_cp.size), 1.0)
 
     def _forward_backward(self, mbs: list[dict[str, torch.Tensor]], tokens: float) -> torch.Tensor:
         """Sum over microbatches of this rank's loss / tokens (on the last stage; 0 elsewhere)."""
@@ -132,7 +136,7 @@ class Trainer:
         comm.all_reduce(loss, ctx.dp_cp)
         comm.all_reduce(loss, ctx.pp)  # only the last stage holds a nonzero loss
         grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)
-        loss_value = loss.item()
+        loss_value = comm.host_float(loss)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         # fp16 overflow is the dynamic loss scaler's business (skip + back off), not a NaN-policy event
         overflow = not finite and opt.scaler is not None and not opt.scaler.static
@@ -157,7 +161,7 @@ class Trainer:
         if ctx.spec.pp > 1:
             from parallel3d.pipeline.runtime import run_pipeline_forward
         sampler = BatchSampler(dataset, cfg.train.global_batch_size, cfg.train.seed, shuffle=False)
-        total, count = torch.zeros(1), 0.0
+        total, count = torch.zeros(1, device=ctx.device), 0.0
         steps = min(steps, len(dataset) // cfg.train.global_batch_size)
         for chunk in self.chunks:
             chunk.eval()
@@ -167,12 +171,12 @@ class Trainer:
             mbs = [split_microbatch(mb, ctx) for mb in rows]
             count += self._global_token_count(mbs)
             if ctx.spec.pp > 1:
-                total += run_pipeline_forward(ctx, self.chunks, mbs).float().cpu()
+                total += run_pipeline_forward(ctx, self.chunks, mbs).float()
             else:
                 for mb in mbs:
-                    total += self.chunks[0](mb["ids"], mb["position_ids"], mb["labels"]).float().cpu()
+                    total += self.chunks[0](mb["ids"], mb["position_ids"], mb["labels"]).float()
         for chunk in self.chunks:
             chunk.train()
         comm.all_reduce(total, ctx.dp_cp)
         comm.all_reduce(total, ctx.pp)
-        return total.item() / max(count, 1.0), count
+        return comm.host_float(total) / max(count, 1.0), count
