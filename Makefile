@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench sweep
 
 install:
 	$(PIP_INSTALL)
@@ -16,3 +16,8 @@ test: install
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py
+
+# Long checks outside CI: every option combination (hours on 2 cores) and a clean-exit stress test.
+sweep: install
+	$(PYTHON) -m pytest -q tests/test_sweep.py --full-sweep
+	$(PYTHON) tests/stress_clean_exit.py --runs 40

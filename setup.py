@@ -11,5 +11,6 @@ setup(
     extras_require={
         "test": ["pytest>=8.0", "transformers>=4.45", "tokenizers>=0.19"],
         "gpu": ["flash-attn>=2.6"],
+        "tensorboard": ["tensorboard>=2.14"],
     },
 )

@@ -62,9 +62,9 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
 
 def build_context(cfg: ExperimentConfig) -> ParallelContext:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    init_distributed()
     p = cfg.parallel
-    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep))
+    init_distributed(timeout_s=p.timeout_s)
+    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), timeout_s=p.timeout_s)
 
 
 def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
@@ -82,15 +82,23 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
 
 
 def shutdown() -> None:
-    """Tear the process groups down cleanly (an abandoned gloo group can abort at interpreter exit).
+    """Tear the process groups down cleanly, while the interpreter is fully alive.
 
-    The barrier first: a rank that destroys its groups while a peer is still finishing the last collective
-    can leave that peer's gloo thread failing on a closed connection (seen once as SIGABRT at exit)."""
+    Worker aborts at exit ("terminate called without an active exception", SIGABRT) came from gloo process
+    groups destroyed during interpreter finalisation: the trainer, optimizer hooks and model form reference
+    cycles that hold the ParallelContext (and through it every group), so they were only freed by the
+    final garbage collection, after parts of the runtime were gone. The caller drops its references
+    first; here the cycles are collected, every rank waits for the others (no peer may still be using a
+    connection), the groups are destroyed, and what held them is collected now, not at exit."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_initialized():
         try:
             dist.barrier()
         except RuntimeError:
             pass  # a peer is already gone (error path): nothing to wait for
         dist.destroy_process_group()
+    gc.collect()

@@ -37,8 +37,10 @@ def main(argv=None) -> int:
         loss, tokens = trainer.evaluate(trainer.dataset, steps)
     except RUN_ERRORS as e:
         fail(f"[rank {ctx.rank}] {e}")  # no teardown: peers may be stuck; torchrun ends them
+    rank = ctx.rank
+    del ctx, trainer  # nothing may hold a process group past shutdown()
     shutdown()
-    if ctx.rank == 0:
+    if rank == 0:
         print(json.dumps({"loss": loss, "tokens": int(tokens)}), flush=True)
     return 0
 

@@ -174,7 +174,7 @@ class ParallelContext:
 
     @classmethod
     def build(cls, spec: MeshSpec, device: Optional[torch.device] = None,
-              timeout_s: float = 300.0) -> "ParallelContext":
+              timeout_s: float = 600.0) -> "ParallelContext":
         """Create the process groups of `spec` on an initialised default group (every rank must call)."""
         import torch.distributed as dist
 
@@ -213,7 +213,7 @@ class ParallelContext:
                 f"pp={s.pp} ep={s.ep}, coords={self.coords})")
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int]:
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment. Returns (rank, world_size).
 
     Without torchrun variables (plain `python`), does nothing and returns (0, 1).

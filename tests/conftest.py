@@ -9,6 +9,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--full-sweep", action="store_true", default=False,
+                     help="test_sweep: the full product of options instead of the pairwise subset (make sweep)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs one CUDA GPU")
     config.addinivalue_line("markers", "multigpu: needs several CUDA GPUs")

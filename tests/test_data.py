@@ -66,21 +66,20 @@ def test_epochs_cover_every_sample_once(token_file):
     assert BatchSampler(ds, 9, seed=3, shuffle=False).indices(1).tolist() == list(range(9, 18))
 
 
-def test_resume_yields_same_stream(token_file):
+def test_resume_state_checks_the_stream(token_file):
+    """Batches are a function of the step (no cursor); the saved state names the position and refuses a
+    resume that would silently change the stream."""
     ds = TokenDataset(token_file, seq_len=16)
-    a = BatchSampler(ds, 4, seed=11)
-    stream = [a.next_local(0, 2, 1, 2) for _ in range(20)]
-    b = BatchSampler(ds, 4, seed=11)
-    for _ in range(7):
-        b.next_local(0, 2, 1, 2)
-    state = json.loads(json.dumps(b.state_dict()))
-    assert state["step"] == 7 and state["seed"] == 11 and "epoch" in state
-    c = BatchSampler(ds, 4, seed=11)
-    c.load_state_dict(state)
-    for k in range(7, 20):
-        assert all(torch.equal(x, y) for x, y in zip(c.next_local(0, 2, 1, 2), stream[k]))
+    a, b = BatchSampler(ds, 4, seed=11), BatchSampler(ds, 4, seed=11)
+    for k in (0, 7, 19):
+        assert all(torch.equal(x, y) for x, y in zip(a.local_batch(k, 0, 2, 1, 2), b.local_batch(k, 0, 2, 1, 2)))
+    state = json.loads(json.dumps(a.state_dict(7)))
+    assert state["step"] == 7 and state["position"] == 28 and state["seed"] == 11 and "epoch" in state
+    b.check_resume(state)
     with pytest.raises(DataError, match="saved seed=11, current seed=12"):
-        BatchSampler(ds, 4, seed=12).load_state_dict(state)
+        BatchSampler(ds, 4, seed=12).check_resume(state)
+    with pytest.raises(DataError, match="global_batch_size"):
+        BatchSampler(ds, 8, seed=11).check_resume(state)
 
 
 def test_local_batch_shape_mismatch(token_file):

@@ -249,7 +249,7 @@ def _volume(w, zero):
     opt.step(1e-3)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     padded = sum(b.numel * 4 for b in opt.buckets)
-    return ctx.stats.summary(), nbytes, padded
+    return ctx.stats.summary(), nbytes, padded, len(opt.buckets)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -260,17 +260,18 @@ def test_comm_volume(worlds, zero):
       zero 1/2: reduce_scatter = all_gather = P' (together 2P')
       zero 3: all_gather = 2P' (forward + backward), reduce_scatter = P'   (3P' = 1.5x DP)
     plus one 16-byte world all-reduce ([sum of squares, overflow flag])."""
-    for stats, p, padded in worlds.run(2, _volume, zero):
+    for stats, p, padded, buckets in worlds.run(2, _volume, zero):
+        assert buckets > 2  # bucket_size_mb=0.004: several buckets, one reduction each
         assert stats.pop(("world", "all_reduce")) == (1, 16)
         assert padded == p  # this model's dim-0 sizes are divisible by 2: no padding
         if zero == 0:
-            assert stats == {("dp_cp", "all_reduce"): (stats[("dp_cp", "all_reduce")][0], p)}
+            assert stats == {("dp_cp", "all_reduce"): (buckets, p)}
         elif zero in (1, 2):
-            assert stats[("dp_cp", "reduce_scatter")][1] == padded
-            assert stats[("dp_cp", "all_gather")][1] == padded
+            assert stats[("dp_cp", "reduce_scatter")] == (buckets, padded)
+            assert stats[("dp_cp", "all_gather")] == (buckets, padded)
             assert set(stats) == {("dp_cp", "reduce_scatter"), ("dp_cp", "all_gather")}
         else:
-            assert stats[("dp_cp", "reduce_scatter")][1] == padded
+            assert stats[("dp_cp", "reduce_scatter")] == (buckets, padded)
             assert stats[("dp_cp", "all_gather")][1] == 2 * padded
             assert set(stats) == {("dp_cp", "reduce_scatter"), ("dp_cp", "all_gather")}
 
@@ -290,16 +291,19 @@ def _schedule(w, zero, unused):
             blk.register_forward_pre_hook(lambda m, a, i=i: seen.append(
                 (i, [u.gathered for u in units], [u.pending is not None for u in units])))
     tokens = global_batches(BASE["vocab_size"], 1)[0][:4]
-    launched = []
+    launched, in_backward = [], []
+    for p in model.parameters():  # runs after the optimizer's own hook: sees launches made inside backward
+        p.register_post_accumulate_grad_hook(lambda p: in_backward[-1].append(sum(b.launched for b in opt.buckets)))
     opt.zero_grad()
     for i, mb in enumerate(tokens.chunk(2)):
         opt.set_last_microbatch(i == 1)
+        in_backward.append([])
         (model(mb[:, :-1], torch.arange(S), mb[:, 1:]) / 64).backward()
         launched.append(sum(b.launched for b in opt.buckets))
         if zero == 3:
             seen.append(("after backward", [u.gathered for u in opt.zero3.units]))
     opt.finish_grad_sync()
-    return launched, len(opt.buckets), seen
+    return launched, [max(x, default=0) for x in in_backward], len(opt.buckets), seen
 
 
 @pytest.mark.parametrize("unused", [False, True])
@@ -307,9 +311,14 @@ def _schedule(w, zero, unused):
 def test_reduction_overlaps_backward_and_zero3_frees(worlds, zero, unused):
     """Buckets reduce inside backward, only on the last microbatch; a parameter without gradient does not
     hold its bucket back past the end of backward (nor keep its ZeRO-3 unit gathered)."""
-    launched, n_buckets, seen = worlds.run(2, _schedule, zero, unused)[0]
+    launched, during, n_buckets, seen = worlds.run(2, _schedule, zero, unused)[0]
     assert n_buckets > 2
-    assert launched == [0, n_buckets]   # nothing on microbatch 0; every bucket started inside backward
+    assert during[0] == 0 and launched[0] == 0   # accumulation: nothing reduced on microbatch 0
+    if unused:  # the bucket holding the unused parameter (and those after it) wait for the end of backward
+        assert 0 < during[1] < n_buckets
+    else:       # reductions overlap backward: all but the last bucket launched while gradients still arrive
+        assert during[1] >= n_buckets - 1
+    assert launched[1] == n_buckets  # by the end of backward, not only at finish_grad_sync
     if zero == 3:  # units: [root, block0, block1]; entering block i's forward: root + block i gathered,
         # block i+1 prefetched, block i-1 freed; after each backward nothing stays gathered
         fwd = [s for s in seen if s[0] in (0, 1)]

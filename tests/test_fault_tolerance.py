@@ -26,15 +26,6 @@ RUN = ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64",
 def _env() -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
-    import inspect
-
-    from parallel3d import mesh
-
-    if "TORCHELASTIC_USE_AGENT_STORE" not in inspect.getsource(mesh.init_distributed):
-        # torchrun shares one TCP store across restarts with no per-attempt prefix, so a restarted gloo
-        # world reads the dead attempt's addresses ("Connection refused"). Until init_distributed prefixes
-        # the store by TORCHELASTIC_RESTART_COUNT, use torch's switch that gives every attempt a fresh store.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -136,29 +127,34 @@ def test_nan_stops_the_run(worlds):
 
 
 def _hang_worker(rank: int, port: int, results, release) -> None:
-    import torch.distributed as dist
+    """Start-up exactly as launch/pretrain.py does it (config -> build_context), with parallel.timeout_s=3."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from common import build_context, load_and_validate
 
     from parallel3d import comm
-    from parallel3d.mesh import MeshSpec, ParallelContext
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=3))
-    ctx = ParallelContext.build(MeshSpec(dp=2), timeout_s=3)
+    cfg = load_and_validate(str(ROOT / "configs/tiny.yaml"), ["parallel.tp=1", "parallel.timeout_s=3"])
+    ctx = build_context(cfg)
+    start = time.monotonic()
     try:
         if rank == 0:  # rank 1 never joins this all-reduce
             comm.all_reduce(torch.ones(4), ctx.dp)
-            results.put((rank, "no error"))
+            results.put((rank, "no error", 0.0))
         else:
-            results.put((rank, "skipped"))
+            results.put((rank, "skipped", 0.0))
     except comm.CollectiveError as e:
-        results.put((rank, f"CollectiveError: {e}"))
+        results.put((rank, f"CollectiveError: {e}", time.monotonic() - start))
     if rank == 1:
         release.wait(60)  # stay alive so rank 0 sees a timeout, not a closed connection
     else:
         release.set()
 
 
-def test_hung_collective_raises_naming_the_operation():
+def test_hung_collective_ends_within_parallel_timeout_s():
+    """parallel.timeout_s (default 600 s) reaches the process groups: with 3 s, a peer that never joins an
+    all-reduce ends it within seconds, with an error naming the operation and group."""
     from parallel3d.testing import _free_port
 
     ctx = mp.get_context("spawn")
@@ -168,10 +164,12 @@ def test_hung_collective_raises_naming_the_operation():
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=90) for _ in range(2))
+        got = {r: (msg, waited) for r, msg, waited in (results.get(timeout=90) for _ in range(2))}
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    assert got[0].startswith("CollectiveError") and "all_reduce" in got[0] and "dp group" in got[0], got
+    msg, waited = got[0]
+    assert msg.startswith("CollectiveError") and "all_reduce" in msg and "dp group" in msg, got
+    assert waited < 60, f"the 3 s timeout was not applied (waited {waited:.0f} s; the default is 600 s)"

@@ -1,5 +1,6 @@
 """The public command line end to end: pretrain/evaluate/convert_hf through subprocesses (and torchrun)."""
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -85,6 +86,10 @@ def test_moe_expert_parallel_losses_match_world_size_1(tmp_path):
     (["parallel.tp=1", "data.path=/nonexistent/tokens.npy"], "/nonexistent/tokens.npy"),
     (["parallel.tp=1", "train.nosuchkey=1"], "nosuchkey"),
     (["parallel.tp=1", "checkpoint.load_dir=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    (["parallel.tp=1", "parallel.timeout_s=0"], "parallel.timeout_s"),
+    pytest.param(["parallel.tp=1", "log.tensorboard=/tmp/tb"], "pip install tensorboard",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                                          reason="tensorboard is installed here")),
 ])
 def test_bad_input_gives_one_clear_error(overrides, message):
     out = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", *overrides], check=False, timeout=120)

@@ -127,13 +127,27 @@ def test_aux_loss_value_and_full_recompute():
     torch.testing.assert_close(l0, l1)
     for n in g0:
         torch.testing.assert_close(g0[n], g1[n], msg=n)
-    # the returned loss is CE sum + T * (aux_coef * aux + z_coef * z) summed over layers
+    # the returned loss is CE sum + T * (aux_coef * aux + z_coef * z) summed over layers, with the balancing
+    # loss as Hugging Face's Mixtral computes it (its f sums to k: ours is 1/k of it) and the ST-MoE z-loss
+    # mean_t logsumexp(logits_t)^2, both from the router logits captured here, not from the model's values
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    captured = []
+    hooks = [m.router.register_forward_hook(lambda mod, args, out: captured.append(out.logits.detach()))
+             for m in model.moe_layers().values()]
     with torch.no_grad():
         ce = model(x, torch.arange(16)).flatten(0, 1)
         ce = F.cross_entropy(ce, y.flatten(), reduction="sum")
-    extra = sum(32 * (cfg.aux_loss_coef * m.last_aux["aux_loss"] + cfg.z_loss_coef * m.last_aux["z_loss"])
-                for m in model.moe_layers().values())
+    for h in hooks:
+        h.remove()
+    assert len(captured) == cfg.num_layers
+    extra = 0.0
+    for logits in captured:
+        aux = load_balancing_loss_func((logits,), cfg.num_experts, cfg.moe_top_k).item() / cfg.moe_top_k
+        z = torch.logsumexp(logits, -1).pow(2).mean().item()
+        extra += 32 * (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z)
     assert l0.item() == pytest.approx(ce.item() + extra, rel=1e-5)
+    assert extra > 1e-4 * ce.item()  # the aux terms are visible at this tolerance
 
 
 def test_moe_load_stats_and_bias_update():

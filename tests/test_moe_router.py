@@ -61,8 +61,13 @@ def test_aux_loss_balanced_is_one_and_matches_hugging_face():
 
 
 def test_z_loss_and_sigmoid_balance_probs():
+    # ST-MoE's router z-loss term per token is log(sum_j exp(x_j))^2. By hand: rows [0, 0] and [ln 3, 0]
+    # have log-sum-exp ln 2 and ln 4 = 2 ln 2, so the sum is 5 (ln 2)^2.
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    assert z_loss_sum(logits).item() == pytest.approx(5 * math.log(2.0) ** 2, rel=1e-6)
+    big = torch.tensor([[1000.0, 1000.0]])  # must not overflow: lse = 1000 + ln 2
+    assert z_loss_sum(big).item() == pytest.approx((1000 + math.log(2.0)) ** 2, rel=1e-6)
     logits = torch.randn(10, 6)
-    assert z_loss_sum(logits).item() == pytest.approx((torch.logsumexp(logits, -1) ** 2).sum().item(), rel=1e-6)
     p = balance_probs(logits.sigmoid(), "sigmoid")
     torch.testing.assert_close(p.sum(-1), torch.ones(10))
 

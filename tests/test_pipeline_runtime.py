@@ -71,9 +71,15 @@ def test_live_activations_and_measured_timeline(worlds):
         records = [rec for r in results for rec in r[i][1]]
         for rank in range(p):  # every action ran, in schedule order
             assert [a for r, a, *_ in records if r == rank] == schedule[rank]
+        for rank in range(p):  # one rank computes one action at a time: compute intervals never overlap
+            spans = sorted((s0, s1) for r, a, s0, s1 in records if r == rank and a.kind.is_compute)
+            assert all(s1 >= s0 for s0, s1 in spans) and all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+        # the measured timeline's bubble is the idle share of p x makespan, recomputed from the raw records
         timeline = Timeline.from_events(records, num_ranks=p)
-        assert timeline.makespan > 0
-        assert 0 < timeline.bubble_fraction < 1, (name, m, timeline.bubble_fraction)
+        span = max(r[3] for r in records) - min(r[2] for r in records)
+        busy = sum(r[3] - r[2] for r in records if r[1].kind.is_compute)
+        assert timeline.makespan == pytest.approx(span)
+        assert timeline.bubble_fraction == pytest.approx(1 - busy / (p * span)), (name, m)
         compute = [e for e in timeline.events[0] if e.action.kind.is_compute]
         assert all(a.end <= b.start for a, b in zip(compute, compute[1:]))  # one thing at a time
         losses.setdefault(m, set()).add(results[-1][i][2])  # the last rank holds the loss

@@ -1,4 +1,4 @@
-"""Mixed precision: bf16 / fp16 training is stable on the tiny model; fp16 overflow skips the step on every
+"""Mixed precision: bf16 / fp16 training follows the fp32 run within a stated tolerance; fp16 overflow skips the step on every
 rank and halves the loss scale; the scale grows after `loss_scale_window` clean steps."""
 import math
 
@@ -15,13 +15,20 @@ def _run(w, precision, zero, kwargs):
                  repeat=True, clip=1.0, **kwargs)
 
 
+# 16-bit runs follow the fp32 run of the same data and settings step by step: bf16 keeps 8 mantissa bits
+# (relative rounding 2^-9 per op), fp16 11; over 20 AdamW steps the loss stays within these of fp32's.
+TO_FP32_RTOL = {"bf16": 2e-2, "fp16": 5e-3}  # observed: 6e-3 and 1e-3
+
+
 @pytest.mark.parametrize("precision,zero", [("bf16", 0), ("bf16", 3), ("fp16", 1), ("fp16", 2)])
-def test_mixed_precision_trains(worlds, precision, zero):
+def test_mixed_precision_follows_fp32(worlds, precision, zero):
     results = worlds.run(2, _run, precision, zero, {})
+    reference = worlds.run(2, _run, "fp32", zero, {})
     losses = [a + b for a, b in zip(results[0]["losses"], results[1]["losses"])]
-    assert all(math.isfinite(x) for x in losses)
-    assert losses[-1] < 0.8 * losses[0], losses           # same batch every step: the loss must fall
+    fp32 = [a + b for a, b in zip(reference[0]["losses"], reference[1]["losses"])]
     assert all(r["ok"] == [True] * STEPS for r in results)
+    assert losses == pytest.approx(fp32, rel=TO_FP32_RTOL[precision]), (losses, fp32)
+    assert max(abs(a - b) / b for a, b in zip(losses, fp32)) > 0  # really a 16-bit run
 
 
 def _overflow(w, inject):

@@ -178,9 +178,7 @@ def load_checkpoint(trainer: Any, directory: str, model_only: bool = False) -> L
         if full:
             _validate_optimizer(reader, trainer, tied_names(trainer))
             result.same_layout = meta.get("layout") == layout_of(trainer)
-            data = dict(meta.get("data") or {})
-            data.setdefault("step", result.step)
-            trainer.sampler.load_state_dict(data)
+            trainer.sampler.check_resume(dict(meta.get("data") or {}))
             if result.same_layout:  # nothing draws random numbers between here and training
                 state = _read_rng(reader, ctx.rank)
                 try:

@@ -113,10 +113,9 @@ def _owned(entries: Entries, trainer: Any) -> Entries:
 def _metadata_fields(trainer: Any, step: int) -> dict[str, Any]:
     from parallel3d.training.config import to_dict
 
-    trainer.sampler.step = step  # the trainer reads batches by step; make the cursor say so
     opt = trainer.optimizer
     return {"step": step, "weights_only": False, "model": dataclasses.asdict(trainer.cfg.model),
-            "layout": layout_of(trainer), "data": trainer.sampler.state_dict(),
+            "layout": layout_of(trainer), "data": trainer.sampler.state_dict(step),
             "optimizer": opt.scalar_state() if hasattr(opt, "scalar_state") else {},
             "config": to_dict(trainer.cfg)}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -40,6 +41,7 @@ class ParallelConfig:
     virtual_stages: int = 1      # model chunks per pipeline rank (interleaved only)
     layers_per_stage: Optional[list[int]] = None  # one entry per (virtual) stage; None: even split
     bucket_size_mb: float = 25.0  # gradient-reduction bucket size
+    timeout_s: float = 600.0     # collective timeout: a hung peer ends the job with the op named
 
 
 @dataclass
@@ -90,7 +92,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     jsonl: Optional[str] = None
-    tensorboard: Optional[str] = None  # directory; written only when torch.utils.tensorboard imports
+    tensorboard: Optional[str] = None  # directory; needs the tensorboard package (pip install tensorboard)
     interval: int = 1            # progress-line interval (the jsonl gets every step)
     peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; None: table / CPU measurement
 
@@ -280,6 +282,13 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def require_package(module: str, feature: str, pip_name: Optional[str] = None) -> None:
+    """An optional feature asked for without its package: one message naming what to install."""
+    if importlib.util.find_spec(module) is None:
+        name = pip_name or module
+        raise ConfigError(f"{feature} needs the {name!r} package, which is not installed: pip install {name}")
+
+
 def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentConfig:
     """Return a resolved copy of `cfg` (dp and train.num_microbatches filled in; sp turned off when
     tp == 1, where it is a no-op) after checking every cross-field constraint for `world_size`.
@@ -303,6 +312,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     _choice(p.schedule, "parallel.schedule", ("gpipe", "1f1b", "interleaved", "zb-h1"))
     _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
     _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
+    _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _choice(t.precision, "train.precision", ("fp32", "bf16", "fp16"))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
     _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
@@ -415,4 +425,6 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         _require(getattr(cfg.checkpoint, name) >= 0,
                  f"checkpoint.{name} must be >= 0, got {getattr(cfg.checkpoint, name)}")
     _require(cfg.log.interval >= 1, f"log.interval must be >= 1, got {cfg.log.interval}")
+    if cfg.log.tensorboard:
+        require_package("tensorboard", f"log.tensorboard={cfg.log.tensorboard}")
     return cfg

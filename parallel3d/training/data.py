@@ -196,12 +196,11 @@ class BatchSampler:
     [r*B/dp, (r+1)*B/dp) of that batch and cuts it, in order, into microbatches of micro_batch_size rows.
     """
 
-    def __init__(self, dataset: TokenDataset, global_batch_size: int, seed: int,
-                 shuffle: bool = True, start_step: int = 0) -> None:
+    def __init__(self, dataset: TokenDataset, global_batch_size: int, seed: int, shuffle: bool = True) -> None:
         if global_batch_size < 1:
             raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
         self.dataset, self.global_batch_size, self.seed = dataset, global_batch_size, seed
-        self.shuffle, self.step = shuffle, start_step
+        self.shuffle = shuffle
         self._perm_cache: tuple[int, np.ndarray] | None = None   # (epoch, permutation)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
@@ -237,26 +236,19 @@ class BatchSampler:
         rows = self.dataset.gather(self.indices(step, dp_rank * per_rank, (dp_rank + 1) * per_rank))
         return list(rows.split(micro_batch_size))
 
-    def next_local(self, dp_rank: int, dp_size: int, num_microbatches: int,
-                   micro_batch_size: int) -> list[torch.Tensor]:
-        """`local_batch` at the cursor, then advance the cursor by one step."""
-        batch = self.local_batch(self.step, dp_rank, dp_size, num_microbatches, micro_batch_size)
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        """JSON-able position: the next step to serve, plus what must match on resume."""
+    def state_dict(self, step: int) -> dict:
+        """JSON-able position of a run about to read `step` (the sampler itself has no cursor: batches are a
+        function of the step), plus what must match on resume."""
         n = len(self.dataset)
-        return {"step": self.step, "epoch": self.step * self.global_batch_size // n,
-                "position": self.step * self.global_batch_size, "seed": self.seed,
+        return {"step": step, "epoch": step * self.global_batch_size // n,
+                "position": step * self.global_batch_size, "seed": self.seed,
                 "global_batch_size": self.global_batch_size, "num_samples": n, "shuffle": self.shuffle}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at `state["step"]`; refuses a different seed, batch size or dataset size, which would
-        silently change the stream."""
-        mine = self.state_dict()
+    def check_resume(self, state: dict) -> None:
+        """Refuse to resume a stream saved with a different seed, batch size or dataset size, which would
+        silently change the data."""
+        mine = self.state_dict(0)
         for key in ("seed", "global_batch_size", "num_samples", "shuffle"):
             if key in state and state[key] != mine[key]:
                 raise DataError(f"data state mismatch on resume: saved {key}={state[key]!r}, "
                                 f"current {key}={mine[key]!r}")
-        self.step = int(state["step"])

@@ -169,12 +169,9 @@ class MetricsLogger:
         if is_rank0 and jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._file = open(jsonl_path, "a")
-        if is_rank0 and tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(tensorboard_dir)
-            except ImportError:              # tensorboard not installed: jsonl only
-                self._tb = None
+        if is_rank0 and tensorboard_dir:  # config validation checked that the package is installed
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(tensorboard_dir)
 
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens: int,
             elapsed_s: float, extra: Optional[dict] = None) -> dict:
