@@ -316,14 +316,18 @@ class DistributedOptimizer:
 
     # ---- checkpoint state, gradients for tests, memory (state.py) ---------------------------------------
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
-        return _state.state_tensors(self)
+        return _state.state_tensors(self.buckets, self.ctx, self.zero)
 
     def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],
                            kinds: tuple[str, ...] = _state.KINDS) -> None:
-        _state.load_state_tensors(self, read, kinds)
+        _state.load_state_tensors(self.buckets, read, kinds)
+        if "master" in kinds:
+            self.publish_params()
 
     def grad_slices(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple]]:
-        return _state.grad_slices(self)
+        self.finish_grad_sync()
+        inv = 1.0 if self._prepared or self.scaler is None else 1.0 / self.scaler.scale
+        return _state.grad_slices(self.buckets, inv)
 
     def memory_bytes(self) -> dict[str, int]:
-        return _state.memory_bytes(self)
+        return _state.memory_bytes(self.buckets, self.params)

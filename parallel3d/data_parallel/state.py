@@ -12,15 +12,13 @@ read back under another through `read(name, slices)`. Entries are live views; co
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 import torch
 
 from parallel3d.data_parallel.buffer import Bucket, Slot
 from parallel3d.data_parallel.clip import counts_once, held
-
-if TYPE_CHECKING:
-    from parallel3d.data_parallel.optimizer import DistributedOptimizer
+from parallel3d.mesh import ParallelContext
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -30,12 +28,12 @@ def _rows(s: Slot, flat: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(()) if s.scalar else t
 
 
-def state_tensors(opt: "DistributedOptimizer") -> dict:
+def state_tensors(buckets: Sequence[Bucket], ctx: ParallelContext, zero: int) -> dict:
     out = {}
-    for b in opt.buckets:
+    for b in buckets:
         for s in b.slots:
             k, n = held(b, s)
-            if n == 0 or not counts_once(b, s, opt.ctx, opt.zero):
+            if n == 0 or not counts_once(b, s, ctx, zero):
                 continue
             slices = s.global_slices(k, n)
             for kind in KINDS:
@@ -44,10 +42,10 @@ def state_tensors(opt: "DistributedOptimizer") -> dict:
 
 
 @torch.no_grad()
-def load_state_tensors(opt: "DistributedOptimizer", read: Callable, kinds: tuple[str, ...] = KINDS) -> None:
-    """Fill every held row (replicas included) from read(name, global slices); then refresh the model
-    parameters from the master weights. Collective under ZeRO-1/2 (parameter all-gather): call on all ranks."""
-    for b in opt.buckets:
+def load_state_tensors(buckets: Sequence[Bucket], read: Callable, kinds: tuple[str, ...] = KINDS) -> None:
+    """Fill every held row (replicas included) from read(name, global slices). The caller then refreshes
+    the model parameters from the master weights."""
+    for b in buckets:
         for s in b.slots:
             k, n = held(b, s)
             if n == 0:
@@ -56,18 +54,15 @@ def load_state_tensors(opt: "DistributedOptimizer", read: Callable, kinds: tuple
             for kind in kinds:
                 data = read(f"{kind}/{s.name}", slices)
                 s.rows_view(getattr(b, kind))[:n].copy_(data.reshape((n,) + s.shape[1:]))
-    if "master" in kinds:
-        opt.publish_params()
 
 
-def grad_slices(opt: "DistributedOptimizer") -> dict:
-    """name -> (reduced, unscaled gradient rows this rank holds, global slices, global shape).
+def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:
+    """name -> (reduced gradient rows this rank holds times inv_scale, global slices, global shape).
 
-    Call after finish_grad_sync (before clipping/step); the format of tests/parity.local_slices."""
-    opt.finish_grad_sync()
-    inv = 1.0 if opt._prepared or opt.scaler is None else 1.0 / opt.scaler.scale
+    Call after the gradient sync (before clipping/step); the format of tests/parity.local_slices."""
+    inv = inv_scale
     out = {}
-    for b in opt.buckets:
+    for b in buckets:
         for s in b.slots:
             k, n = held(b, s)
             if n:
@@ -75,7 +70,7 @@ def grad_slices(opt: "DistributedOptimizer") -> dict:
     return out
 
 
-def memory_bytes(opt: "DistributedOptimizer") -> dict[str, int]:
+def memory_bytes(buckets: Sequence[Bucket], params: Sequence[torch.Tensor]) -> dict[str, int]:
     """Bytes of the tensor storages allocated right now, each storage counted once (first category wins).
 
     params: model parameters (0 while ZeRO-3 has them freed) + ZeRO-3's persistent shards;
@@ -93,9 +88,9 @@ def memory_bytes(opt: "DistributedOptimizer") -> dict[str, int]:
         seen.add(st.data_ptr())
         return st.nbytes()
 
-    bs: list[Bucket] = opt.buckets
-    params = sum(nbytes(p.data) for p in opt.params) + sum(nbytes(b.param_flat) for b in bs)
+    bs = buckets
+    param_bytes = sum(nbytes(p.data) for p in params) + sum(nbytes(b.param_flat) for b in bs)
     grads = sum(nbytes(b.grad_full) + nbytes(b.grad_shard) + nbytes(b.out) for b in bs)
-    grads += sum(nbytes(p.grad) for p in opt.params)
+    grads += sum(nbytes(p.grad) for p in params)
     optimizer = sum(nbytes(b.master) + nbytes(b.exp_avg) + nbytes(b.exp_avg_sq) for b in bs)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    return {"params": param_bytes, "grads": grads, "optimizer": optimizer}
