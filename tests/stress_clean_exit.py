@@ -48,7 +48,9 @@ def main() -> int:
                 status = "ok" if proc.returncode == 0 else f"FAILED rc={proc.returncode}"
                 print(f"run {i + 1}/{args.runs} {' '.join(layout)}: {status} ({time.time() - t0:.1f} s)", flush=True)
                 if proc.returncode != 0:
-                    failures.append((layout, proc.stderr[-2000:]))
+                    lines = proc.stderr.splitlines()  # the cause, not only torchrun's summary
+                    cause = [ln for ln in lines if any(w in ln for w in ("Error", "terminate", "Abort", "SIG"))]
+                    failures.append((layout, "\n".join(cause[:20] + lines[-15:])))
     finally:
         stop.set()
     for layout, err in failures:

@@ -1,10 +1,11 @@
 """Distributed checkpoints: sharded safetensors + JSON metadata, resharding on load, HF import/export.
 
-    save_checkpoint(trainer, root, step)   every rank writes the shards it owns; atomic commit + `latest`
-    load_checkpoint(trainer, directory)    any layout; a step dir or a root (follows `latest`)
-    CheckpointManager(trainer)             the policy run_training follows (interval, keep, async, resume)
+    save_checkpoint(run, root, step)     every rank writes the shards it owns; atomic commit + `latest`
+    load_checkpoint(run, directory)      any layout; a step dir or a root (follows `latest`)
+    CheckpointManager(run)               the policy run_training follows (interval, keep, async, resume)
 
-Modules: `store` (on-disk format, CheckpointReader), `save`, `load`, `manager`, `collective` (JSON
+`run` is a `protocol.Checkpointable` (the Trainer is one): the parts a checkpoint saves and restores.
+Modules: `protocol`, `store` (on-disk format, CheckpointReader), `save`, `load`, `manager`, `collective` (JSON
 all-gather, error agreement), `rng`, `hf` / `hf_moe` (Hugging Face conversion).
 """
 from parallel3d.checkpoint.load import LoadResult, latest_checkpoint, load_checkpoint, resolve_checkpoint_dir

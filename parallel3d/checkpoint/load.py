@@ -8,7 +8,6 @@ naming the file; none is left hanging in a collective. Nothing is unpickled (saf
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ import torch
 
 from parallel3d.checkpoint.collective import agree_on_errors
 from parallel3d.checkpoint.rng import reseed_rng, restore_rng
-from parallel3d.checkpoint.save import (LATEST, STEP_DIR, is_complete, layout_of, materialized, optim_tensor_name,
+from parallel3d.checkpoint.protocol import Checkpointable, layout_of
+from parallel3d.checkpoint.save import (LATEST, STEP_DIR, is_complete, materialized, optim_tensor_name,
                                         state_buffers, tied_names)
 from parallel3d.checkpoint.store import METADATA, CheckpointError, CheckpointReader
 from parallel3d.params import load_global_slice
@@ -66,21 +66,21 @@ def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     return resolve_checkpoint_dir(root)
 
 
-def check_model_config(reader: CheckpointReader, model_cfg: Any) -> None:
+def check_model_config(reader: CheckpointReader, model_cfg: dict[str, Any]) -> None:
     saved = reader.meta.get("model") or {}
-    diff = [f"{k}={saved[k]!r} (config: {getattr(model_cfg, k)!r})" for k in SHAPE_FIELDS
-            if k in saved and hasattr(model_cfg, k) and saved[k] != getattr(model_cfg, k)]
+    diff = [f"{k}={saved[k]!r} (config: {model_cfg[k]!r})" for k in SHAPE_FIELDS
+            if k in saved and k in model_cfg and saved[k] != model_cfg[k]]
     if diff:
         raise CheckpointError(f"{os.path.join(reader.directory, METADATA)}: checkpoint of another model shape: "
                               f"{', '.join(diff)}")
 
 
-def _load_model(reader: CheckpointReader, trainer: Any) -> None:
+def _load_model(reader: CheckpointReader, run: Checkpointable) -> None:
     """Each parameter's and state buffer's slice (meta.slices; vocab padding rows zeroed). Tied copies read
     their source. ZeRO-3 parameters (storage freed between steps) are only checked: the optimizer publishes
     them from the master weights."""
     tensors = reader.meta["tensors"]
-    for chunk in trainer.chunks:
+    for chunk in run.chunks:
         for name, p in chunk.named_parameters():
             source = p.meta.extra.get("tied_to", name)
             if source not in tensors and name in tensors:
@@ -100,11 +100,9 @@ def _load_model(reader: CheckpointReader, trainer: Any) -> None:
                 load_global_slice(b, reader.read(name, b.meta.slices))
 
 
-def _validate_optimizer(reader: CheckpointReader, trainer: Any, tied: dict[str, str]) -> None:
+def _validate_optimizer(reader: CheckpointReader, run: Checkpointable, tied: dict[str, str]) -> None:
     """Fail early (before collectives) when optimizer tensors are missing, misshapen or damaged."""
-    opt = trainer.optimizer
-    if not hasattr(opt, "load_state_tensors"):
-        raise CheckpointError(f"{type(opt).__name__} cannot load optimizer state (no load_state_tensors)")
+    opt = run.optimizer
     for key, (_, shape, slices) in opt.state_tensors().items():
         name = optim_tensor_name(key, tied)
         if name not in reader.meta["tensors"]:
@@ -128,12 +126,12 @@ def _read_rng(reader: CheckpointReader, rank: int) -> dict:
         raise CheckpointError(f"RNG state file {path} is corrupt: {e}") from e
 
 
-def _load_optimizer(reader: CheckpointReader, trainer: Any, weights_only: bool) -> None:
+def _load_optimizer(reader: CheckpointReader, run: Checkpointable, weights_only: bool) -> None:
     """Optimizer tensors through `read(name, slices)` (every rank calls: ZeRO re-gathers parameters inside).
 
     A failing read is recorded and answered with zeros, so this rank still joins the optimizer's collectives;
     the ranks then agree on the error instead of hanging. Weights-only: the masters come from the weights."""
-    opt, ctx, tied = trainer.optimizer, trainer.ctx, tied_names(trainer)
+    opt, ctx, tied = run.optimizer, run.ctx, tied_names(run)
     errors: list[str] = []
 
     def read(key: str, slices) -> torch.Tensor:
@@ -146,39 +144,37 @@ def _load_optimizer(reader: CheckpointReader, trainer: Any, weights_only: bool) 
             return torch.zeros([s.stop - s.start for s in slices])
 
     if weights_only:
-        if "kinds" in inspect.signature(opt.load_state_tensors).parameters:
-            opt.load_state_tensors(read, kinds=("master",))
-        elif hasattr(opt, "reload_model_weights"):
-            opt.reload_model_weights()
+        opt.load_state_tensors(read, kinds=("master",))
     else:
         opt.load_state_tensors(read)
-        if hasattr(opt, "load_scalar_state"):
-            opt.load_scalar_state(dict(reader.meta.get("optimizer") or {}))
+        opt.load_scalar_state(dict(reader.meta.get("optimizer") or {}))
     agree_on_errors(errors[0] if errors else None, ctx.world, ctx.device, "loading optimizer state")
 
 
-def load_checkpoint(trainer: Any, directory: str, model_only: bool = False) -> LoadResult:
-    """Load `directory` (a step dir, or a save root following `latest`) into `trainer` (every rank calls).
+def load_checkpoint(run: Checkpointable, directory: str, model_only: bool = False) -> LoadResult:
+    """Load `directory` (a step dir, or a save root following `latest`) into `run` (every rank calls).
 
     Full checkpoints restore weights, optimizer state (tensors and scalars), data position, step and RNG;
     weights-only checkpoints (e.g. a Hugging Face import) and `model_only=True` (evaluation) load weights,
     derive the optimizer's master weights from them (Adam moments stay fresh) and leave the step at 0."""
-    from parallel3d.training.data import DataError
 
-    ctx = trainer.ctx
+    ctx = run.ctx
     error, result, reader = None, None, None
     try:
         path = resolve_checkpoint_dir(directory)
         reader = CheckpointReader(path)
-        check_model_config(reader, trainer.cfg.model)
+        check_model_config(reader, run.run_config()["model"])
         meta = reader.meta
         full = not model_only and not meta.get("weights_only", False)
-        _load_model(reader, trainer)
+        _load_model(reader, run)
         result = LoadResult(path, int(meta.get("step", 0)) if full else 0, not full, False)
         if full:
-            _validate_optimizer(reader, trainer, tied_names(trainer))
-            result.same_layout = meta.get("layout") == layout_of(trainer)
-            trainer.sampler.check_resume(dict(meta.get("data") or {}))
+            _validate_optimizer(reader, run, tied_names(run))
+            result.same_layout = meta.get("layout") == layout_of(run)
+            try:
+                run.sampler.check_resume(dict(meta.get("data") or {}))
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
             if result.same_layout:  # nothing draws random numbers between here and training
                 state = _read_rng(reader, ctx.rank)
                 try:
@@ -186,12 +182,12 @@ def load_checkpoint(trainer: Any, directory: str, model_only: bool = False) -> L
                 except (KeyError, ValueError, TypeError) as e:
                     raise CheckpointError(f"RNG state of rank {ctx.rank} in {path} is malformed: {e!r}") from e
             else:
-                reseed_rng(trainer.cfg.train.seed, result.step, ctx.rank, ctx.device)
-    except (CheckpointError, DataError, OSError, ValueError, KeyError, TypeError) as e:
-        error = f"{e}" if isinstance(e, (CheckpointError, DataError)) else f"{directory}: {type(e).__name__}: {e}"
+                reseed_rng(run.run_config()["train"]["seed"], result.step, ctx.rank, ctx.device)
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+        error = f"{e}" if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
     agree_on_errors(error, ctx.world, ctx.device, "loading checkpoint")
-    if trainer.optimizer is not None:  # an evaluation-only trainer has none
-        _load_optimizer(reader, trainer, result.weights_only)
+    if run.optimizer is not None:  # an evaluation-only run has none
+        _load_optimizer(reader, run, result.weights_only)
     if not result.weights_only:
-        trainer.step = result.step
+        run.step = result.step
     return result

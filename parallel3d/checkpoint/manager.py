@@ -1,6 +1,7 @@
 """When to save and where to resume from: the checkpoint policy `run_training` follows.
 
-    manager = CheckpointManager(trainer)     # reads cfg.checkpoint (save_dir, interval, keep, async_save)
+    manager = CheckpointManager(run)         # run: a Checkpointable (the Trainer); reads its config's
+                                             # checkpoint section (save_dir, interval, keep, async_save)
     manager.resume()                         # torchrun restart -> save_dir/latest; else load_dir; else nothing
     ... after every optimizer step: manager.after_step()   (interval saves; commits finished async saves)
     manager.finish()                         # final save (if save_dir) and wait for any async save
@@ -12,11 +13,13 @@ thread and no collective ever runs on the writer threads.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 
 from parallel3d import comm
+from parallel3d.checkpoint.protocol import Checkpointable
 from parallel3d.checkpoint.load import LoadResult, latest_checkpoint, load_checkpoint
 from parallel3d.checkpoint.save import PendingSave, begin_save, finish_save
 
@@ -29,7 +32,7 @@ def restart_count() -> int:
         return 0
 
 
-def resume_source(checkpoint_cfg: Any) -> Optional[str]:
+def resume_source(checkpoint_cfg: "CheckpointPolicy") -> Optional[str]:
     """The checkpoint to start from: after a torchrun restart the newest complete one in save_dir (where the
     failed attempt saved), otherwise checkpoint.load_dir (None: start from scratch)."""
     if restart_count() > 0 and latest_checkpoint(checkpoint_cfg.save_dir) is not None:
@@ -37,12 +40,27 @@ def resume_source(checkpoint_cfg: Any) -> Optional[str]:
     return checkpoint_cfg.load_dir
 
 
+@dataclass
+class CheckpointPolicy:
+    """The run's checkpoint settings (its config's `checkpoint` section)."""
+    save_dir: Optional[str] = None
+    load_dir: Optional[str] = None
+    interval: int = 0
+    keep: int = 0
+    async_save: bool = False
+
+    @classmethod
+    def of(cls, run: Checkpointable) -> "CheckpointPolicy":
+        section = run.run_config().get("checkpoint") or {}
+        return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
+
+
 class CheckpointManager:
-    def __init__(self, trainer: Any, log: bool = True) -> None:
-        self.trainer, self.cfg = trainer, trainer.cfg.checkpoint
+    def __init__(self, run: Checkpointable, log: bool = True) -> None:
+        self.run, self.cfg = run, CheckpointPolicy.of(run)
         self.pending: Optional[PendingSave] = None
         self.last_saved: Optional[int] = None   # step of the newest committed (or pending) save
-        self.log = log and trainer.ctx.rank == 0
+        self.log = log and run.ctx.rank == 0
 
     def _say(self, text: str) -> None:
         if self.log:
@@ -52,7 +70,7 @@ class CheckpointManager:
         source = resume_source(self.cfg)
         if not source:
             return None
-        result = load_checkpoint(self.trainer, source)
+        result = load_checkpoint(self.run, source)
         if result.weights_only:
             self._say(f"initialised weights from {result.path} (weights only: step 0, fresh optimizer)")
         else:
@@ -67,10 +85,10 @@ class CheckpointManager:
         return result
 
     def save(self) -> None:
-        """Checkpoint the trainer's current step now (async when configured)."""
+        """Checkpoint the run's current step now (async when configured)."""
         self.wait()
-        step = self.trainer.step
-        self.pending = begin_save(self.trainer, self.cfg.save_dir, step, async_save=self.cfg.async_save)
+        step = self.run.step
+        self.pending = begin_save(self.run, self.cfg.save_dir, step, async_save=self.cfg.async_save)
         self.last_saved = step
         if not self.cfg.async_save:
             self.wait()
@@ -79,26 +97,26 @@ class CheckpointManager:
         """Commit a pending async save if every rank has finished writing it (one tiny all-reduce)."""
         if self.pending is None:
             return
-        ctx = self.trainer.ctx
+        ctx = self.run.ctx
         done = torch.tensor([1.0 if self.pending.written() else 0.0], device=ctx.device)
         comm.all_reduce(done, ctx.world, op="min")
-        if done.item() == 1.0:
+        if comm.host_float(done, nominal=1.0) == 1.0:
             self.wait()
 
     def wait(self) -> None:
         """Finish and commit the pending save, if any (every rank calls)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            path = finish_save(self.trainer, pending, keep=self.cfg.keep)
+            path = finish_save(self.run, pending, keep=self.cfg.keep)
             self._say(f"saved {path}")
 
     def after_step(self) -> None:
         self.poll()
-        interval, step = self.cfg.interval, self.trainer.step
+        interval, step = self.cfg.interval, self.run.step
         if self.cfg.save_dir and interval > 0 and step % interval == 0 and self.last_saved != step:
             self.save()
 
     def finish(self) -> None:
-        if self.cfg.save_dir and self.last_saved != self.trainer.step:
+        if self.cfg.save_dir and self.last_saved != self.run.step:
             self.save()
         self.wait()

@@ -22,7 +22,6 @@ thread writes them; the commit (collectives) always runs on the training thread 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import re
@@ -32,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import yaml
 
 from parallel3d.checkpoint.collective import agree_on_errors, all_gather_json, entry_key, first_holders
+from parallel3d.checkpoint.protocol import Checkpointable, layout_of
 from parallel3d.checkpoint.rng import capture_rng
 from parallel3d.checkpoint.store import (METADATA, CheckpointError, merge_indices, sha256_file, write_metadata,
                                          write_shard_file)
@@ -57,18 +58,10 @@ def optim_tensor_name(key: str, tied: dict[str, str]) -> str:
     return f"optim.{kind}.{tied.get(param, param)}"
 
 
-def tied_names(trainer: Any) -> dict[str, str]:
+def tied_names(run: Checkpointable) -> dict[str, str]:
     """Parameter name -> the name its data is stored under (itself, or the tied source)."""
     return {name: p.meta.extra.get("tied_to", name)
-            for chunk in trainer.chunks for name, p in chunk.named_parameters()}
-
-
-def layout_of(trainer: Any) -> dict[str, Any]:
-    """The parallel layout a checkpoint was written under (RNG streams are exact only under the same one)."""
-    s, p = trainer.ctx.spec, trainer.cfg.parallel
-    return {"world_size": s.world_size, "tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp, "ep": s.ep,
-            "zero": p.zero, "virtual_stages": p.virtual_stages, "schedule": p.schedule, "sp": p.sp,
-            "cp_mode": p.cp_mode, "precision": trainer.cfg.train.precision}
+            for chunk in run.chunks for name, p in chunk.named_parameters()}
 
 
 def materialized(p: torch.Tensor) -> bool:
@@ -77,16 +70,16 @@ def materialized(p: torch.Tensor) -> bool:
     return p.untyped_storage().nbytes() >= need
 
 
-def collect_tensors(trainer: Any) -> tuple[Entries, Entries]:
+def collect_tensors(run: Checkpointable) -> tuple[Entries, Entries]:
     """(model, optimizer) entries of this rank: name -> (local real data, global shape, slices)."""
-    tied = tied_names(trainer)
-    if not hasattr(trainer.optimizer, "state_tensors"):
-        raise TypeError(f"{type(trainer.optimizer).__name__} has no state_tensors(); cannot checkpoint it")
-    state = trainer.optimizer.state_tensors()
+    tied = tied_names(run)
+    if run.optimizer is None:
+        raise TypeError("a run without an optimizer (evaluation) has no training state to checkpoint")
+    state = run.optimizer.state_tensors()
     optim: Entries = {optim_tensor_name(key, tied): (data, tuple(shape), tuple(slices))
                       for key, (data, shape, slices) in state.items()}
     model: Entries = {}
-    for chunk in trainer.chunks:
+    for chunk in run.chunks:
         for name, p in chunk.named_parameters():
             if materialized(p):
                 model.setdefault(tied[name], (real_part(p.detach(), p.meta), tuple(p.meta.global_shape),
@@ -104,20 +97,17 @@ def state_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in module.named_buffers() if getattr(b, "meta", None) is not None]
 
 
-def _owned(entries: Entries, trainer: Any) -> Entries:
+def _owned(entries: Entries, run: Checkpointable) -> Entries:
     keys = [entry_key(name, slices) for name, (_, _, slices) in entries.items()]
-    owners = first_holders(keys, trainer.ctx.world, trainer.ctx.device)
+    owners = first_holders(keys, run.ctx.world, run.ctx.device)
     return {name: e for (name, e), own in zip(entries.items(), owners) if own}
 
 
-def _metadata_fields(trainer: Any, step: int) -> dict[str, Any]:
-    from parallel3d.training.config import to_dict
-
-    opt = trainer.optimizer
-    return {"step": step, "weights_only": False, "model": dataclasses.asdict(trainer.cfg.model),
-            "layout": layout_of(trainer), "data": trainer.sampler.state_dict(step),
-            "optimizer": opt.scalar_state() if hasattr(opt, "scalar_state") else {},
-            "config": to_dict(trainer.cfg)}
+def _metadata_fields(run: Checkpointable, step: int) -> dict[str, Any]:
+    cfg = run.run_config()
+    return {"step": step, "weights_only": False, "model": cfg["model"],
+            "layout": layout_of(run), "data": run.sampler.state_dict(step),
+            "optimizer": run.optimizer.scalar_state(), "config": cfg}
 
 
 @dataclass
@@ -164,9 +154,9 @@ def clean_stale(root: str) -> None:
             os.remove(os.path.join(root, entry))
 
 
-def begin_save(trainer: Any, root: str, step: int, async_save: bool = False) -> PendingSave:
-    """Start a checkpoint of `trainer` at `step` under `root` (every rank calls)."""
-    ctx = trainer.ctx
+def begin_save(run: Checkpointable, root: str, step: int, async_save: bool = False) -> PendingSave:
+    """Start a checkpoint of `run` at `step` under `root` (every rank calls)."""
+    ctx = run.ctx
     tmp = os.path.join(root, step_dir_name(step) + ".tmp")
     error = None
     if ctx.rank == 0:
@@ -177,9 +167,9 @@ def begin_save(trainer: Any, root: str, step: int, async_save: bool = False) -> 
         except OSError as e:
             error = f"cannot create checkpoint directory {tmp}: {e}"
     agree_on_errors(error, ctx.world, ctx.device, "checkpoint save")  # also: tmp exists before anyone writes
-    model, optim = collect_tensors(trainer)
-    model, optim = _owned(model, trainer), _owned(optim, trainer)
-    pending = PendingSave(root, step, tmp, _metadata_fields(trainer, step) if ctx.rank == 0 else {})
+    model, optim = collect_tensors(run)
+    model, optim = _owned(model, run), _owned(optim, run)
+    pending = PendingSave(root, step, tmp, _metadata_fields(run, step) if ctx.rank == 0 else {})
     rng = capture_rng(ctx.device)
     if async_save:  # snapshot now (device -> host copies), write while training continues
         model, optim = ({k: (t.detach().to("cpu", copy=True), s, sl) for k, (t, s, sl) in e.items()}
@@ -199,14 +189,13 @@ def begin_save(trainer: Any, root: str, step: int, async_save: bool = False) -> 
     return pending
 
 
-def _write_config(trainer: Any, directory: str, load_dir: str) -> None:
+def _write_config(run: Checkpointable, directory: str, load_dir: str) -> None:
     """config.yaml that resumes from this checkpoint (`pretrain.py --config DIR/config.yaml`)."""
-    from parallel3d.training.config import save_yaml
-
-    cfg = copy.deepcopy(trainer.cfg)
-    cfg.parallel.dp, cfg.train.num_microbatches = 0, 0  # portable to any world size
-    cfg.checkpoint.load_dir = load_dir
-    save_yaml(cfg, os.path.join(directory, "config.yaml"))
+    cfg = copy.deepcopy(run.run_config())
+    cfg["parallel"]["dp"], cfg["train"]["num_microbatches"] = 0, 0  # portable to any world size
+    cfg["checkpoint"]["load_dir"] = load_dir
+    with open(os.path.join(directory, "config.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
 
 
 def _fsync_dir(path: str) -> None:
@@ -255,9 +244,9 @@ def prune(root: str, keep: int) -> list[str]:
     return victims
 
 
-def finish_save(trainer: Any, pending: PendingSave, keep: int = 0) -> str:
+def finish_save(run: Checkpointable, pending: PendingSave, keep: int = 0) -> str:
     """Wait for this rank's writes, agree that all ranks succeeded, commit on rank 0. Returns the directory."""
-    ctx = trainer.ctx
+    ctx = run.ctx
     if pending.thread is not None:
         pending.thread.join()
     parts = all_gather_json(pending.result, ctx.world, ctx.device)  # every rank has finished writing
@@ -270,7 +259,7 @@ def finish_save(trainer: Any, pending: PendingSave, keep: int = 0) -> str:
             index = merge_indices(p["index"] for p in parts)
             rng = {k: v for p in parts for k, v in p["index"]["rng"].items()}
             write_metadata(pending.tmp, index, rng_files=rng, **pending.fields)
-            _write_config(trainer, pending.tmp, load_dir=pending.final)
+            _write_config(run, pending.tmp, load_dir=pending.final)
             _publish(pending)
             prune(pending.root, keep)
         except OSError as e:
@@ -279,10 +268,10 @@ def finish_save(trainer: Any, pending: PendingSave, keep: int = 0) -> str:
     return pending.final
 
 
-def save_checkpoint(trainer: Any, root: str, step: Optional[int] = None, keep: int = 0) -> str:
-    """Synchronous save of `trainer` at `step` (default trainer.step) under `root`; returns the step dir."""
-    pending = begin_save(trainer, root, trainer.step if step is None else step)
-    return finish_save(trainer, pending, keep)
+def save_checkpoint(run: Checkpointable, root: str, step: Optional[int] = None, keep: int = 0) -> str:
+    """Synchronous save of `run` at `step` (default run.step) under `root`; returns the step dir."""
+    pending = begin_save(run, root, run.step if step is None else step)
+    return finish_save(run, pending, keep)
 
 
 def is_complete(directory: str) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 from parallel3d.pipeline.partition import partition_layers
-from parallel3d.training.config import ExperimentConfig
+from parallel3d.training.config import ExperimentConfig, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
 from parallel3d.training.lr_schedule import lr_at
 
@@ -78,6 +78,10 @@ class Trainer:
         self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
         self.schedules = None  # built and verified once per (schedule, p, m, v) when pp > 1
+
+    def run_config(self) -> dict:
+        """The whole configuration as plain data (what checkpoints record; checkpoint.protocol)."""
+        return to_dict(self.cfg)
 
     def _build_optimizer(self):
         from parallel3d.data_parallel import DistributedOptimizer
