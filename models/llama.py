@@ -25,9 +25,9 @@ from parallel3d.params import init_parameters
 from parallel3d.tensor_parallel import (ColumnParallelLinear, KVParallelLinear, RMSNorm, RowParallelLinear,
                                         VocabParallelEmbedding, enter_tp_region, gather_from_tp,
                                         vocab_parallel_cross_entropy)
+from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.tensor_parallel.layers import vocab_shard
 
-IGNORE_INDEX = -100
 
 
 class Attention(nn.Module):

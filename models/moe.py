@@ -123,7 +123,3 @@ class MoETransformer(Llama):
                 layer.update_bias(loads[i][0])
                 layer.reset_load()
         return out
-
-    def moe_step_end(self) -> dict[str, Any]:
-        """Alias of moe_load_stats(step_end=True): stats of the step, bias update, counter reset."""
-        return self.moe_load_stats(step_end=True)

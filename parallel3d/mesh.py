@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from parallel3d.comm import CommStats, Group
 
-DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp", "tp_cp", "mp", "embedding", "world")
+DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp", "embedding", "world")
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,6 @@ class MeshSpec:
             "dp": (c.tp, c.cp, c.pp),
             "pp": (c.tp, c.cp, c.dp),
             "dp_cp": (c.tp, c.pp),
-            "tp_cp": (c.dp, c.pp),
-            "mp": (c.cp, c.dp),                      # tp x pp: one model replica
             "ep": (c.tp, c.pp, j // self.ep),
             "edp": (c.tp, c.pp, j % self.ep),
         }[dim]
@@ -134,30 +132,72 @@ class MeshSpec:
         return []  # only 'embedding' may not contain a rank (middle pipeline stages)
 
 
+@dataclass(eq=False)
 class ParallelContext:
     """Every process group this rank needs plus its coordinates. Passed explicitly; never global.
 
-    Attributes `tp`, `cp`, `dp`, `pp`, `ep`, `edp`, `dp_cp`, `tp_cp`, `mp`, `embedding`, `world` are
-    `comm.Group` objects (size, rank, ranks, underlying process group). A world-size-1 context needs no
-    torch.distributed at all.
+    Each group field is a `comm.Group` (size, rank, ranks, underlying process group, device); `embedding`
+    is None on middle pipeline stages. A world-size-1 context needs no torch.distributed at all. Build one
+    with `single`, `build` (real process groups) or `simulated` (one rank of any layout, no processes).
     """
+    spec: MeshSpec
+    rank: int
+    device: torch.device
+    backend: Optional[str]
+    stats: CommStats
+    coords: Coords
+    tp: Group
+    cp: Group
+    dp: Group
+    pp: Group
+    ep: Group
+    edp: Group
+    dp_cp: Group        # dense-gradient reduction (DP x CP)
+    embedding: Optional[Group]  # first and last pipeline stage (tied embeddings)
+    world: Group
+    _clones: dict[str, Group] = field(default_factory=dict, repr=False)  # see clone()
 
-    def __init__(self, spec: MeshSpec, rank: int, device: torch.device, backend: Optional[str]) -> None:
-        self.spec = spec
-        self.rank = rank
-        self.world_size = spec.world_size
-        self.device = device
-        self.backend = backend
-        self.coords = spec.coords(rank)
-        self.stats = CommStats()
-        for dim in DIMS:
+    @classmethod
+    def create(cls, spec: MeshSpec, rank: int, device: torch.device | str = "cpu",
+               backend: Optional[str] = None) -> "ParallelContext":
+        """The context of `rank` with groups that have no process group yet (`build` attaches them)."""
+        device, stats = torch.device(device), CommStats()
+
+        def group(dim: str) -> Optional[Group]:
             ranks = spec.group_of(dim, rank)
-            setattr(self, dim, Group(dim, ranks, rank, None, self.stats, device) if ranks else None)
+            return Group(dim, ranks, rank, None, stats, device) if ranks else None
+
+        return cls(spec, rank, device, backend, stats, spec.coords(rank), **{d: group(d) for d in DIMS})
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def groups(self) -> dict[str, Optional[Group]]:
+        """Every group field by name (DIMS order)."""
+        return {d: getattr(self, d) for d in DIMS}
+
+    def clone(self, dim: str) -> Group:
+        """A Group with the same ranks, name and accounting as `dim`'s but its own process group (ZeRO-3
+        gathers on it, ordered independently of the gradient reductions on the original). Creating a group is
+        collective over the world, so every rank builds the clones of every group of that kind, in spec
+        order, the first time any rank asks; later calls return the same clone."""
+        import torch.distributed as dist
+
+        group = getattr(self, dim)
+        if group.size == 1 or group.simulated or not dist.is_initialized():
+            return group
+        if dim not in self._clones:
+            for ranks in self.spec.groups(dim):
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._clones[dim] = Group(group.name, list(ranks), self.rank, pg, self.stats, self.device)
+        return self._clones[dim]
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
         """World size 1: plain single-device PyTorch, torch.distributed untouched."""
-        return cls(MeshSpec(), 0, torch.device(device), None)
+        return cls.create(MeshSpec(), 0, device)
 
     @classmethod
     def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "cuda:0") -> "ParallelContext":
@@ -165,9 +205,8 @@ class ParallelContext:
         the planner's dry run and the fake-CUDA tests run the real training step through it."""
         from parallel3d.comm import SimulatedProcessGroup
 
-        ctx = cls(spec, rank, torch.device(device), "simulated")
-        for dim in DIMS:
-            group = getattr(ctx, dim)
+        ctx = cls.create(spec, rank, device, "simulated")
+        for group in ctx.groups().values():
             if group is not None and group.size > 1:
                 group.pg = SimulatedProcessGroup()
         return ctx
@@ -189,7 +228,7 @@ class ParallelContext:
         rank = dist.get_rank()
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        ctx = cls(spec, rank, device, backend)
+        ctx = cls.create(spec, rank, device, backend)
         timeout = datetime.timedelta(seconds=timeout_s)
         for dim in DIMS:
             for ranks in spec.groups(dim):  # every rank creates every group, in the same order

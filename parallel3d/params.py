@@ -126,3 +126,10 @@ def load_global_slice(p: torch.Tensor, value: torch.Tensor) -> None:
 def real_part(t: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
     """The local tensor (or its gradient) without padding rows."""
     return t[tuple(slice(0, n) for n in meta.local_real_shape)]
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass: activation recomputation re-runs module forwards there,
+    and what a forward does once per step (ZeRO-3 freeing, MoE load counting) must not happen twice.
+    (torch has no public query for this; the one private call lives here.)"""
+    return torch._C._current_graph_task_id() != -1

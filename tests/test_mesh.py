@@ -20,7 +20,7 @@ SPECS = list(_specs())
 def test_groups_partition_world_and_coords_round_trip(spec):
     world = set(range(spec.world_size))
     sizes = {"tp": spec.tp, "cp": spec.cp, "dp": spec.dp, "pp": spec.pp, "ep": spec.ep, "edp": spec.edp,
-             "dp_cp": spec.dp * spec.cp, "tp_cp": spec.tp * spec.cp, "mp": spec.tp * spec.pp,
+             "dp_cp": spec.dp * spec.cp,
              "world": spec.world_size}
     for dim in DIMS:
         if dim == "embedding":
@@ -57,7 +57,6 @@ def test_rank_formula_example():
     assert spec.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert spec.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert spec.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert spec.groups("mp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 @pytest.mark.parametrize("kwargs, message", [

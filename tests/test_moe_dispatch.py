@@ -231,14 +231,14 @@ def test_empty_splits_and_idle_experts(worlds):
 
 # ---- bad input ------------------------------------------------------------------------------------------
 def test_bad_expert_configs():
-    ctx = ParallelContext(MeshSpec(dp=4, ep=4), 0, torch.device("cpu"), None)  # groups without processes
+    ctx = ParallelContext.create(MeshSpec(dp=4, ep=4), 0)  # groups without processes
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by parallel.ep=4"):
         MoELayer(16, 24, 6, 2, ctx)
     with pytest.raises(ValueError, match="moe_top_k=5 must be in"):
         MoELayer(16, 24, 4, 5, ParallelContext.single())
     with pytest.raises(ValueError, match="moe_top_k=5 must be in"):
         MoETransformer(_moe_cfg(moe_top_k=5), ParallelContext.single())
-    tp_ctx = ParallelContext(MeshSpec(tp=2), 0, torch.device("cpu"), None)
+    tp_ctx = ParallelContext.create(MeshSpec(tp=2), 0)
     with pytest.raises(ValueError, match="moe_ffn_hidden_size=25 is not divisible by parallel.tp=2"):
         MoELayer(16, 25, 4, 2, tp_ctx)
     with pytest.raises(ValueError, match="num_experts > 0"):

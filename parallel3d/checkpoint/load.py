@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -75,12 +75,12 @@ def check_model_config(reader: CheckpointReader, model_cfg: dict[str, Any]) -> N
                               f"{', '.join(diff)}")
 
 
-def _load_model(reader: CheckpointReader, run: Checkpointable) -> None:
+def load_model_weights(reader: CheckpointReader, chunks: Sequence[torch.nn.Module]) -> None:
     """Each parameter's and state buffer's slice (meta.slices; vocab padding rows zeroed). Tied copies read
     their source. ZeRO-3 parameters (storage freed between steps) are only checked: the optimizer publishes
     them from the master weights."""
     tensors = reader.meta["tensors"]
-    for chunk in run.chunks:
+    for chunk in chunks:
         for name, p in chunk.named_parameters():
             source = p.meta.extra.get("tied_to", name)
             if source not in tensors and name in tensors:
@@ -166,7 +166,7 @@ def load_checkpoint(run: Checkpointable, directory: str, model_only: bool = Fals
         check_model_config(reader, run.run_config()["model"])
         meta = reader.meta
         full = not model_only and not meta.get("weights_only", False)
-        _load_model(reader, run)
+        load_model_weights(reader, run.chunks)
         result = LoadResult(path, int(meta.get("step", 0)) if full else 0, not full, False)
         if full:
             _validate_optimizer(reader, run, tied_names(run))

@@ -194,20 +194,3 @@ class CheckpointReader:
                                       f"match its slices in {METADATA}")
             out[dst] = part
         return out
-
-
-def load_model_weights(reader: CheckpointReader, model: torch.nn.Module) -> None:
-    """Load every parameter's slice (by `p.meta`) from the checkpoint. Tied copies read their source."""
-    from parallel3d.params import load_global_slice
-
-    for name, p in model.named_parameters():
-        meta = p.meta
-        source = meta.extra.get("tied_to", name)
-        if source not in reader.meta["tensors"] and name in reader.meta["tensors"]:
-            source = name
-        shape = reader.global_shape(source)
-        if tuple(shape) != tuple(meta.global_shape):
-            raise CheckpointError(f"{reader.directory}: tensor {source!r} has shape {tuple(shape)} but the model "
-                                  f"expects {tuple(meta.global_shape)} (checkpoint of another model shape?)")
-        with torch.no_grad():
-            load_global_slice(p, reader.read(source, meta.slices))

@@ -38,10 +38,9 @@ from torch import nn
 from parallel3d import comm
 from parallel3d.data_parallel import state as _state
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
-from parallel3d.data_parallel.build import init_bucket, plan, reduction_group
+from parallel3d.data_parallel.build import init_bucket, plan
 from parallel3d.data_parallel.clip import adamw_, clip_, grad_stats
 from parallel3d.comm import start_all_gather, start_all_reduce, start_reduce_scatter, wait_work
-from parallel3d.data_parallel.collectives import clone_group
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
 from parallel3d.data_parallel.zero3 import Zero3
 from parallel3d.mesh import ParallelContext
@@ -81,7 +80,7 @@ class DistributedOptimizer:
         for b in self.buckets:
             init_bucket(b, zero, self.dtype, self.grad_dtype)
         if zero == 3:
-            gather = {e: clone_group(reduction_group(ctx, e), "edp" if e else "dp_cp", ctx) for e in (False, True)}
+            gather = {e: ctx.clone("edp" if e else "dp_cp") for e in (False, True)}
             self.zero3 = Zero3(chains, gather, self.dtype)
         self._chains = chains
         self._last = [True] * len(self.modules)  # per chunk: is the running backward the step's last one?

@@ -17,7 +17,7 @@ reduce-scattered once: 3x the parameter bytes, vs 2x for DP's all-reduce (counte
 Freeing = resizing the parameter's storage to 0 bytes; gathering resizes it back and copies the chunks
 in through `p.data` (which does not bump the autograd version counter), so tensors autograd saved during
 forward (the weight or views of it) are valid again when backward runs -- the FSDP1 storage trick.
-Gathers run on a clone of the DP group (see `collectives.clone_group`), so they are ordered independently
+Gathers run on a clone of the DP group (`ParallelContext.clone`), so they are ordered independently
 of the gradient reduce-scatters. Activation recomputation re-enters a unit's forward inside backward:
 then the unit is gathered but neither freed nor re-hooked.
 """
@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from parallel3d.comm import Group, start_all_gather, wait_work
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.params import in_backward
 
 
 def find_units(root: nn.Module) -> list[nn.Module]:
@@ -68,10 +69,6 @@ def check_split_backward(split: bool) -> None:
     if split:
         raise ValueError("ZeRO-3 (parallel.zero=3) does not support a schedule that splits backward into "
                          "input and weight passes (zb-h1); use zero<=2 or schedule=1f1b/interleaved")
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Zero3:
@@ -143,13 +140,13 @@ class Zero3:
     def _pre_forward(self, unit: Unit):
         def hook(module, args):
             self.gather(unit)
-            if not _in_backward():
+            if not in_backward():
                 self.start_gather(unit.next_fwd)
         return hook
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
-            if _in_backward():   # recomputation inside backward: keep the unit for its backward
+            if in_backward():   # recomputation inside backward: keep the unit for its backward
                 return output
             self.free(unit)
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

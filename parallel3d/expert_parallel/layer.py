@@ -35,6 +35,7 @@ from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, e
                                                sharded_capacity_keep_mask, switch_aux_loss, update_expert_bias,
                                                z_loss_sum)
 from parallel3d.mesh import ParallelContext
+from parallel3d.params import in_backward
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
                                         reduce_from_tp, reduce_scatter_to_sp)
 
@@ -49,11 +50,6 @@ class _SumLocalGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation recomputation re-runs forwards there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class SharedExperts(nn.Module):
@@ -108,11 +104,11 @@ class MoELayer(nn.Module):
             keep = sharded_capacity_keep_mask(r.indices.view(b, s, -1), cap, self.num_experts, self.cp,
                                               self.positions).reshape(b * s, -1)  # (T, k)
         counts = expert_counts(r.indices, self.num_experts)  # (E,) routed slots before drops
-        if self.training and torch.is_grad_enabled() and not _in_backward():
+        if self.training and torch.is_grad_enabled() and not in_backward():
             self._observe(counts, keep, r.indices)
         if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             term = self._aux(r, counts, b * s)
-            if not _in_backward():
+            if not in_backward():
                 self._aux_term = term
         perm = permute(r.indices, self.num_experts, keep)
         exchange = ExpertExchange(perm.counts, self.ep, perm.order.shape[0])

@@ -39,7 +39,7 @@ from .simulate import split_steps
 from .verify import verify
 
 K = ActionKind
-Record = list  # of (pp rank, Action, start, end) with time.perf_counter() times
+Record = list[tuple[int, Action, float, float]]  # (pp rank, action, start, end), time.perf_counter() times
 
 
 class ScheduleCache:

@@ -49,8 +49,11 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
+IGNORE_INDEX = -100  # targets that take no loss (Hugging Face's and torch's convention)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int,
-                                 real_cols: int, ignore_index: int = -100, backend: str = "torch") -> torch.Tensor:
+                                 real_cols: int, ignore_index: int = IGNORE_INDEX, backend: str = "torch") -> torch.Tensor:
     """logits (n, v/tp) this rank's vocabulary columns [vocab_start, vocab_start + real_cols) plus padding;
     target (n,) global ids -> per-token loss (n,) fp32. backend "triton"/"auto" on CUDA: the chunked
     kernel (never an fp32 softmax of the whole shard), with this module's TP all-reduces plugged in."""

@@ -19,11 +19,11 @@ from torch import nn
 from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.training.config import ExperimentConfig, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
 from parallel3d.training.lr_schedule import lr_at
 
-IGNORE_INDEX = -100
 BuildStage = Callable[[list[int], bool, bool], nn.Module]
 
 
