@@ -82,8 +82,14 @@ def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resu
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=600))
     worker = Worker(rank, size, device, status)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died (e.g. a crash): do not linger as an orphan
+                os._exit(1)
+            continue
         if task is None:
             break
         fn, args, kwargs = pickle.loads(task)

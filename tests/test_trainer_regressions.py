@@ -96,3 +96,12 @@ def test_fp16_dynamic_scale_backs_off_and_recovers():
     assert scales[:first_ok] == [2.0 ** (39 - i) for i in range(first_ok)]
     assert scales[first_ok:] == [scales[first_ok - 1]] * (steps - first_ok)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in recs[first_ok:])
+
+
+@pytest.mark.parametrize("split", ["[0, 3]", "[3, 0]"])
+def test_empty_end_stage_from_the_command_line(worlds, split):
+    """A first stage holding only the embedding (or a last one holding only the head) is a valid split
+    (pipeline.partition owns the rule); config validation used to demand a layer on every stage."""
+    layout = ["parallel.pp=2", f"parallel.layers_per_stage={split}", "model.num_layers=3"]
+    ref = run(None, layout[2:], 2)
+    assert_parity(worlds.run(2, run, layout, 2), ref)

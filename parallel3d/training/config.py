@@ -22,6 +22,11 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from parallel3d.context_parallel.attention import CP_MODES
+from parallel3d.data_parallel.precision import DTYPES
+from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending keys and values."""
@@ -308,12 +313,12 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     for name in ("tp", "pp", "cp", "ep", "virtual_stages"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     _require(p.dp >= 0, f"parallel.dp must be >= 0 (0: fill from the world size), got {p.dp}")
-    _choice(p.cp_mode, "parallel.cp_mode", ("ring", "allgather", "ulysses"))
-    _choice(p.schedule, "parallel.schedule", ("gpipe", "1f1b", "interleaved", "zb-h1"))
+    _choice(p.cp_mode, "parallel.cp_mode", CP_MODES)
+    _choice(p.schedule, "parallel.schedule", SCHEDULE_NAMES)
     _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
     _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
-    _choice(t.precision, "train.precision", ("fp32", "bf16", "fp16"))
+    _choice(t.precision, "train.precision", tuple(DTYPES))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
     _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
     _choice(t.lr_schedule, "train.lr_schedule", ("cosine", "linear", "constant"))
@@ -387,7 +392,6 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     t.num_microbatches = nmb
 
     # --- pipeline
-    chunks = p.pp * p.virtual_stages
     if p.schedule == "interleaved":
         _require(p.virtual_stages >= 2,
                  f"schedule=interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
@@ -406,19 +410,12 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
             check_split_backward(p.schedule in SPLIT_BACKWARD)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    layers = getattr(m, "num_layers", None)
-    if layers is not None:
-        _require(layers >= chunks,
-                 f"model.num_layers={layers} is fewer than pp*virtual_stages = {p.pp}*{p.virtual_stages} "
-                 f"= {chunks} (every pipeline chunk needs at least one layer)")
-    if p.layers_per_stage is not None:
-        lps = p.layers_per_stage
-        _require(len(lps) == chunks and all(n >= 1 for n in lps),
-                 f"parallel.layers_per_stage={lps} must list {chunks} positive counts "
-                 f"(pp*virtual_stages = {p.pp}*{p.virtual_stages})")
-        if layers is not None:
-            _require(sum(lps) == layers,
-                     f"parallel.layers_per_stage={lps} sums to {sum(lps)}, not model.num_layers={layers}")
+    try:  # the partition owns what a stage may hold (empty first/last stages are fine)
+        partition_layers(m.num_layers, p.pp, p.virtual_stages, p.layers_per_stage)
+    except ValueError as e:
+        raise ConfigError(f"pipeline split (model.num_layers={m.num_layers}, parallel.pp={p.pp}, "
+                          f"parallel.virtual_stages={p.virtual_stages}, parallel.layers_per_stage="
+                          f"{p.layers_per_stage}): {e}") from None
 
     # --- checkpoints and logging
     for name in ("interval", "keep"):
