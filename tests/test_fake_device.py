@@ -102,3 +102,30 @@ def test_two_gpu_pretrain_smoke(tmp_path):
                "model.kernels=auto", *layout]
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _real_step_bytes(w, overrides: list[str]) -> dict:
+    torch.set_num_threads(1)
+    cfg = make_config(overrides, w.world_size)
+    p = cfg.parallel
+    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)))
+    return trainer.train_step()["comm_bytes"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true", "parallel.zero=1"],
+    ["parallel.cp=2", "parallel.zero=3", "parallel.tp=1"],
+    ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.zero=2",
+     "parallel.tp=1", "model.tie_embeddings=true"],
+], ids=["tp-pp-sp-zero1", "cp-dp-zero3", "interleaved-tied-zero2"])
+def test_dry_run_bytes_equal_a_real_run(worlds, layout):
+    """comm_bytes (the JSONL field) of the simulated step equal what the real gloo step records, per rank."""
+    overrides = [*layout, "model.num_layers=4", "train.global_batch_size=8"]
+    real = worlds.run(4, _real_step_bytes, overrides)
+    cfg = make_config(overrides, 4)
+    p = cfg.parallel
+    for rank in range(4):
+        ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+        simulated = build_trainer(cfg, ctx).train_step()["comm_bytes"]
+        assert simulated == real[rank], (rank, simulated, real[rank])
+        assert simulated  # something was communicated

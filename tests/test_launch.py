@@ -76,6 +76,7 @@ def test_moe_expert_parallel_losses_match_world_size_1(tmp_path):
           *SMALL, *MOE, f"log.jsonl={logs[1]}"], nproc=4)
     records = [json.loads(line) for line in open(logs[1])]
     assert any(k.startswith("moe_imbalance") for k in records[0])  # load telemetry in the metrics log
+    assert records[0]["comm_bytes"]["ep.all_to_all"] > 0  # this rank's bytes per "<group>.<op>" in the step
     for a, b in zip(_losses(logs[1]), _losses(logs[0])):
         assert abs(a - b) <= 1e-5 * abs(b), (_losses(logs[1]), _losses(logs[0]))
 

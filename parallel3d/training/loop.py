@@ -39,7 +39,7 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
     with logger:
         while trainer.step < cfg.train.steps:
             out = trainer.train_step()
-            extra = {"skipped": out["skipped"], "loss_scale": out["loss_scale"]}
+            extra = {"skipped": out["skipped"], "loss_scale": out["loss_scale"], "comm_bytes": out["comm_bytes"]}
             for chunk in trainer.chunks:
                 if hasattr(chunk, "moe_load_stats"):
                     extra.update(chunk.moe_load_stats())

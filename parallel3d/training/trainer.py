@@ -27,6 +27,11 @@ from parallel3d.training.lr_schedule import lr_at
 BuildStage = Callable[[list[int], bool, bool], nn.Module]
 
 
+def comm_bytes(stats: comm.CommStats) -> dict[str, int]:
+    """Bytes per "<group>.<op>" recorded since the last reset (comm.py's accounting convention)."""
+    return {f"{group}.{op}": nbytes for (group, op), (_, nbytes) in sorted(stats.summary().items())}
+
+
 class NonFiniteError(RuntimeError):
     """Loss or gradients were NaN/inf and train.nan_policy=stop."""
 
@@ -131,6 +136,7 @@ class Trainer:
     def train_step(self) -> dict:
         t0 = time.perf_counter()
         cfg, ctx, opt = self.cfg, self.ctx, self.optimizer
+        ctx.stats.reset()  # comm_bytes: this rank's traffic in this step
         lr = lr_at(self.step, cfg.train)
         mbs = self._microbatches(self.step)
         tokens = self._global_token_count(mbs)
@@ -155,7 +161,7 @@ class Trainer:
                   f"step skipped (train.nan_policy=skip)", flush=True)
         self.step += 1
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
-                "loss_scale": opt.loss_scale,
+                "loss_scale": opt.loss_scale, "comm_bytes": comm_bytes(ctx.stats),
                 "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0}
 
     @torch.no_grad()
