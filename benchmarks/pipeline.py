@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -141,18 +140,12 @@ def _step_time(per_rank: list[dict], name: str) -> float:
 
 
 def _bubbles(per_rank: list[dict], schedule: str, p: int, m: int):
-    from parallel3d.pipeline import Timeline, build_schedule, simulate
+    from parallel3d.pipeline import build_schedule
+    from parallel3d.pipeline.timeline import mean_costs, measured_and_simulated
 
     records = [rec for r in per_rank for rec in r["record"]]
-    measured = Timeline.from_events(records, num_ranks=p)
-    spent = defaultdict(list)
-    for rank, action, start, end in records:
-        if action.kind.is_compute:
-            spent[(rank, action.kind)].append(end - start)
-    avg = {key: statistics.mean(v) for key, v in spent.items()}
-    simulated = simulate(build_schedule(schedule, p, m), lazy_sends=True,
-                         costs=lambda rank, a: avg.get((rank, a.kind), 0.0))
-    return measured, simulated, avg
+    measured, simulated = measured_and_simulated(records, build_schedule(schedule, p, m))
+    return measured, simulated, mean_costs(records)
 
 
 def main() -> None:

@@ -310,6 +310,30 @@ def even_split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+def all_gather_varlen(data: torch.Tensor, group: Group, device: torch.device) -> list[torch.Tensor]:
+    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest."""
+    if group.size == 1:
+        return [data]
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = all_gather(length, group).tolist()
+    padded = torch.zeros(max(max(lengths), 1), dtype=data.dtype, device=device)
+    padded[: data.numel()] = data.to(device)
+    everyone = all_gather(padded, group).view(group.size, -1).cpu()
+    return [everyone[r, :n] for r, n in enumerate(lengths)]
+
+
+def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = None) -> list:
+    """Every rank's JSON-able `obj`, in group-rank order (size 1: `[obj]`, no communication). JSON travels
+    as uint8 tensors on `device` (NCCL needs device tensors): no pickle, no object collectives."""
+    import json
+
+    if group.size == 1:
+        return [obj]
+    device = device or group.device or torch.device("cpu")
+    raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    return [json.loads(bytes(t.tolist()).decode()) for t in all_gather_varlen(raw, group, device)]
+
+
 class _AllToAll(torch.autograd.Function):
     """Differentiable all-to-all: the backward is the all-to-all with the splits swapped."""
 

@@ -33,7 +33,7 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
-REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes"}
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_bytes", "skipped"}
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,35 @@ def test_periodic_evaluation_on_held_out_file(tmp_path):
     records = [json.loads(line) for line in open(log)]
     assert [("eval_loss" in r) for r in records] == [False, True, False, True]
     assert all(0 < r["eval_loss"] < 10 for r in records if "eval_loss" in r)
+
+
+def test_timeline_of_a_real_run(tmp_path):
+    """log.timeline records one step on every pipeline rank: every action of the schedule, once, in the
+    schedule's order per rank, beside the same schedule simulated with the measured costs."""
+    import csv
+
+    from parallel3d.pipeline import build_schedule
+
+    out = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", "parallel.pp=2",
+                "parallel.schedule=interleaved", "parallel.virtual_stages=2", *SMALL,
+                f"log.timeline={tmp_path / 'run.json'}", "log.timeline_step=1"], nproc=2)
+    assert "timeline of step 2 (interleaved, pp=2): measured bubble" in out.stdout
+    data = json.loads((tmp_path / "run.json").read_text())
+    schedule = build_schedule("interleaved", 2, 4, 2)
+    for source in ("measured", "simulated"):
+        rows = data[source]
+        for rank in range(2):
+            got = [(k, mb, c, peer) for r, k, mb, c, peer, _, _ in sorted((x for x in rows if x[0] == rank),
+                                                                          key=lambda x: x[5])
+                   if k in ("FORWARD", "BACKWARD")]
+            want = [(a.kind.name, a.microbatch, a.chunk, a.peer) for a in schedule[rank] if a.kind.is_compute]
+            assert got == want, (source, rank)
+        assert all(e >= s for *_, s, e in rows)
+    assert 0 <= data["simulated_bubble"] < 1 and 0 <= data["measured_bubble"] < 1
+    _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", "parallel.pp=2", *SMALL,
+          f"log.timeline={tmp_path / 'run.csv'}"], nproc=2)
+    rows = list(csv.DictReader(open(tmp_path / "run.csv")))
+    assert {(r["source"], r["rank"]) for r in rows} == {(s, r) for s in ("measured", "simulated") for r in "01"}
+    bad = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1",
+                f"log.timeline={tmp_path / 'run.txt'}"], check=False)
+    assert bad.returncode == 2 and "log.timeline" in bad.stderr

@@ -8,34 +8,13 @@ uint8 tensors so the same code works on gloo (CPU) and NCCL (CUDA tensors).
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Optional, Sequence
 
 import torch
 
 from parallel3d import comm
 from parallel3d.checkpoint.store import CheckpointError
-
-
-def _gather_varlen(data: torch.Tensor, group: comm.Group, device: torch.device) -> list[torch.Tensor]:
-    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest."""
-    if group.size == 1:
-        return [data]
-    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    lengths = comm.all_gather(length, group).tolist()
-    padded = torch.zeros(max(max(lengths), 1), dtype=data.dtype, device=device)
-    padded[: data.numel()] = data.to(device)
-    everyone = comm.all_gather(padded, group).view(group.size, -1).cpu()
-    return [everyone[r, :n] for r, n in enumerate(lengths)]
-
-
-def all_gather_json(obj: Any, group: comm.Group, device: Optional[torch.device] = None) -> list[Any]:
-    """Every rank's JSON-able `obj`, in group-rank order (world size 1: `[obj]`, no communication)."""
-    if group.size == 1:
-        return [obj]
-    device = device or torch.device("cpu")
-    raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    return [json.loads(bytes(t.tolist()).decode()) for t in _gather_varlen(raw, group, device)]
+from parallel3d.comm import all_gather_varlen, all_gather_json
 
 
 def agree_on_errors(error: Optional[str], group: comm.Group, device: Optional[torch.device] = None,
@@ -67,7 +46,7 @@ def first_holders(keys: Sequence[int], group: comm.Group, device: Optional[torch
     device = device or torch.device("cpu")
     mine = torch.tensor(list(keys), dtype=torch.int64)
     lower: set[int] = set()
-    for r, t in enumerate(_gather_varlen(mine, group, device)):
+    for r, t in enumerate(all_gather_varlen(mine, group, device)):
         if r == group.rank:
             break
         lower.update(t.tolist())

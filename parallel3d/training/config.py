@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import difflib
 import importlib.util
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -26,6 +27,7 @@ from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES
+from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 
 
 class ConfigError(ValueError):
@@ -100,6 +102,8 @@ class LogConfig:
     tensorboard: Optional[str] = None  # directory; needs the tensorboard package (pip install tensorboard)
     interval: int = 1            # progress-line interval (the jsonl gets every step)
     peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; None: table / CPU measurement
+    timeline: Optional[str] = None     # PATH.png|.json|.csv: measured vs simulated pipeline timeline of one step
+    timeline_step: int = -1            # which step (0-based) log.timeline records; -1: the last
 
 
 @dataclass
@@ -422,6 +426,11 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         _require(getattr(cfg.checkpoint, name) >= 0,
                  f"checkpoint.{name} must be >= 0, got {getattr(cfg.checkpoint, name)}")
     _require(cfg.log.interval >= 1, f"log.interval must be >= 1, got {cfg.log.interval}")
+    if cfg.log.timeline is not None:
+        _require(os.path.splitext(cfg.log.timeline)[1] in TIMELINE_FORMATS,
+                 f"log.timeline={cfg.log.timeline} must end in one of {', '.join(TIMELINE_FORMATS)}")
+        _require(-1 <= cfg.log.timeline_step < max(t.steps, 1),
+                 f"log.timeline_step={cfg.log.timeline_step} must be -1 (the last step) or in [0, train.steps={t.steps})")
     if cfg.log.tensorboard:
         require_package("tensorboard", f"log.tensorboard={cfg.log.tensorboard}")
     return cfg

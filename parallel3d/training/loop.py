@@ -23,6 +23,20 @@ def load_weights_if_any(trainer: Trainer, load_dir: str | None) -> None:
     load_checkpoint(trainer, load_dir, model_only=True)
 
 
+def write_run_timeline(trainer: Trainer, rows: list) -> None:
+    """log.timeline: the measured step beside its schedule simulated with the measured costs."""
+    from parallel3d.pipeline.timeline import from_rows, measured_and_simulated, write_timeline
+
+    cfg, p = trainer.cfg, trainer.cfg.parallel
+    v = p.virtual_stages if p.schedule == "interleaved" else 1
+    schedule = trainer.schedules.get(p.schedule, p.pp, cfg.train.num_microbatches, v)
+    measured, simulated = measured_and_simulated(from_rows(rows), schedule)
+    path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})")
+    print(f"timeline of step {trainer.step} ({p.schedule}, pp={p.pp}): measured bubble "
+          f"{float(measured.bubble_fraction):.1%}, simulated with the measured costs "
+          f"{float(simulated.bubble_fraction):.1%} -> {path}", flush=True)
+
+
 def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> list[dict]:
     from parallel3d.checkpoint import CheckpointManager
 
@@ -47,6 +61,8 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
                 extra["eval_loss"], _ = trainer.evaluate(eval_data, cfg.train.eval_steps)
             records.append(logger.log(out["step"], loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                                       tokens=out["tokens"], elapsed_s=out["elapsed_s"], extra=extra))
+            if out["timeline"] is not None and is_rank0:
+                write_run_timeline(trainer, out["timeline"])
             checkpoints.after_step()
         checkpoints.finish()
     return records

@@ -19,6 +19,8 @@ from torch import nn
 from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.runtime import Record, ScheduleCache, run_pipeline_forward, run_pipeline_step
+from parallel3d.pipeline.timeline import to_rows
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.training.config import ExperimentConfig, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
@@ -82,7 +84,7 @@ class Trainer:
         self.dataset = make_dataset(cfg, cfg.data.path)
         self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
-        self.schedules = None  # built and verified once per (schedule, p, m, v) when pp > 1
+        self.schedules = ScheduleCache()  # each (schedule, p, m, v) built and verified once
 
     def run_config(self) -> dict:
         """The whole configuration as plain data (what checkpoints record; checkpoint.protocol)."""
@@ -105,6 +107,10 @@ class Trainer:
                                         t.micro_batch_size)
         return [split_microbatch(mb, self.ctx) for mb in rows]
 
+    def _records_timeline(self) -> bool:
+        log, steps = self.cfg.log, self.cfg.train.steps
+        return log.timeline is not None and self.step == (log.timeline_step % max(steps, 1))
+
     def _global_token_count(self, mbs: list[dict[str, torch.Tensor]]) -> float:
         """Target tokens of the global batch: this rank's count, summed over DP x CP on the device."""
         local = float(sum(mb["targets"] for mb in mbs))
@@ -112,26 +118,16 @@ class Trainer:
         comm.all_reduce(count, self.ctx.dp_cp)
         return max(comm.host_float(count, nominal=local * self.ctx.dp_cp.size), 1.0)
 
-    def _forward_backward(self, mbs: list[dict[str, torch.Tensor]], tokens: float) -> torch.Tensor:
-        """Sum over microbatches of this rank's loss / tokens (on the last stage; 0 elsewhere)."""
+    def _forward_backward(self, mbs: list[dict[str, torch.Tensor]], tokens: float,
+                          record: Optional[Record] = None) -> torch.Tensor:
+        """Sum over microbatches of this rank's loss / tokens (on the last stage; 0 elsewhere). The pipeline
+        runtime runs every layout, pp == 1 included (one stage: forward and backward per microbatch)."""
         opt = self.optimizer
-        if self.ctx.spec.pp > 1:
-            from parallel3d.pipeline.runtime import ScheduleCache, run_pipeline_step
-
-            p = self.cfg.parallel
-            self.schedules = self.schedules or ScheduleCache()
-            return run_pipeline_step(self.ctx, self.chunks, p.schedule, mbs, loss_scale=1.0 / tokens,
-                                     schedules=self.schedules,
-                                     backward=lambda loss: opt.scale_loss(loss).backward(),
-                                     before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1, chunk))
-        total = torch.zeros((), device=self.ctx.device)
-        model = self.chunks[0]
-        for i, mb in enumerate(mbs):
-            opt.set_last_microbatch(i == len(mbs) - 1)
-            loss = model(mb["ids"], mb["position_ids"], mb["labels"]) / tokens
-            opt.scale_loss(loss).backward()
-            total += loss.detach().float()
-        return total
+        p = self.cfg.parallel
+        return run_pipeline_step(self.ctx, self.chunks, p.schedule, mbs, loss_scale=1.0 / tokens,
+                                 schedules=self.schedules, record=record,
+                                 backward=lambda loss: opt.scale_loss(loss).backward(),
+                                 before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1, chunk))
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
@@ -141,7 +137,8 @@ class Trainer:
         mbs = self._microbatches(self.step)
         tokens = self._global_token_count(mbs)
         opt.zero_grad()
-        loss = self._forward_backward(mbs, tokens).reshape(1).float()
+        record: Optional[Record] = [] if self._records_timeline() else None
+        loss = self._forward_backward(mbs, tokens, record).reshape(1).float()
         opt.finish_grad_sync()
         comm.all_reduce(loss, ctx.dp_cp)
         comm.all_reduce(loss, ctx.pp)  # only the last stage holds a nonzero loss
@@ -159,8 +156,11 @@ class Trainer:
         elif not finite:
             print(f"[rank {ctx.rank}] step {self.step}: non-finite loss {loss_value} / grad norm {grad_norm}; "
                   f"step skipped (train.nan_policy=skip)", flush=True)
+        timeline = None
+        if record is not None:  # every pipeline rank's events, gathered (one JSON all-gather per pipeline)
+            timeline = [row for rows in comm.all_gather_json(to_rows(record), ctx.pp) for row in rows]
         self.step += 1
-        return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
+        return {"timeline": timeline, "step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
                 "loss_scale": opt.loss_scale, "comm_bytes": comm_bytes(ctx.stats),
                 "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0}
 
@@ -168,8 +168,6 @@ class Trainer:
     def evaluate(self, dataset: TokenDataset, steps: int) -> tuple[float, float]:
         """(mean token loss, token count) over the first `steps` global batches of `dataset`, in order."""
         cfg, ctx = self.cfg, self.ctx
-        if ctx.spec.pp > 1:
-            from parallel3d.pipeline.runtime import run_pipeline_forward
         sampler = BatchSampler(dataset, cfg.train.global_batch_size, cfg.train.seed, shuffle=False)
         total, count = torch.zeros(1, device=ctx.device), 0.0
         steps = min(steps, len(dataset) // cfg.train.global_batch_size)
@@ -180,11 +178,7 @@ class Trainer:
                                        cfg.train.micro_batch_size)
             mbs = [split_microbatch(mb, ctx) for mb in rows]
             count += self._global_token_count(mbs)
-            if ctx.spec.pp > 1:
-                total += run_pipeline_forward(ctx, self.chunks, mbs).float()
-            else:
-                for mb in mbs:
-                    total += self.chunks[0](mb["ids"], mb["position_ids"], mb["labels"]).float()
+            total += run_pipeline_forward(ctx, self.chunks, mbs).float()
         for chunk in self.chunks:
             chunk.train()
         comm.all_reduce(total, ctx.dp_cp)
