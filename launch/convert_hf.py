@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -17,23 +16,10 @@ from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parallel3d.training.config import ExperimentConfig, save_yaml  # noqa: E402
 
 
-def _is_moe(fields_or_hf: dict) -> bool:
-    return fields_or_hf.get("model_type") == "mixtral" or bool(fields_or_hf.get("num_experts"))
-
-
 def do_import(hf_dir: str, out: str) -> None:
-    from parallel3d.checkpoint import hf
+    from models.hf import import_hf
 
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"{cfg_path} is missing: not a Hugging Face model directory")
-    with open(cfg_path) as f:
-        hf_cfg = json.load(f)
-    if _is_moe(hf_cfg):
-        from parallel3d.checkpoint import hf_moe
-        fields = hf_moe.import_mixtral(hf_dir, out)
-    else:
-        fields = hf.import_hf(hf_dir, out)
+    fields = import_hf(hf_dir, out)
     model = ModelConfig(**fields)
     model.validate()
     cfg = ExperimentConfig(model=model)
@@ -43,17 +29,10 @@ def do_import(hf_dir: str, out: str) -> None:
 
 
 def do_export(ckpt: str, out: str) -> None:
-    from parallel3d.checkpoint import hf
+    from models.hf import export_hf
     from parallel3d.checkpoint.load import resolve_checkpoint_dir
-    from parallel3d.checkpoint.store import CheckpointReader
 
-    ckpt = resolve_checkpoint_dir(ckpt)  # a save root follows its `latest`
-    fields = CheckpointReader(ckpt, verify=False).meta["model"]
-    if _is_moe(fields):
-        from parallel3d.checkpoint import hf_moe
-        hf_moe.export_mixtral(ckpt, out)
-    else:
-        hf.export_hf(ckpt, out)
+    export_hf(resolve_checkpoint_dir(ckpt), out)  # a save root follows its `latest`
 
 
 def main(argv=None) -> int:

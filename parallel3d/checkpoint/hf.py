@@ -1,22 +1,18 @@
-"""Hugging Face Llama <-> parallel3d: pure name and config mapping, plus directory import/export.
+"""Hugging Face <-> parallel3d checkpoints: the generic machinery. The mappings belong to the models.
 
-parallel3d never imports `models`: configs travel as plain dicts of ModelConfig field values.
+parallel3d never imports `models`: each model family provides a `StateDictAdapter` (models/hf.py keeps the
+registry, keyed by the Hugging Face `architectures` name), and this module reads and writes directories
+through it. Configs travel as plain dicts of ModelConfig field values.
 
-    ours                               Hugging Face
-    embed.weight                       model.embed_tokens.weight
-    layers.{i}.attn_norm.weight        model.layers.{i}.input_layernorm.weight
-    layers.{i}.attn.{q,k,v,o}_proj     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
-    layers.{i}.mlp_norm.weight         model.layers.{i}.post_attention_layernorm.weight
-    layers.{i}.mlp.{gate,up,down}_proj model.layers.{i}.mlp.{gate,up,down}_proj.weight
-    norm.weight                        model.norm.weight
-    lm_head.weight                     lm_head.weight   (absent when embeddings are tied)
+    import_hf(hf_dir, out_dir, adapter)     weights-only native checkpoint (+ the model fields)
+    export_hf(ckpt_dir, out_dir, adapter)   a directory transformers loads, one tensor at a time
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from safetensors import safe_open
@@ -25,78 +21,59 @@ from safetensors.torch import save_file
 from parallel3d.checkpoint.store import CheckpointError, CheckpointReader, write_metadata, write_shard_file
 from parallel3d.params import full_slices
 
-_RULES = [  # (our regex, HF template)
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
-    (r"layers\.(\d+)\.attn\.(q|k|v|o)_proj\.weight", "model.layers.{0}.self_attn.{1}_proj.weight"),
-    (r"layers\.(\d+)\.mlp_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "model.layers.{0}.mlp.{1}_proj.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-]
+
+class StateDictAdapter(Protocol):
+    """One model family's Hugging Face mapping (TorchTitan's state-dict adapter idea)."""
+    architecture: str  # the Hugging Face `architectures[0]`, e.g. "LlamaForCausalLM"
+
+    def accepts_model(self, fields: dict[str, Any]) -> bool:
+        """Whether a native checkpoint with these model fields exports as this family."""
+
+    def config_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """config.json -> ModelConfig field values (CheckpointError for what the model cannot express)."""
+
+    def config_to_hf(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig field values -> config.json (CheckpointError for what the family cannot express)."""
+
+    def from_hf(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Hugging Face tensors -> our global tensors by name."""
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One of our global tensors -> its Hugging Face tensors ({} when it has no counterpart)."""
 
 
-def _translate(name: str, rules: list[tuple[str, str]]) -> str:
-    for pattern, template in rules:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return template.format(*m.groups())
-    raise KeyError(name)
+class NameRules:
+    """Bidirectional renaming by (our regex, Hugging Face template) rules, e.g.
+    (r"layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight")."""
+
+    def __init__(self, rules: Sequence[tuple[str, str]]) -> None:
+        self.rules = list(rules)
+        self.reverse = [(re.escape(t).replace(r"\{0\}", r"(\d+)").replace(r"\{1\}", r"(\w+?)"), p) for p, t in rules]
+
+    def to_hf(self, name: str) -> str:
+        for pattern, template in self.rules:
+            m = re.fullmatch(pattern, name)
+            if m:
+                return template.format(*m.groups())
+        raise KeyError(name)
+
+    def from_hf(self, name: str) -> str:
+        for pattern, ours_pattern in self.reverse:
+            m = re.fullmatch(pattern, name)
+            if m:
+                out = ours_pattern.replace(r"\.", ".")
+                for g in m.groups():
+                    out = re.sub(r"\([^)]*\)", g, out, count=1)
+                return out
+        raise KeyError(name)
 
 
-def ours_to_hf_name(name: str) -> str:
-    return _translate(name, _RULES)
-
-
-def hf_to_ours_name(name: str) -> str:
-    reverse = [(re.escape(t).replace(r"\{0\}", r"(\d+)").replace(r"\{1\}", r"(\w+?)"), p) for p, t in _RULES]
-    for pattern, ours_pattern in reverse:
-        m = re.fullmatch(pattern, name)
-        if m:
-            out = ours_pattern.replace(r"\.", ".")
-            for g in m.groups():
-                out = re.sub(r"\([^)]*\)", g, out, count=1)
-            return out
-    raise KeyError(name)
-
-
-def hf_config_to_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Hugging Face LlamaConfig (config.json dict) -> ModelConfig field values."""
-    if hf.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; this importer reads llama")
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise CheckpointError(f"head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; unsupported")
-    fields = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-                  num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-                  ffn_hidden_size=hf["intermediate_size"], rope_theta=float(theta), norm_eps=hf["rms_norm_eps"],
-                  max_seq_len=hf.get("max_position_embeddings", 2048),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  init_std=hf.get("initializer_range", 0.02))
-    if scaling:
-        fields["rope_scaling"] = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                                         "original_max_position_embeddings")}
-    return fields
-
-
-def model_fields_to_hf_config(m: dict[str, Any]) -> dict[str, Any]:
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m["vocab_size"],
-           "hidden_size": m["hidden_size"], "num_hidden_layers": m["num_layers"],
-           "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],
-           "intermediate_size": m["ffn_hidden_size"], "rms_norm_eps": m["norm_eps"],
-           "max_position_embeddings": m["max_seq_len"], "tie_word_embeddings": m["tie_embeddings"],
-           "hidden_act": "silu", "initializer_range": m.get("init_std", 0.02), "torch_dtype": "float32",
-           "head_dim": m["hidden_size"] // m["num_heads"], "attention_bias": False, "mlp_bias": False,
-           "rope_theta": m["rope_theta"]}
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m["rope_theta"]}
-    if m.get("rope_scaling"):
-        rope = {"rope_type": "llama3", "rope_theta": m["rope_theta"], **m["rope_scaling"]}
-        cfg["rope_scaling"] = dict(rope)
-    cfg["rope_parameters"] = rope
-    return cfg
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: not a Hugging Face model directory")
+    with open(path) as f:
+        return json.load(f)
 
 
 def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -118,24 +95,14 @@ def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def import_hf(hf_dir: str, out_dir: str, name_map=hf_to_ours_name, config_map=hf_config_to_model_fields
-              ) -> dict[str, Any]:
+def import_hf(hf_dir: str, out_dir: str, adapter: StateDictAdapter) -> dict[str, Any]:
     """Write a weights-only native checkpoint from a Hugging Face directory; returns the model fields."""
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"{cfg_path} is missing")
-    with open(cfg_path) as f:
-        fields = config_map(json.load(f))
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = {}
-    for key, value in iter_hf_tensors(hf_dir):
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        ours = name_map(key)
-        value = value.float()
-        tensors[ours] = (value, tuple(value.shape), full_slices(value.shape))
+    fields = adapter.config_from_hf(read_hf_config(hf_dir))
+    ours = adapter.from_hf((k, v.float()) for k, v in iter_hf_tensors(hf_dir) if not k.endswith("rotary_emb.inv_freq"))
     if fields.get("tie_embeddings"):
-        tensors.pop("lm_head.weight", None)
+        ours.pop("lm_head.weight", None)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {n: (t, tuple(t.shape), full_slices(t.shape)) for n, t in ours.items()}
     index = write_shard_file(out_dir, "weights-00000.safetensors", tensors)
     write_metadata(out_dir, index, step=0, model=fields, weights_only=True, layout=None)
     return fields
@@ -182,16 +149,12 @@ def model_tensor_names(reader: CheckpointReader) -> list[str]:
     return [n for n in reader.tensor_names if "." in n and not n.startswith("optim.")]
 
 
-def export_hf(ckpt_dir: str, out_dir: str, name_map=ours_to_hf_name, config_map=model_fields_to_hf_config,
-              max_shard_bytes: int = 2 << 30) -> None:
+def export_hf(ckpt_dir: str, out_dir: str, adapter: StateDictAdapter, max_shard_bytes: int = 2 << 30) -> None:
     """Write a Hugging Face directory, reading one tensor at a time (never the whole model in memory)."""
     reader = CheckpointReader(ckpt_dir)
+    config = adapter.config_to_hf(reader.meta["model"])
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name in model_tensor_names(reader):
-            try:
-                hf_name = name_map(name)
-            except KeyError:
-                continue  # buffers with no Hugging Face counterpart
-            yield hf_name, reader.read(name)
-    write_hf_directory(tensors(), config_map(reader.meta["model"]), out_dir, max_shard_bytes)
+            yield from adapter.to_hf(name, reader.read(name)).items()
+    write_hf_directory(tensors(), config, out_dir, max_shard_bytes)

@@ -1,6 +1,6 @@
-"""Hugging Face Mixtral <-> parallel3d MoE: pure tensor and config mapping, plus directory import/export.
+"""Hugging Face Mixtral <-> our MoE transformer: tensors and config (the adapter `models/hf.py` registers).
 
-Dense tensors (embeddings, attention, norms, head) map exactly as for Llama (`checkpoint.hf`). The MoE MLP:
+Dense tensors (embeddings, attention, norms, head) map exactly as for Llama (`models/hf_llama.py`). The MoE MLP:
 
     ours                                      Hugging Face (what save_pretrained writes, transformers 4 and 5)
     layers.{i}.mlp.router.weight   (E, h)     model.layers.{i}.block_sparse_moe.gate.weight
@@ -20,17 +20,14 @@ Hugging Face's pools all layers and its f sums to k.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
-from parallel3d.checkpoint import hf as dense
-from parallel3d.checkpoint.store import CheckpointError, CheckpointReader, write_metadata, write_shard_file
-from parallel3d.params import full_slices
+from models.hf_llama import DENSE_RULES, llama_config_to_fields
+from parallel3d.checkpoint.store import CheckpointError
 
 _PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _W_TO_PROJ = {v: k for k, v in _PROJ_TO_W.items()}
@@ -54,7 +51,7 @@ def mixtral_config_to_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     rope = dict(hf.get("rope_parameters") or {})
     if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
         raise CheckpointError(f"Mixtral rope type {rope.get('rope_type')!r} / rope_scaling is unsupported")
-    fields = dense.hf_config_to_model_fields({**hf, "model_type": "llama"})
+    fields = llama_config_to_fields({**hf, "model_type": "llama"})
     fields.update(num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
                   moe_ffn_hidden_size=hf["intermediate_size"], num_shared_experts=0, first_k_dense=0,
                   router_score="softmax", router_norm_topk=True,
@@ -78,7 +75,7 @@ def model_fields_to_mixtral_config(m: dict[str, Any]) -> dict[str, Any]:
             "intermediate_size": ffn, "num_local_experts": m["num_experts"], "num_experts_per_tok": m["moe_top_k"],
             "rms_norm_eps": m["norm_eps"], "max_position_embeddings": m["max_seq_len"],
             "tie_word_embeddings": m["tie_embeddings"], "hidden_act": "silu",
-            "initializer_range": m.get("init_std", 0.02), "router_aux_loss_coef": m.get("aux_loss_coef", 0.0),
+            "initializer_range": m["init_std"], "router_aux_loss_coef": m["aux_loss_coef"],
             "router_jitter_noise": 0.0, "sliding_window": None, "torch_dtype": "float32",
             "head_dim": m["hidden_size"] // m["num_heads"], "rope_theta": m["rope_theta"], "rope_parameters": rope}
 
@@ -104,7 +101,7 @@ def mixtral_to_ours(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
                 out[f"layers.{m[1]}.mlp.experts.up_proj"] = up.contiguous()
         else:
             try:
-                out[dense.hf_to_ours_name(name)] = t
+                out[DENSE_RULES.from_hf(name)] = t
             except KeyError:
                 raise CheckpointError(f"unexpected tensor {name!r} in a Mixtral checkpoint") from None
     for (layer, proj), per_expert in experts.items():
@@ -135,46 +132,40 @@ def _ours_tensor_to_mixtral(name: str, t: torch.Tensor) -> dict[str, torch.Tenso
         return {}
     if ".mlp.shared_experts." in name:
         raise CheckpointError(f"{name}: Mixtral has no shared experts")
-    return {dense.ours_to_hf_name(name): t}
+    try:
+        return {DENSE_RULES.to_hf(name): t}
+    except KeyError:
+        return {}  # buffers with no Hugging Face counterpart
 
 
-# ---- directories ----------------------------------------------------------------------------------------------
+class MixtralAdapter:
+    architecture = "MixtralForCausalLM"
+
+    def accepts_model(self, fields: dict[str, Any]) -> bool:
+        return bool(fields.get("num_experts"))
+
+    def config_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        return mixtral_config_to_model_fields(hf_config)
+
+    def config_to_hf(self, fields: dict[str, Any]) -> dict[str, Any]:
+        return model_fields_to_mixtral_config(fields)
+
+    def from_hf(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return mixtral_to_ours(dict(tensors))
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return _ours_tensor_to_mixtral(name, tensor)
+
+
 def import_mixtral(hf_dir: str, out_dir: str) -> dict[str, Any]:
-    """Write a weights-only native checkpoint from a Hugging Face Mixtral directory; returns model fields."""
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"{cfg_path} is missing")
-    with open(cfg_path) as f:
-        fields = mixtral_config_to_model_fields(json.load(f))
-    ours = mixtral_to_ours({k: v.float() for k, v in dense.iter_hf_tensors(hf_dir)})
-    if fields.get("tie_embeddings"):
-        ours.pop("lm_head.weight", None)
-    for layer in range(fields["num_layers"]):
-        stacked = ours.get(f"layers.{layer}.mlp.experts.gate_proj")
-        if stacked is None or stacked.shape[0] != fields["num_experts"]:
-            raise CheckpointError(f"{hf_dir}: layer {layer} does not hold {fields['num_experts']} experts")
-    os.makedirs(out_dir, exist_ok=True)
-    index = write_shard_file(out_dir, "weights-00000.safetensors",
-                             {n: (t, tuple(t.shape), full_slices(t.shape)) for n, t in ours.items()})
-    write_metadata(out_dir, index, step=0, model=fields, weights_only=True, layout=None)
+    """Weights-only native checkpoint of a Hugging Face Mixtral directory; returns the model fields."""
+    from parallel3d.checkpoint.hf import import_hf
+
+    fields = import_hf(hf_dir, out_dir, MixtralAdapter())
     return fields
 
 
 def export_mixtral(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30) -> None:
-    """Write a Hugging Face Mixtral directory from a native checkpoint, reading one (stacked) tensor at a
-    time (never the whole model in memory)."""
-    reader = CheckpointReader(ckpt_dir)
-    config = model_fields_to_mixtral_config(reader.meta["model"])
+    from parallel3d.checkpoint.hf import export_hf
 
-    def tensors():
-        for name in dense.model_tensor_names(reader):
-            try:
-                yield from _ours_tensor_to_mixtral(name, reader.read(name)).items()
-            except KeyError:
-                continue  # buffers with no Hugging Face counterpart (e.g. the router bias, refused earlier)
-    dense.write_hf_directory(tensors(), config, out_dir, max_shard_bytes)
-
-
-# Same names as checkpoint.hf's config maps, for callers that pick the module by model type.
-hf_config_to_model_fields = mixtral_config_to_model_fields
-model_fields_to_hf_config = model_fields_to_mixtral_config
+    export_hf(ckpt_dir, out_dir, MixtralAdapter(), max_shard_bytes)
