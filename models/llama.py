@@ -135,6 +135,10 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
 
+    def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:
+        """The residual stream between pipeline stages (parallel3d.pipeline.runtime.PipelineStage)."""
+        return batch, seq_local // self.ctx.tp.size if self.sp else seq_local, self.cfg.hidden_size  # (b, s, h)
+
     def make_block(self, index: int, cp_mode: str, recompute: str) -> nn.Module:
         """Override to build a different block per layer (the MoE model does)."""
         return Block(self.cfg, self.ctx, self.sp, cp_mode, recompute)

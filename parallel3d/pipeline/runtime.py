@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,18 @@ from .verify import verify
 
 K = ActionKind
 Record = list[tuple[int, Action, float, float]]  # (pp rank, action, start, end), time.perf_counter() times
+
+
+class PipelineStage(Protocol):
+    """What the runtime needs from a model chunk (any nn.Module with these)."""
+    pre: bool   # holds the embedding: its forward reads token ids (b, s_local)
+    post: bool  # holds the head: forward(x, position_ids, labels) returns the summed token loss
+
+    def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, ...]:
+        """Shape of the activation this stage sends on: (b, s_local[/tp with SP], h)."""
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,
+                 labels: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class ScheduleCache:
@@ -157,11 +169,9 @@ class _Executor:
         """Shape and dtype of the residual stream between stages: (b, s_local[/tp], h)."""
         module = self.chunks[chunk]
         b, s = self.mbs[mb]["ids"].shape[:2]
-        if getattr(module, "sp", False):
-            s //= self.ctx.tp.size
         param = next(module.parameters(), None)
         dtype = param.dtype if param is not None else torch.float32
-        return (b, s, module.cfg.hidden_size), dtype
+        return tuple(module.boundary_shape(b, s)), dtype
 
     def communicate(self, group: list[Action]) -> None:
         """Post the whole group at once; wait for its receives (sends: see ``p2p.py``)."""
@@ -296,7 +306,7 @@ def _check_chunks(ctx: ParallelContext, chunks: Sequence[nn.Module], mbs: Sequen
     for c, chunk in enumerate(chunks):  # catch a mis-built stage before the pipeline hangs
         s = stage_of(ctx.coords.pp, c, p)
         for flag, want in (("pre", s == 0), ("post", s == last)):
-            if getattr(chunk, flag, want) != want:
+            if getattr(chunk, flag) != want:
                 raise ValueError(f"chunk {c} on pipeline rank {ctx.coords.pp} is global stage {s} "
                                  f"of {last + 1}: expected {flag}={want}")
 

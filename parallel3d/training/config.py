@@ -19,7 +19,7 @@ import importlib.util
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import yaml
 
@@ -32,6 +32,26 @@ from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending keys and values."""
+
+
+class TransformerShape(Protocol):
+    """What the library reads from a model config (models/config.ModelConfig is one): validation, FLOP and
+    parameter counts. The library never imports a model; it declares what it needs."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    max_seq_len: int
+    tie_embeddings: bool
+    num_experts: int
+    moe_top_k: int
+    moe_ffn_hidden_size: int
+    num_shared_experts: int
+    first_k_dense: int
+
+    def validate(self) -> None: ...
 
 
 @dataclass
@@ -344,23 +364,18 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
              f"the world size {world_size}")
 
     # --- attention heads under TP / Ulysses CP
-    heads, kv = getattr(m, "num_heads", None), getattr(m, "num_kv_heads", None)
-    if heads is not None:
-        _require(heads % p.tp == 0,
-                 f"model.num_heads={heads} is not divisible by parallel.tp={p.tp}")
-    if kv is not None:
-        _require(kv % p.tp == 0 or p.tp % kv == 0,
-                 f"model.num_kv_heads={kv} and parallel.tp={p.tp}: one must divide the other "
-                 f"(kv heads are split across tp ranks, or replicated when tp > num_kv_heads)")
-    if p.cp > 1 and p.cp_mode == "ulysses" and heads is not None:
+    heads, kv = m.num_heads, m.num_kv_heads
+    _require(heads % p.tp == 0, f"model.num_heads={heads} is not divisible by parallel.tp={p.tp}")
+    _require(kv % p.tp == 0 or p.tp % kv == 0,
+             f"model.num_kv_heads={kv} and parallel.tp={p.tp}: one must divide the other "
+             f"(kv heads are split across tp ranks, or replicated when tp > num_kv_heads)")
+    if p.cp > 1 and p.cp_mode == "ulysses":
         _require((heads // p.tp) % p.cp == 0,
                  f"cp_mode=ulysses needs the heads per tp rank (model.num_heads/tp = {heads}/{p.tp} "
                  f"= {heads // p.tp}) divisible by parallel.cp={p.cp}")
 
     # --- sequence length under CP / SP
-    max_len = getattr(m, "max_seq_len", None)
-    if max_len is not None:
-        _require(t.seq_len <= max_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={max_len}")
+    _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if p.cp > 1:
         _require(t.seq_len % (2 * p.cp) == 0,
                  f"train.seq_len={t.seq_len} must be divisible by 2*cp = {2 * p.cp} (load-balanced "
@@ -373,7 +388,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                  f"sequence parallelism (each CP rank's seq_len/cp tokens are split across tp ranks)")
 
     # --- experts
-    experts, top_k = getattr(m, "num_experts", 0) or 0, getattr(m, "moe_top_k", 1)
+    experts, top_k = m.num_experts, m.moe_top_k
     if p.ep > 1:
         _require(experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
         _require((p.dp * p.cp) % p.ep == 0,

@@ -18,48 +18,50 @@ from typing import Any, Callable, Optional, TextIO
 
 import torch
 
+from parallel3d.training.config import TransformerShape
+
 
 def _mlp_params(hidden: int, ffn: int) -> int:
     return 3 * hidden * ffn                  # SwiGLU: gate, up, down
 
 
-def param_counts(m: Any) -> dict[str, int]:
+def param_counts(m: TransformerShape) -> dict[str, int]:
     """Parameter counts by part from model fields: embedding, output, attention, dense_mlp,
     experts_total, experts_active (routed top_k per token), shared_experts, router, norms."""
     h, L, V = m.hidden_size, m.num_layers, m.vocab_size
     head_dim = h // m.num_heads
-    kv = getattr(m, "num_kv_heads", m.num_heads)
-    experts = getattr(m, "num_experts", 0) or 0
-    moe_layers = max(0, L - getattr(m, "first_k_dense", 0)) if experts else 0
+    kv = m.num_kv_heads
+    experts = m.num_experts
+    moe_layers = max(0, L - m.first_k_dense) if experts else 0
     dense_layers = L - moe_layers
-    fe = getattr(m, "moe_ffn_hidden_size", 0) or m.ffn_hidden_size
+    fe = m.moe_ffn_hidden_size or m.ffn_hidden_size
     expert = _mlp_params(h, fe)
     return {
         "embedding": V * h,
-        "output": 0 if getattr(m, "tie_embeddings", False) else V * h,
+        "output": 0 if m.tie_embeddings else V * h,
         "attention": L * (2 * h * m.num_heads * head_dim + 2 * h * kv * head_dim),
         "dense_mlp": dense_layers * _mlp_params(h, m.ffn_hidden_size),
         "experts_total": moe_layers * experts * expert,
-        "experts_active": moe_layers * min(getattr(m, "moe_top_k", 0), experts) * expert,
-        "shared_experts": moe_layers * getattr(m, "num_shared_experts", 0) * expert,
+        "experts_active": moe_layers * min(m.moe_top_k, experts) * expert,
+        "shared_experts": moe_layers * m.num_shared_experts * expert,
         "router": moe_layers * experts * h,
         "norms": (2 * L + 1) * h,
     }
 
 
-def total_params(m: Any) -> int:
+def total_params(m: TransformerShape) -> int:
     """All parameters of the model described by `m`."""
     c = param_counts(m)
     return sum(v for k, v in c.items() if k != "experts_active")
 
 
-def active_params(m: Any) -> int:
+def active_params(m: TransformerShape) -> int:
     """Parameters one token uses: everything except the routed experts it is not sent to."""
     c = param_counts(m)
     return sum(v for k, v in c.items() if k != "experts_total")
 
 
-def flops_per_token(m: Any, seq_len: int) -> float:
+def flops_per_token(m: TransformerShape, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_matmul + 12 * L * h * s, with N_matmul = active parameters
     minus the input-embedding lookup plus the output projection (once, even when tied)."""
     c = param_counts(m)
