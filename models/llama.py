@@ -74,12 +74,14 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(h, f, ctx.tp, sp, enter_region=False)
         self.down_proj = RowParallelLinear(f, h, ctx.tp, sp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         return self.down_proj(dispatch.swiglu(self.gate_proj(x), self.up_proj(x), self.backend))  # (b, s, f/tp)->h
 
 
 class Block(nn.Module):
+    """Pre-norm attention + MLP. `mlp` (default: SwiGLU) is called as mlp(x, position_ids)."""
+
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, sp: bool, cp_mode: str, recompute: str,
                  mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
@@ -88,9 +90,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx, sp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), position_ids)
 
 
 class Llama(nn.Module):
@@ -164,9 +167,9 @@ class Llama(nn.Module):
             x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
         for block in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, position_ids)
         if not self.post:
             return x
         x = enter_tp_region(self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)

@@ -13,9 +13,9 @@ Loss convention. With labels on the last stage, forward returns
 per rank (T_l tokens routed in the global micro-batch, n = DP x CP ranks; see MoELayer). The trainer sums
 over DP x CP and divides by the global target-token count N, so each layer adds coef * aux_l weighted by
 T_l / N: the plain coefficient when every position has a target, a token-weighted mean over micro-batches
-with gradient accumulation. Summed over layers (Megatron's convention). Without labels, or on a stage
-without the head, the stage's term is left in `last_aux_loss` (same units, or None): the pipeline runtime
-must back-propagate it together with the stage output, scaled like the loss.
+with gradient accumulation. Summed over layers (Megatron's convention). A stage without the head
+returns (hidden, aux) with the same units; the pipeline runtime reports it and back-propagates it scaled
+like the loss (AuxObjective).
 
 Telemetry and bias balancing: `moe_load_stats()` once per optimizer step on every rank (a collective over
 DP x CP) returns the step's tokens per expert per layer and imbalance (max/mean), applies the DeepSeek-V3
@@ -44,7 +44,6 @@ class MoETransformer(Llama):
             raise ValueError("MoETransformer needs model.num_experts > 0 (use Llama for dense models)")
         self.expert_impl = expert_impl
         super().__init__(cfg, ctx, layers, pre, post, sequence_parallel, cp_mode, recompute)
-        self.last_aux_loss: Optional[torch.Tensor] = None
 
     def make_block(self, index: int, cp_mode: str, recompute: str) -> Block:
         cfg = self.cfg
@@ -63,18 +62,19 @@ class MoETransformer(Llama):
         return {int(i): blk.mlp for i, blk in self.layers.items() if isinstance(blk.mlp, MoELayer)}
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As Llama.forward. The stage's MoE balancing terms join the loss on the stage with the head; a
+        stage without it returns (hidden, aux) while training, for the pipeline runtime to report and
+        back-propagate (parallel3d.pipeline.runtime.PipelineStage)."""
         layers = self.moe_layers()
-        for layer in layers.values():
-            layer.positions = position_ids  # capacity under CP orders slots by position
         out = super().forward(x, position_ids, labels)
         terms = [t for t in (layer.pop_aux_loss() for layer in layers.values()) if t is not None]
-        aux = torch.stack(terms).sum() if terms else None
-        if self.post and labels is not None:
-            self.last_aux_loss = None
-            return out if aux is None else out + aux
-        self.last_aux_loss = aux
-        return out
+        if not terms:
+            return out
+        aux = torch.stack(terms).sum()
+        if self.post:
+            return out + aux if labels is not None else out
+        return out, aux
 
     # ---- telemetry ------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -87,13 +87,13 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, ctx.ep, ctx.tp, impl, backend, std=std)
         self.shared_experts = (SharedExperts(hidden, shared_ffn_hidden, ctx.tp, self.sp, backend, std=std)
                                if shared_ffn_hidden else None)
-        self.positions: Optional[torch.Tensor] = None  # (s,) token positions, needed for capacity under CP
         self._aux_term: Optional[torch.Tensor] = None
         self.last_aux: dict[str, float] = {}
         self.reset_load()
 
     # ---- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (b, s_local[/tp], h); positions (s_local,) of the tokens (capacity under CP ranks slots by them)."""
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)  # (T, h)
@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
         if self.capacity_factor > 0:
             cap = expert_capacity(self.capacity_factor, s * self.cp.size, self.top_k, self.num_experts)
             keep = sharded_capacity_keep_mask(r.indices.view(b, s, -1), cap, self.num_experts, self.cp,
-                                              self.positions).reshape(b * s, -1)  # (T, k)
+                                              positions).reshape(b * s, -1)  # (T, k)
         counts = expert_counts(r.indices, self.num_experts)  # (E,) routed slots before drops
         if self.training and torch.is_grad_enabled() and not in_backward():
             self._observe(counts, keep, r.indices)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from parallel3d.comm import P2P
+from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 
 from .backward import WeightWork, backward_input, backward_weight
@@ -51,7 +52,10 @@ class PipelineStage(Protocol):
         """Shape of the activation this stage sends on: (b, s_local[/tp with SP], h)."""
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,
-                 labels: torch.Tensor | None = None) -> torch.Tensor: ...
+                 labels: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The activation, or on a stage without the head, optionally (activation, aux): a scalar term of
+        the objective in loss_sum units (MoE balancing losses) that the runtime reports and back-propagates
+        (AuxObjective)."""
 
 
 class ScheduleCache:
@@ -100,13 +104,32 @@ def forward_only_schedule(p: int, m: int, v: int = 1) -> list[list[Action]]:
     return out
 
 
+class AuxObjective(torch.autograd.Function):
+    """Identity on a stage's output; in backward it also gives the stage's auxiliary objective term (e.g.
+    MoE balancing losses, in loss_sum units) the gradient `scale` = d(objective)/d(loss_sum), so the term
+    is minimised with the loss by any schedule's backward (full, or split into input and weight passes).
+
+        forward:  y = x                 backward: dx = dy,  daux = scale
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
 @dataclass
 class _Slot:
     """Everything one (microbatch, chunk) keeps between its forward and its last backward."""
     input: torch.Tensor | None   # received activation (leaf requiring grad); None on stage 0
     output: torch.Tensor         # chunk output, or loss_sum * loss_scale on the last stage
     weight: WeightWork | None = None
-    aux: torch.Tensor | None = None  # a non-last stage's auxiliary loss (MoE), in loss_sum units
 
 
 @dataclass
@@ -133,6 +156,7 @@ class _Executor:
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.queue = P2PQueue(self.ctx.pp, self.lazy_sends)
         self.total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        self._objective_scale: float | None = None
         self.dispatch = {K.FORWARD: self.forward, K.BACKWARD: self.backward_full,
                          K.BACKWARD_INPUT: self.backward_input, K.BACKWARD_WEIGHT: self.backward_weight}
 
@@ -211,6 +235,9 @@ class _Executor:
             x.requires_grad_()  # a leaf: its .grad is the gradient to send back
         labels = batch["labels"] if stage == self.last else None
         out = self.chunks[c](x, batch["position_ids"], labels)
+        aux = None
+        if isinstance(out, tuple):  # (activation, auxiliary objective term): see PipelineStage
+            out, aux = out
         self.stats.forwards += 1
         if stage == self.last:
             out = out * self.loss_scale if self.train else out
@@ -222,37 +249,34 @@ class _Executor:
                                    f" but stages exchange {shape} {dtype} (b, s_local, h)")
             self.hand_over(out.detach().contiguous(), mb, c, forward=True)  # (b, s_local, h)
         if self.train:
-            aux = getattr(self.chunks[c], "last_aux_loss", None) if stage != self.last else None
-            if aux is not None:  # part of the objective, so part of the reported loss too
+            if aux is not None:  # part of the objective: reported, and its gradient joins the backward
                 self.total += aux.detach().float() * self.loss_scale
-            self.slots[(mb, c)] = _Slot(x if stage > 0 else None, out, aux=aux)
+                out = AuxObjective.apply(out, aux, self.objective_scale())
+            self.slots[(mb, c)] = _Slot(x if stage > 0 else None, out)
             self.stats.peak_live = max(self.stats.peak_live, len(self.slots))
+
+    def objective_scale(self) -> float:
+        """d(what backward minimises)/d(loss_sum): loss_scale times what the caller's backward multiplies a
+        loss by (e.g. the fp16 loss scale), found once per step through the (linear) callback."""
+        if self._objective_scale is None:
+            probe = torch.ones((), device=self.ctx.device, requires_grad=True)
+            self.backward(probe)
+            if probe.grad is None:
+                raise RuntimeError("the backward callback did not backpropagate its loss argument")
+            self._objective_scale = comm.host_float(probe.grad, nominal=1.0) * self.loss_scale
+        return self._objective_scale
 
     def _seed(self, a: Action, slot: _Slot) -> torch.Tensor:
         """Gradient of what is minimised w.r.t. this chunk's output: the received output grad, or
         on the last stage d(backward's objective)/d(loss), found by letting the caller's callback
         backpropagate through a detached copy (loss scaling is linear)."""
         if stage_of(self.rank, a.chunk, self.p) != self.last:
-            grad = self.inbox_grad.pop((a.microbatch, a.chunk))
-            if slot.aux is None:
-                return grad
-            self._fold_aux(slot, grad)
-            return torch.ones_like(slot.output)
+            return self.inbox_grad.pop((a.microbatch, a.chunk))
         probe = slot.output.detach().requires_grad_()
         self.backward(probe)
         if probe.grad is None:
             raise RuntimeError("the backward callback did not backpropagate its loss argument")
         return probe.grad
-
-    def _fold_aux(self, slot: _Slot, grad: torch.Tensor) -> None:
-        """A stage's auxiliary loss joins its backward: the output becomes the scalar surrogate
-        <output, grad> + aux * dJ/daux, whose gradient (seed 1) is exactly both contributions. dJ/daux is
-        loss_scale times what the caller's backward multiplies a loss by (e.g. the fp16 loss scale)."""
-        probe = torch.ones((), device=slot.aux.device, requires_grad=True)
-        self.backward(probe)
-        coef = probe.grad * self.loss_scale
-        slot.output = (slot.output.float() * grad.float()).sum() + slot.aux.float() * coef
-        slot.aux = None
 
     def _send_input_grad(self, a: Action, slot: _Slot, grad: torch.Tensor | None) -> None:
         if slot.input is not None:
@@ -269,11 +293,7 @@ class _Executor:
         if stage_of(self.rank, a.chunk, self.p) == self.last:
             self.backward(slot.output)
         else:
-            grad = self.inbox_grad.pop(key)
-            if slot.aux is not None:
-                self._fold_aux(slot, grad)
-                grad = torch.ones_like(slot.output)
-            torch.autograd.backward(slot.output, grad)
+            torch.autograd.backward(slot.output, self.inbox_grad.pop(key))
         self.stats.backwards += 1
         self._send_input_grad(a, slot, None if slot.input is None else slot.input.grad)
 
@@ -282,7 +302,7 @@ class _Executor:
         slot = self.slots[key]
         if self.before_backward is not None:
             self.before_backward(*key)
-        seed = self._seed(a, slot)  # first: it may fold an auxiliary loss into slot.output
+        seed = self._seed(a, slot)
         grad, slot.weight = backward_input(slot.output, seed, slot.input,
                                            list(self.chunks[a.chunk].parameters()))
         self.stats.backwards += 1
