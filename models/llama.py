@@ -129,8 +129,7 @@ class Llama(nn.Module):
                 self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp, self.sp,
                                                     enter_region=False, vocab_padding=True)
                 if cfg.tie_embeddings:  # tied across pipeline stages: same init, grads summed over the
-                    self.lm_head.weight.meta.init_name = "embed.weight"   # embedding group (first+last stage)
-                    self.lm_head.weight.meta.extra["tied_to"] = "embed.weight"
+                    self.lm_head.weight.meta.tied_to = "embed.weight"   # embedding group (first+last stage)
         if cfg.tie_embeddings and ctx.spec.pp > 1:
             for p in self._tied_params():
                 p.meta.grad_reduce += ("embedding",)

@@ -7,7 +7,7 @@ Every parameter created by a parallel3d layer carries `param.meta: ParamMeta`:
   grad_reduce    names of context groups whose ranks hold *partial* gradients of this same slice that
                  must be summed (e.g. "tp" for sequence-parallel norm weights and replicated kv heads)
   replicated     names of context groups over which the slice is replicated (count it once in norms)
-  init           "normal" | "ones" | "zeros"; `init_name` overrides the name used for seeding (tied copies)
+  init           "normal" | "ones" | "zeros"; `tied_to` names the parameter this one is a copy of (seeding, checkpoints)
 
 Initialisation is a function of (seed, name, global shape): values are drawn in row blocks, each from a
 generator seeded by a stable hash of (seed, name, block), and a rank draws only the blocks its slice
@@ -16,7 +16,7 @@ overlaps, so every layout starts from the same weights without materialising who
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -30,9 +30,8 @@ class ParamMeta:
     std: Optional[float] = None
     grad_reduce: tuple[str, ...] = ()
     replicated: tuple[str, ...] = ()
-    init_name: Optional[str] = None
+    tied_to: Optional[str] = None  # a copy of this parameter (tied embeddings): seeded, saved and loaded as it
     expert: bool = False          # expert weights reduce over expert-DP instead of DP x CP
-    extra: dict = field(default_factory=dict)
 
     @property
     def local_real_shape(self) -> tuple[int, ...]:
@@ -83,7 +82,7 @@ def init_slice(seed: int, name: str, meta: ParamMeta, default_std: float,
         return (torch.ones if meta.init == "ones" else torch.zeros)(out_shape)
     std = default_std if meta.std is None else meta.std
     if len(shape) == 0:
-        gen = torch.Generator().manual_seed(_seed_for(seed, meta.init_name or name, 0))
+        gen = torch.Generator().manual_seed(_seed_for(seed, meta.tied_to or name, 0))
         return torch.randn((), generator=gen) * std
     row_numel = max(1, int(torch.tensor(shape[1:]).prod().item()) if len(shape) > 1 else 1)
     rows_per_block = max(1, _BLOCK_ELEMENTS // row_numel)
@@ -92,7 +91,7 @@ def init_slice(seed: int, name: str, meta: ParamMeta, default_std: float,
     for block in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1 if r1 > r0 else 0):
         b0 = block * rows_per_block
         b1 = min(b0 + rows_per_block, shape[0])
-        gen = torch.Generator().manual_seed(_seed_for(seed, meta.init_name or name, block))
+        gen = torch.Generator().manual_seed(_seed_for(seed, meta.tied_to or name, block))
         values = torch.randn((b1 - b0,) + tuple(shape[1:]), generator=gen) * std  # (rows in block, ...)
         lo, hi = max(b0, r0), min(b1, r1)
         out[lo - r0:hi - r0] = values[(slice(lo - b0, hi - b0),) + tuple(slices[1:])]

@@ -82,7 +82,7 @@ def load_model_weights(reader: CheckpointReader, chunks: Sequence[torch.nn.Modul
     tensors = reader.meta["tensors"]
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            source = p.meta.extra.get("tied_to", name)
+            source = p.meta.tied_to or name
             if source not in tensors and name in tensors:
                 source = name
             shape = reader.global_shape(source)

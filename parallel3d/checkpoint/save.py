@@ -60,7 +60,7 @@ def optim_tensor_name(key: str, tied: dict[str, str]) -> str:
 
 def tied_names(run: Checkpointable) -> dict[str, str]:
     """Parameter name -> the name its data is stored under (itself, or the tied source)."""
-    return {name: p.meta.extra.get("tied_to", name)
+    return {name: p.meta.tied_to or name
             for chunk in run.chunks for name, p in chunk.named_parameters()}
 
 

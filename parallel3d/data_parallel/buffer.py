@@ -21,7 +21,7 @@ the layout is simply param-contiguous and parameters can be views of a flat para
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -132,8 +132,7 @@ class Bucket:
     nshard: int
     shard: int
     seg: int                        # S, elements per segment
-    seq: int = 0                    # launch sequence (module chunk x dense/expert) and position in it
-    pos: int = 0
+    seq: int = 0                    # launch sequence (module chunk x dense/expert)
     chunk: int = 0                  # index of the model chunk (module) holding these parameters
     expert: bool = False
     unit: Optional[object] = None   # ZeRO-3 unit owning these parameters
@@ -150,7 +149,6 @@ class Bucket:
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
     param_flat: Optional[torch.Tensor] = None   # ZeRO-0: flat params (views) / ZeRO-3: persistent shard
-    extra: dict = field(default_factory=dict)
 
     @property
     def numel(self) -> int:

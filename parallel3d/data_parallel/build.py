@@ -65,8 +65,8 @@ def plan(modules: list[nn.Module], ctx: ParallelContext, zero: int, no_decay: Ca
                     n, k = (group.size, group.rank) if zero else (1, 0)
                     mine.append(split_buckets(part, group, n, k, bucket_bytes, grad_elem_bytes))
         for bs in mine:
-            for pos, b in enumerate(bs):
-                b.seq, b.pos, b.chunk, b.expert = len(seqs), pos, chunk, b.group is not ctx.dp_cp
+            for b in bs:
+                b.seq, b.chunk, b.expert = len(seqs), chunk, b.group is not ctx.dp_cp
             seqs.append(bs)
     return seqs, chains
 

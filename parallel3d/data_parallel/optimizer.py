@@ -20,7 +20,7 @@ already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradien
     3     reduce-scatter; params gathered     1/N                     1/N                 1/N
           around each unit's fwd and bwd (zero3.py)
 
-Buckets, shard layout and why it is rank-major: buffer.py, build.py. Norm, clipping and AdamW: clip.py.
+Buckets, shard layout and why it is rank-major: buffer.py, build.py. Norm and clipping: clip.py; AdamW: adamw.py.
 Checkpoint state, gradient views and memory accounting: state.py. The optimizer only assumes its
 `modules` list (the model chunks on this rank): it works under any TP/PP/CP/EP layout whose parameters
 carry `meta`. Construct it after the weights are final (initialised or loaded): it copies them into its
@@ -39,7 +39,8 @@ from parallel3d import comm
 from parallel3d.data_parallel import state as _state
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
 from parallel3d.data_parallel.build import init_bucket, plan
-from parallel3d.data_parallel.clip import adamw_, clip_, grad_stats
+from parallel3d.data_parallel.adamw import adamw_
+from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.comm import start_all_gather, start_all_reduce, start_reduce_scatter, wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
 from parallel3d.data_parallel.zero3 import Zero3
