@@ -23,7 +23,8 @@ from kernels._triton_utils import acc_dtype, dot_dtype, interpreting, next_pow2
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                         scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (b, sq, hq, d), k/v (b, sk, hk, d) with hq % hk == 0 (GQA) -> out (b, sq, hq, d), lse (b, hq, sq) fp32.
+    """q (b, sq, hq, d), k/v (b, sk, hk, d) with hq % hk == 0 (GQA) -> out (b, sq, hq, d), lse (b, hq, sq) fp32
+    (fp64 for fp64 inputs, which are computed exactly).
 
     Causal masking is bottom-right aligned: query i sees keys j <= i + (sk - sq).
     Rows that see no key get out = 0 and lse = -inf.
@@ -32,15 +33,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if scale is None else scale
     rep = hq // hk
-    kf = k.float().repeat_interleave(rep, dim=2)  # (b, sk, hq, d)
-    vf = v.float().repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (b, hq, sq, sk)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 stays exact (CP tests)
+    kf = k.to(acc).repeat_interleave(rep, dim=2)  # (b, sk, hq, d)
+    vf = v.to(acc).repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kf) * scale  # (b, hq, sq, sk)
     if causal:
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(j > i + (sk - sq), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (b, hq, sq)
-    probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(torch.float32).min))
+    probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(acc).min))
     probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)  # (b, sq, hq, d)
     return out.to(q.dtype), lse

@@ -45,18 +45,6 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return s
 
 
-def _torch_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact torch block forward in acc dtype (used for fp64, where the kernels' reference computes in fp32)."""
-    rep = q.shape[2] // k.shape[2]
-    s = _scores(q, k, causal, scale)  # (b, hq, sq, sk)
-    lse = torch.logsumexp(s, dim=-1)  # (b, hq, sq)
-    p = torch.exp(s - _finite(lse)[..., None])  # (b, hq, sq, sk)
-    vf = v.to(s.dtype).repeat_interleave(rep, dim=2)  # (b, sk, hq, d)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vf)  # (b, sq, hq, d)
-    return out.to(q.dtype), lse
-
-
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf (rows that see no key) replaced by 0, so exp(-inf - lse) = 0 instead of nan."""
     return lse.masked_fill(torch.isneginf(lse), 0.0)
@@ -68,10 +56,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """One block: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) in acc dtype).
 
     Goes through `dispatch.attention_with_lse` (Triton flash kernel on CUDA / when forced, the torch
-    reference elsewhere); fp64 on the torch path uses the exact fp64 implementation above.
+    reference elsewhere, exact in fp64 for fp64 inputs).
     """
-    if q.dtype == torch.float64 and not dispatch.use_triton(backend, q):
-        return _torch_block_forward(q, k, v, causal, scale)
     out, lse = dispatch.attention_with_lse(q, k, v, causal, scale, backend)
     return out, lse.to(acc_dtype(q.dtype))
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch as kernels
@@ -62,11 +61,11 @@ class SharedExperts(nn.Module):
         self.backend = backend
         self.gate_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
         self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
-        self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std)
+        self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hid = kernels.swiglu(self.gate_proj(x), self.up_proj(x), self.backend)  # (T, f/tp)
-        return F.linear(hid, self.down_proj.weight)  # (T, h) partial over TP
+        return self.down_proj(hid)  # (T, h) partial over TP
 
 
 class MoELayer(nn.Module):

@@ -71,18 +71,23 @@ class RowParallelLinear(nn.Module):
         X_r (b, s, in/tp)   W = [W_0 | W_1 | ...] columns split    Y = sum_r X_r @ W_r^T
                             rank r holds W_r (out, in/tp)           all-reduce -> (b, s, out)
                                                                     or with sp reduce-scatter -> (b, s/tp, out)
+
+    reduce=False returns the partial sum: for a caller that adds several partial sums and reduces once
+    (the MoE layer reduces routed and shared experts together).
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool = False,
-                 std: Optional[float] = None) -> None:
+                 std: Optional[float] = None, reduce: bool = True) -> None:
         super().__init__()
-        self.group, self.sp = group, sequence_parallel
+        self.group, self.sp, self.reduce = group, sequence_parallel, reduce
         meta = ParamMeta((out_features, in_features),
                          shard_slices((out_features, in_features), 1, group.rank, group.size), std=std)
         self.weight = new_param((out_features, in_features // group.size), meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # (b, s, out) partial sum
+        if not self.reduce:
+            return y
         return reduce_scatter_to_sp(y, self.group) if self.sp else reduce_from_tp(y, self.group)
 
 
