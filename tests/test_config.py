@@ -99,18 +99,18 @@ MOE = ("model.num_experts=4", "model.moe_top_k=2")
 
 
 @pytest.mark.parametrize("world,overrides,match", [
-    (8, ["parallel.tp=3"], r"world size 8 is not divisible by tp\*cp\*pp = 3"),
-    (8, ["parallel.tp=2", "parallel.dp=2"], r"tp\*cp\*pp\*dp = 2\*1\*1\*2 = 4 does not match the world size 8"),
+    (8, ["parallel.tp=3"], r"world size 8 is not divisible by tp\*cp\*pp=3\*1\*1=3"),
+    (8, ["parallel.tp=2", "parallel.dp=2"], r"tp\*cp\*dp\*pp=2\*1\*2\*1=4 does not equal the world size 8"),
     (8, ["parallel.tp=8", "model.hidden_size=96", "model.num_heads=6", "model.num_kv_heads=2",
          "train.global_batch_size=1"], r"model.num_heads=6 is not divisible by parallel.tp=8"),
     (6, ["parallel.tp=3", "model.num_heads=6", "model.num_kv_heads=2", "model.hidden_size=96",
          "train.global_batch_size=2"], r"model.num_kv_heads=2 and parallel.tp=3: one must divide the other"),
-    (4, ["parallel.tp=2", "parallel.ep=4", *MOE], r"parallel.ep=4 must divide dp\*cp = 2\*1 = 2"),
+    (4, ["parallel.tp=2", "parallel.ep=4", *MOE], r"parallel.ep=4 must divide dp\*cp=2\*1=2"),
     (2, ["parallel.ep=2"], r"parallel.ep=2 needs a MoE model"),
     (6, ["parallel.ep=3", "train.global_batch_size=6", *MOE], r"model.num_experts=4 is not divisible by parallel.ep=3"),
     (1, ["train.global_batch_size=6", "train.micro_batch_size=4"],
      r"train.global_batch_size=6 is not divisible by micro_batch_size\*dp = 4\*1 = 4"),
-    (2, ["parallel.cp=2", "train.seq_len=126"], r"train.seq_len=126 must be divisible by 2\*cp = 4"),
+    (2, ["parallel.cp=2", "train.seq_len=126"], r"train.seq_len: sequence length 126 is not divisible by 2\*cp = 4"),
     (2, ["parallel.tp=2", "parallel.sp=true", "train.seq_len=127"],
      r"train.seq_len=127 must be divisible by tp\*cp = 2\*1 with sequence parallelism"),
     (4, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ulysses", "model.num_heads=6",

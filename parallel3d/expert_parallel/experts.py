@@ -81,16 +81,21 @@ def per_expert_reference(x: torch.Tensor, expert: torch.Tensor, w_gate: torch.Te
     return out
 
 
+def check_expert_split(num_experts: int, ffn_hidden: int, ep: int, tp: int) -> None:
+    """Experts are split over EP, each expert's ffn dimension over TP."""
+    if num_experts % ep:
+        raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
+    if ffn_hidden % tp:
+        raise ValueError(f"model.moe_ffn_hidden_size={ffn_hidden} is not divisible by parallel.tp={tp}")
+
+
 class GroupedExperts(nn.Module):
     """This rank's E_local experts (of E), ffn dimension split over TP."""
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ep: Group, tp: Group, impl: str = "auto",
                  backend: str = "auto", std: Optional[float] = None) -> None:
         super().__init__()
-        if num_experts % ep.size:
-            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep.size}")
-        if ffn_hidden % tp.size:
-            raise ValueError(f"model.moe_ffn_hidden_size={ffn_hidden} is not divisible by parallel.tp={tp.size}")
+        check_expert_split(num_experts, ffn_hidden, ep.size, tp.size)
         if impl not in IMPLS:
             raise ValueError(f"grouped expert implementation must be one of {IMPLS}, got {impl!r}")
         self.num_experts, self.local_experts = num_experts, num_experts // ep.size

@@ -91,6 +91,13 @@ class RowParallelLinear(nn.Module):
         return reduce_scatter_to_sp(y, self.group) if self.sp else reduce_from_tp(y, self.group)
 
 
+def check_kv_split(kv_heads: int, tp: int) -> None:
+    """KV heads are split over TP (kv % tp == 0) or replicated with each rank using one (tp % kv == 0)."""
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"model.num_kv_heads={kv_heads} and parallel.tp={tp}: one must divide the other (kv heads "
+                         f"are split across tp ranks, or replicated when tp > num_kv_heads)")
+
+
 class KVParallelLinear(nn.Module):
     """Key or value projection for grouped-query attention under TP.
 
@@ -118,7 +125,7 @@ class KVParallelLinear(nn.Module):
             meta = ParamMeta(shape, full_slices(shape), std=std, grad_reduce=("tp",), replicated=("tp",))
             self.weight = new_param(shape, meta)
         else:
-            raise ValueError(f"num_kv_heads={kv_heads} and tp={tp}: one must divide the other")
+            check_kv_split(kv_heads, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.row_range is None else self.weight[self.row_range[0]:self.row_range[1]]

@@ -24,10 +24,14 @@ from typing import Any, Optional, Protocol, Sequence
 import yaml
 
 from parallel3d.context_parallel.attention import CP_MODES
+from parallel3d.context_parallel.sharding import check_seq_len
+from parallel3d.expert_parallel.experts import check_expert_split
+from parallel3d.mesh import MeshSpec
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
+from parallel3d.tensor_parallel.layers import check_kv_split
 
 
 class ConfigError(ValueError):
@@ -306,6 +310,16 @@ def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
 
 
+def _owned(check: Any, prefix: str = "") -> Any:
+    """Run a rule's owner (a function raising ValueError) and turn its error into one ConfigError."""
+    try:
+        return check()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{prefix}{e}") from None
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -352,23 +366,15 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be in [0, train.lr={t.lr}]")
 
-    # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2)
-    model_parallel = p.tp * p.cp * p.pp
-    if p.dp == 0:
-        _require(world_size % model_parallel == 0,
-                 f"world size {world_size} is not divisible by tp*cp*pp = {model_parallel} "
-                 f"(tp={p.tp}, cp={p.cp}, pp={p.pp})")
-        p.dp = world_size // model_parallel
-    _require(model_parallel * p.dp == world_size,
-             f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp} = {model_parallel * p.dp} does not match "
-             f"the world size {world_size}")
+    # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2); the mesh owns the rules
+    if p.ep > 1:
+        _require(m.num_experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
+    p.dp = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp)).dp
 
     # --- attention heads under TP / Ulysses CP
     heads, kv = m.num_heads, m.num_kv_heads
     _require(heads % p.tp == 0, f"model.num_heads={heads} is not divisible by parallel.tp={p.tp}")
-    _require(kv % p.tp == 0 or p.tp % kv == 0,
-             f"model.num_kv_heads={kv} and parallel.tp={p.tp}: one must divide the other "
-             f"(kv heads are split across tp ranks, or replicated when tp > num_kv_heads)")
+    _owned(lambda: check_kv_split(kv, p.tp))
     if p.cp > 1 and p.cp_mode == "ulysses":
         _require((heads // p.tp) % p.cp == 0,
                  f"cp_mode=ulysses needs the heads per tp rank (model.num_heads/tp = {heads}/{p.tp} "
@@ -377,9 +383,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     # --- sequence length under CP / SP
     _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if p.cp > 1:
-        _require(t.seq_len % (2 * p.cp) == 0,
-                 f"train.seq_len={t.seq_len} must be divisible by 2*cp = {2 * p.cp} (load-balanced "
-                 f"causal context parallelism splits each sequence into 2*cp chunks)")
+        _owned(lambda: check_seq_len(t.seq_len, p.cp), "train.seq_len: ")
     if p.sp and p.tp == 1:
         p.sp = False                 # sequence parallelism over one rank is the identity
     if p.sp:
@@ -389,14 +393,8 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
 
     # --- experts
     experts, top_k = m.num_experts, m.moe_top_k
-    if p.ep > 1:
-        _require(experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
-        _require((p.dp * p.cp) % p.ep == 0,
-                 f"parallel.ep={p.ep} must divide dp*cp = {p.dp}*{p.cp} = {p.dp * p.cp} "
-                 f"(expert parallelism is carved out of the data x context parallel ranks)")
     if experts:
-        _require(experts % p.ep == 0,
-                 f"model.num_experts={experts} is not divisible by parallel.ep={p.ep}")
+        _owned(lambda: check_expert_split(experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, p.ep, p.tp))
         _require(1 <= top_k <= experts, f"model.moe_top_k={top_k} must be in [1, model.num_experts={experts}]")
 
     # --- batch
