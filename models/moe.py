@@ -54,7 +54,7 @@ class MoETransformer(Llama):
                        shared_ffn_hidden=cfg.num_shared_experts * ffn, score=cfg.router_score,
                        norm_topk=cfg.router_norm_topk, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
                        bias_update_rate=cfg.router_bias_update_rate, capacity_factor=cfg.capacity_factor,
-                       impl=getattr(self, "expert_impl", "auto"), backend=cfg.kernels)
+                       impl=self.expert_impl, backend=cfg.kernels)
         return Block(cfg, self.ctx, self.sp, cp_mode, recompute, mlp=mlp)
 
     def moe_layers(self) -> dict[int, MoELayer]:

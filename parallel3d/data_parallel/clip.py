@@ -29,7 +29,7 @@ def counts_once(b: Bucket, s: Slot, ctx: ParallelContext, zero: int) -> bool:
     if zero == 0 and b.group.rank != 0:
         return False
     for name in s.meta.replicated:
-        g = getattr(ctx, name, None)
+        g = getattr(ctx, name)  # None: this rank is outside that group (embedding)
         if g is not None and g.rank != 0:
             return False
     return True

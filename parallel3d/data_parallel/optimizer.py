@@ -211,7 +211,7 @@ class DistributedOptimizer:
         for b in self.buckets:
             for s in b.slots:
                 for name in s.meta.grad_reduce:
-                    g = getattr(self.ctx, name, None)
+                    g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
                     if g is not None and g.size > 1:
                         views.setdefault(name, []).append(s.flat(b.grad_shard))
         for name in sorted(views):

@@ -21,8 +21,8 @@ def lr_at(step: int, cfg: Any) -> float:
     """
     peak, floor = float(cfg.lr), float(cfg.min_lr)
     warmup = int(cfg.warmup_steps)
-    kind = getattr(cfg, "lr_schedule", "cosine")
-    total = int(getattr(cfg, "lr_decay_steps", 0) or cfg.steps)
+    kind = cfg.lr_schedule
+    total = int(cfg.lr_decay_steps or cfg.steps)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if step < warmup:
