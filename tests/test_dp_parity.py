@@ -108,7 +108,7 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
         if step == start:
             out["grads"] = opt.grad_slices()
         if inject_shard_step == step and ctx.rank == ctx.world_size - 1:
-            opt.buckets[-1].grad_shard[0] = float("nan")
+            opt.buckets[-1].grad.shard[0] = float("nan")
         out["norms"].append(opt.clip_grad_norm(clip))
         out["scales"].append(opt.loss_scale)
         out["ok"].append(opt.step(OPT["lr"]))
@@ -293,13 +293,13 @@ def _schedule(w, zero, unused):
     tokens = global_batches(BASE["vocab_size"], 1)[0][:4]
     launched, in_backward = [], []
     for p in model.parameters():  # runs after the optimizer's own hook: sees launches made inside backward
-        p.register_post_accumulate_grad_hook(lambda p: in_backward[-1].append(sum(b.launched for b in opt.buckets)))
+        p.register_post_accumulate_grad_hook(lambda p: in_backward[-1].append(sum(b.grad.launched for b in opt.buckets)))
     opt.zero_grad()
     for i, mb in enumerate(tokens.chunk(2)):
         opt.set_last_microbatch(i == 1)
         in_backward.append([])
         (model(mb[:, :-1], torch.arange(S), mb[:, 1:]) / 64).backward()
-        launched.append(sum(b.launched for b in opt.buckets))
+        launched.append(sum(b.grad.launched for b in opt.buckets))
         if zero == 3:
             seen.append(("after backward", [u.gathered for u in opt.zero3.units]))
     opt.finish_grad_sync()

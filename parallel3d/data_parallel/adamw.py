@@ -16,7 +16,7 @@ def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_
     Weight decay is applied per parameter (views); the moment and parameter updates run over the flat
     segment in cache-sized blocks (the update is ~7 passes over 4 tensors: blocking keeps them in cache).
     """
-    p, m, v = b.master, b.exp_avg, b.exp_avg_sq
+    p, m, v = b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq
     if weight_decay:
         for s in b.slots:
             if s.decay:
@@ -26,7 +26,7 @@ def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_
     bc2_sqrt = math.sqrt(1 - beta2 ** step)
     for i in range(0, p.numel(), block):
         sl = slice(i, i + block)
-        g = b.grad_shard[sl] if b.grad_shard.dtype == torch.float32 else b.grad_shard[sl].float()
+        g = b.grad.shard[sl] if b.grad.shard.dtype == torch.float32 else b.grad.shard[sl].float()
         mb, vb = m[sl], v[sl]
         mb.lerp_(g, 1 - beta1)
         vb.mul_(beta2).addcmul_(g, g, value=1 - beta2)

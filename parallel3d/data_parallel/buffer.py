@@ -21,7 +21,7 @@ the layout is simply param-contiguous and parameters can be views of a flat para
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -125,8 +125,29 @@ def _rows_op(full: torch.Tensor, seg: int, nshard: int, slot: Slot, flat: torch.
 
 
 @dataclass
+class GradSync:
+    """A bucket's gradient state machine for one optimizer step: accumulate -> ready -> launched -> reduced."""
+    full: Optional[torch.Tensor] = None     # (N*S,) accumulation buffer
+    shard: Optional[torch.Tensor] = None    # (S,) reduced segment (ZeRO-2/3) -- a view of `full` for ZeRO-0/1
+    out: Optional[torch.Tensor] = None      # reduce-scatter output in flight
+    work: object = None                     # the reduction's work handle
+    count: int = 0                          # gradients arrived during the step's last backward
+    ready: bool = False
+    launched: bool = False
+
+
+@dataclass
+class AdamState:
+    """fp32 optimizer state of the held rows: one segment (ZeRO >= 1) or the whole bucket (ZeRO-0)."""
+    master: Optional[torch.Tensor] = None
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+
+
+@dataclass
 class Bucket:
-    """Parameters reduced together. `shard` is this rank's segment index (0 without ZeRO)."""
+    """Parameters reduced together: the layout (slots, segments, group), and the state kept per bucket.
+    `shard` is this rank's segment index (0 without ZeRO)."""
     slots: list[Slot]
     group: Group
     nshard: int
@@ -136,18 +157,8 @@ class Bucket:
     chunk: int = 0                  # index of the model chunk (module) holding these parameters
     expert: bool = False
     unit: Optional[object] = None   # ZeRO-3 unit owning these parameters
-    # gradient state
-    grad_full: Optional[torch.Tensor] = None    # (N*S,) accumulation buffer
-    grad_shard: Optional[torch.Tensor] = None   # (S,) reduced segment (ZeRO-2/3) -- a view for ZeRO-0/1
-    out: Optional[torch.Tensor] = None          # reduce-scatter output in flight
-    work: object = None
-    count: int = 0
-    ready: bool = False
-    launched: bool = False
-    # optimizer state, one segment (ZeRO >= 1) or the whole bucket (ZeRO-0), fp32
-    master: Optional[torch.Tensor] = None
-    exp_avg: Optional[torch.Tensor] = None
-    exp_avg_sq: Optional[torch.Tensor] = None
+    grad: GradSync = field(default_factory=GradSync)
+    adam: AdamState = field(default_factory=AdamState)
     param_flat: Optional[torch.Tensor] = None   # ZeRO-0: flat params (views) / ZeRO-3: persistent shard
 
     @property

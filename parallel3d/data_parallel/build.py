@@ -111,19 +111,19 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
         n, r0 = s.valid_rows(b.shard), b.shard * s.chunk_rows
         if n:
             s.rows_view(master)[:n].copy_(s.param.data.reshape(s.shape)[r0: r0 + n])
-    b.master = master
-    b.exp_avg, b.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    b.adam.master = master
+    b.adam.exp_avg, b.adam.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     if zero == 0:
         b.param_flat = master if dtype == torch.float32 else master.to(dtype)
         for s in b.slots:
             s.param.data = s.flat(b.param_flat).view(s.param.shape)
-        b.grad_full = b.grad_shard = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
+        b.grad.full = b.grad.shard = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
     elif zero in (1, 2):
         for s in b.slots:
             if s.param.dtype != dtype:
                 s.param.data = s.param.data.to(dtype)
         if zero == 1:
-            b.grad_full = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
+            b.grad.full = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
     else:
         b.param_flat = master if dtype == torch.float32 else master.to(dtype)
         for s in b.slots:

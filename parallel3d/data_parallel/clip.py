@@ -47,7 +47,7 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
     One fused pass unscales and flags non-finite values (torch's AMP kernel); per-parameter norms are
     fp32 (as torch.nn.utils.clip_grad_norm_) and their squares are summed in fp64."""
     found = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-    grads = [b.grad_shard for b in buckets]
+    grads = [b.grad.shard for b in buckets]
     if grads:
         inv = torch.full((1,), inv_scale, dtype=torch.float32, device=ctx.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
@@ -56,7 +56,7 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
         for s in b.slots:
             _, n = held(b, s)
             if n and counts_once(b, s, ctx, zero):
-                norms.append(torch.linalg.vector_norm(s.flat(b.grad_shard)[: n * s.row_numel], dtype=torch.float32))
+                norms.append(torch.linalg.vector_norm(s.flat(b.grad.shard)[: n * s.row_numel], dtype=torch.float32))
     sumsq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
                                                                                     device=ctx.device)
     stats = torch.stack([sumsq, found[0].double()])
@@ -72,4 +72,4 @@ def clip_(buckets: list[Bucket], norm: float, max_norm: float) -> None:
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for b in buckets:
-            b.grad_shard.mul_(coef)
+            b.grad.shard.mul_(coef)

@@ -98,22 +98,22 @@ class DistributedOptimizer:
             g, p.grad = p.grad, None
             if g is None:
                 return
-            if b.launched:
+            if b.grad.launched:
                 raise RuntimeError(f"gradient of {s.name} arrived after its bucket was reduced: call "
                                    f"set_last_microbatch(False) before every microbatch but the last")
             with torch.no_grad():
-                if b.grad_full is None:
-                    b.grad_full = torch.zeros(b.numel, dtype=self.grad_dtype, device=g.device)
-                add_rows(b.grad_full, b.seg, b.nshard, s, g)
+                if b.grad.full is None:
+                    b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=g.device)
+                add_rows(b.grad.full, b.seg, b.nshard, s, g)
             if b.unit is not None:
                 self.zero3.on_grad(b.unit)
             if not self._touched:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._touched.add(b.chunk)
             if self._last[b.chunk]:
-                b.count += 1
-                if b.count == len(b.slots):
-                    b.ready = True
+                b.grad.count += 1
+                if b.grad.count == len(b.slots):
+                    b.grad.ready = True
                     self._launch_ready(b.seq)
         return hook
 
@@ -130,50 +130,50 @@ class DistributedOptimizer:
             if self._last[chunk]:
                 for seq in self._chunk_seqs.get(chunk, []):
                     for b in self.seqs[seq][self._next[seq]:]:
-                        b.ready = True
+                        b.grad.ready = True
                     self._launch_ready(seq)
 
     def _launch_ready(self, seq: int) -> None:
         bs = self.seqs[seq]
-        while self._next[seq] < len(bs) and bs[self._next[seq]].ready:
+        while self._next[seq] < len(bs) and bs[self._next[seq]].grad.ready:
             self._launch(bs[self._next[seq]])
             self._next[seq] += 1
 
     def _launch(self, b: Bucket) -> None:
-        if b.grad_full is None:   # no gradient reached this bucket on this rank (unused parameters)
-            b.grad_full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.master.device)
+        if b.grad.full is None:   # no gradient reached this bucket on this rank (unused parameters)
+            b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.adam.master.device)
         if self.zero == 0:
-            b.work = start_all_reduce(b.grad_full, b.group)
+            b.grad.work = start_all_reduce(b.grad.full, b.group)
         else:
-            b.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad_full.device)
-            b.work = start_reduce_scatter(b.out, b.grad_full, b.group)
-        b.launched = True
+            b.grad.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad.full.device)
+            b.grad.work = start_reduce_scatter(b.grad.out, b.grad.full, b.group)
+        b.grad.launched = True
         self._inflight.append(b)
-        while self._inflight and (self._inflight[0].work is None or self._inflight[0].work.is_completed()):
+        while self._inflight and (self._inflight[0].grad.work is None or self._inflight[0].grad.work.is_completed()):
             self._finalize(self._inflight.popleft())   # frees ZeRO-2/3 full buffers early
 
     def _finalize(self, b: Bucket) -> None:
-        wait_work(b.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
-        b.work = None
+        wait_work(b.grad.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
+        b.grad.work = None
         if self.zero == 1:
-            seg = b.grad_full[b.shard * b.seg: (b.shard + 1) * b.seg]
-            seg.copy_(b.out)
-            b.grad_shard = seg
+            seg = b.grad.full[b.shard * b.seg: (b.shard + 1) * b.seg]
+            seg.copy_(b.grad.out)
+            b.grad.shard = seg
         elif self.zero >= 2:
-            b.grad_shard, b.grad_full = b.out, None
-        b.out = None
+            b.grad.shard, b.grad.full = b.grad.out, None
+        b.grad.out = None
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         for b in self.buckets:
-            if b.work is not None:
-                wait_work(b.work, b.group, "reduction")
-            b.count, b.ready, b.launched, b.work, b.out = 0, False, False, None, None
+            if b.grad.work is not None:
+                wait_work(b.grad.work, b.group, "reduction")
+            b.grad.count, b.grad.ready, b.grad.launched, b.grad.work, b.grad.out = 0, False, False, None, None
             if self.zero <= 1:
-                b.grad_full.zero_()
-                b.grad_shard = b.grad_full if self.zero == 0 else None
+                b.grad.full.zero_()
+                b.grad.shard = b.grad.full if self.zero == 0 else None
             else:
-                b.grad_full = b.grad_shard = None
+                b.grad.full = b.grad.shard = None
         for p in self.params:
             p.grad = None
         self._inflight.clear()
@@ -196,7 +196,7 @@ class DistributedOptimizer:
             return
         for seq, bs in enumerate(self.seqs):        # unused parameters: launch what never became ready
             for b in bs[self._next[seq]:]:
-                b.ready = True
+                b.grad.ready = True
             self._launch_ready(seq)
         while self._inflight:
             self._finalize(self._inflight.popleft())
@@ -213,7 +213,7 @@ class DistributedOptimizer:
                 for name in s.meta.grad_reduce:
                     g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
                     if g is not None and g.size > 1:
-                        views.setdefault(name, []).append(s.flat(b.grad_shard))
+                        views.setdefault(name, []).append(s.flat(b.grad.shard))
         for name in sorted(views):
             flat = torch.cat(views[name])
             comm.all_reduce(flat, getattr(self.ctx, name))
@@ -274,12 +274,12 @@ class DistributedOptimizer:
         """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2)."""
         if self.zero in (0, 3):
             for b in self.buckets:
-                if b.param_flat is not b.master:
-                    b.param_flat.copy_(b.master)
+                if b.param_flat is not b.adam.master:
+                    b.param_flat.copy_(b.adam.master)
             return
         pending = []
         for b in self.buckets:
-            shard = b.master if self.dtype == torch.float32 else b.master.to(self.dtype)
+            shard = b.adam.master if self.dtype == torch.float32 else b.adam.master.to(self.dtype)
             full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
             pending.append((b, full, start_all_gather(full, shard, b.group)))
         for b, full, work in pending:

@@ -37,7 +37,7 @@ def state_tensors(buckets: Sequence[Bucket], ctx: ParallelContext, zero: int) ->
                 continue
             slices = s.global_slices(k, n)
             for kind in KINDS:
-                out[f"{kind}/{s.name}"] = (_rows(s, getattr(b, kind), n), s.meta.global_shape, slices)
+                out[f"{kind}/{s.name}"] = (_rows(s, getattr(b.adam, kind), n), s.meta.global_shape, slices)
     return out
 
 
@@ -53,7 +53,7 @@ def load_state_tensors(buckets: Sequence[Bucket], read: Callable, kinds: tuple[s
             slices = s.global_slices(k, n)
             for kind in kinds:
                 data = read(f"{kind}/{s.name}", slices)
-                s.rows_view(getattr(b, kind))[:n].copy_(data.reshape((n,) + s.shape[1:]))
+                s.rows_view(getattr(b.adam, kind))[:n].copy_(data.reshape((n,) + s.shape[1:]))
 
 
 def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:
@@ -66,7 +66,7 @@ def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:
         for s in b.slots:
             k, n = held(b, s)
             if n:
-                out[s.name] = (_rows(s, b.grad_shard, n).float() * inv, s.global_slices(k, n), s.meta.global_shape)
+                out[s.name] = (_rows(s, b.grad.shard, n).float() * inv, s.global_slices(k, n), s.meta.global_shape)
     return out
 
 
@@ -90,7 +90,7 @@ def memory_bytes(buckets: Sequence[Bucket], params: Sequence[torch.Tensor]) -> d
 
     bs = buckets
     param_bytes = sum(nbytes(p.data) for p in params) + sum(nbytes(b.param_flat) for b in bs)
-    grads = sum(nbytes(b.grad_full) + nbytes(b.grad_shard) + nbytes(b.out) for b in bs)
+    grads = sum(nbytes(b.grad.full) + nbytes(b.grad.shard) + nbytes(b.grad.out) for b in bs)
     grads += sum(nbytes(p.grad) for p in params)
-    optimizer = sum(nbytes(b.master) + nbytes(b.exp_avg) + nbytes(b.exp_avg_sq) for b in bs)
+    optimizer = sum(nbytes(b.adam.master) + nbytes(b.adam.exp_avg) + nbytes(b.adam.exp_avg_sq) for b in bs)
     return {"params": param_bytes, "grads": grads, "optimizer": optimizer}
