@@ -232,14 +232,16 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, scale, sqb, sqs, sqh, skb, 
 
 def _config(d: int, dtype: torch.dtype, block_m: Optional[int], block_n: Optional[int], backward: bool
             ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Fixed heuristics, no autotune (it needs a GPU bench)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), chosen on paper from the ahead-of-time compile report
+    (benchmarks/kernel_report.py; RESULTS.md "Kernels on sm_80 / sm_90"): bf16/fp16 tiles that use tensor
+    cores and spill nothing on sm_80 and sm_90, the best occupancy among those. No autotune (it needs a GPU)."""
     if interpreting():
         bm, bn, warps, stages = 16, 16, 4, 1
-    elif backward:
-        bm, bn = (64, 64) if d <= 128 else (32, 32)
+    elif backward:  # dK/dV and dQ tiles: the largest that keep registers < 255 with no spill on sm_80/90
+        bm, bn = (64, 32) if d <= 64 else (32, 64) if d <= 128 else (16, 32)
         warps, stages = (4 if d <= 64 else 8), 2
-    else:
-        bm, bn = (128, 64) if d <= 128 else (64, 32)
+    else:           # (128, 64) spilled on sm_90 (160 B at d=64, 24 B at d=128: benchmarks/kernel_report.py)
+        bm, bn = (64, 32) if d <= 64 else (64, 64) if d <= 128 else (32, 32)
         warps, stages = (4 if d <= 64 else 8), (3 if d <= 64 else 2)
     if dtype in (torch.float32, torch.float64) and not interpreting():
         bm, bn = max(bm // 2, 16), max(bn // 2, 16)

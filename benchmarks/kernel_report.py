@@ -1,0 +1,234 @@
+"""Compile every Triton kernel variant the launchers pick, ahead of time, for real GPUs (no GPU needed).
+
+    python benchmarks/kernel_report.py [--arch 80 90 100] [--json] [--quick]
+
+How the variants are found: each launcher (rmsnorm_forward, flash_attention_backward, ...) is called on small
+CPU tensors with `JITFunction.run` replaced by a recorder, so what is compiled is exactly what the launcher
+chooses (constexprs, dtypes, block sizes, num_warps, num_stages) for each dtype and shape class, and nothing
+runs. Each recorded launch is compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch,
+32))`; `cuobjdump -res-usage` (shipped in Triton's NVIDIA backend) reports registers, stack, local (spill)
+and shared memory of the cubin, and the PTX is searched for tensor-core instructions (mma.sync on sm_80,
+wgmma.mma_async or mma.sync on sm_90 / sm_100). Occupancy is the theoretical CTAs per SM from the register file, the
+shared memory and the thread limit of the architecture.
+
+With --json the last stdout line is a JSON list of {"kernel", "variant", "arch", "regs", "spill_bytes",
+"shared_bytes", "num_warps", "num_stages", "tensor_core_ops", "ctas_per_sm"} (or "error" for a variant that
+fails to compile). Never run under TRITON_INTERPRET=1 (the launchers would pick interpreter dtypes).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+# per SM: 32-bit registers, max resident threads, max CTAs, shared memory per SM (bytes, usable per block opt-in)
+ARCH = {80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024),
+        90: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024),
+        100: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024)}
+# tensor-core instructions: Hopper uses wgmma for tiles of >= 64 rows and mma.sync below that
+TC_PATTERN = {80: r"\bmma\.sync", 90: r"\b(wgmma\.mma_async|mma\.sync)", 100: r"\b(wgmma\.mma_async|mma\.sync|tcgen05\.mma)"}
+DOT_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}  # kernels with tl.dot
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+          torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}
+
+
+@dataclass
+class Launch:
+    kernel: JITFunction
+    variant: str
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, int] = field(default_factory=dict)
+
+
+def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, Any]]:
+    sig, consts = {}, {}
+    values = dict(zip([p.name for p in fn.params], args))
+    values.update({k: v for k, v in kwargs.items() if k in {p.name for p in fn.params}})
+    for p in fn.params:
+        v = values[p.name]
+        if p.is_constexpr or v is None:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {p.name}={v!r}")
+    return sig, consts
+
+
+@contextlib.contextmanager
+def recording(variant: str, into: list[Launch]) -> Iterator[None]:
+    """Launches inside are recorded, not run."""
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        sig, consts = _signature(self, args, kwargs)
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        into.append(Launch(self, variant, sig, consts, opts))
+
+    JITFunction.run = record
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+def launches(quick: bool = False) -> list[Launch]:
+    """Every launch the launchers make over the dtypes and shape classes they distinguish."""
+    from kernels.cross_entropy import cross_entropy_partial_grad, cross_entropy_partial_stats
+    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
+    from kernels.rope import rope_apply
+    from kernels.swiglu import swiglu_backward, swiglu_forward
+
+    out: list[Launch] = []
+    dtypes = [torch.bfloat16] if quick else [torch.float32, torch.bfloat16, torch.float16]
+    for dt in dtypes:
+        t = _TYPES[dt]
+        for h in ([4096] if quick else [1024, 4096, 8192]):
+            x, w = torch.zeros(2, h, dtype=dt), torch.zeros(h, dtype=dt)
+            with recording(f"{t} h={h}", out):
+                _, s, rstd = rmsnorm_forward(x, w, 1e-5)
+                rmsnorm_forward(x, w, 1e-5, residual=x)
+                rmsnorm_backward(x, x, w, rstd)
+                rmsnorm_backward(x, x, w, rstd, d_residual_out=x)
+                swiglu_forward(x, x)
+                swiglu_backward(x, x, x)
+        for d in ([128] if quick else [64, 128]):
+            q, k = torch.zeros(1, 4, 8, d, dtype=dt), torch.zeros(1, 4, 2, d, dtype=dt)
+            cos = torch.zeros(4, d, dtype=torch.float32)
+            with recording(f"{t} d={d}", out):
+                rope_apply(q, k, cos, cos)
+                rope_apply(q, k, cos, cos, backward=True)
+            for causal in ([True] if quick else [True, False]):
+                qq, kk = torch.zeros(1, 64, 8, d, dtype=dt), torch.zeros(1, 64, 2, d, dtype=dt)
+                with recording(f"{t} d={d} {'causal' if causal else 'full'}", out):
+                    o, lse = flash_attention_forward(qq, kk, kk, causal)
+                    flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal)
+        logits, target = torch.zeros(4, 32000, dtype=dt), torch.zeros(4, dtype=torch.int64)
+        with recording(f"{t} vocab/tp=32000", out):
+            cross_entropy_partial_stats(logits, target, 0)
+            cross_entropy_partial_grad(logits, target, 0, torch.zeros(4), torch.zeros(4))
+    return out
+
+
+def _tools() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def tools_available() -> bool:
+    return os.path.isfile(os.path.join(_tools(), "cuobjdump")) and os.path.isfile(os.path.join(_tools(), "ptxas"))
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        text = subprocess.run([os.path.join(_tools(), "cuobjdump"), "-res-usage", path], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    usage = re.search(r"Function [^\n]*:\s*\n\s*(REG:.*)", text)
+    fields = dict(re.findall(r"(\w+):(\d+)", usage.group(1))) if usage else {}
+    return {k: int(fields.get(k, 0)) for k in ("REG", "STACK", "SHARED", "LOCAL")}
+
+
+def occupancy(arch: int, regs: int, shared: int, warps: int) -> int:
+    """Theoretical resident CTAs per SM (register file, shared memory, threads, CTA limit)."""
+    a = ARCH[arch]
+    threads = 32 * warps
+    regs_per_cta = ((max(regs, 1) * 32 + 255) // 256) * 256 * warps  # allocated per warp in units of 256
+    limits = [a["ctas"], a["threads"] // threads, a["regs"] // regs_per_cta]
+    if shared:
+        limits.append(a["smem"] // shared)
+    return max(0, min(limits))
+
+
+def compile_report(launch: Launch, arch: int, cache: dict | None = None) -> dict[str, Any]:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    name = launch.kernel.fn.__name__
+    row: dict[str, Any] = {"kernel": name, "variant": launch.variant, "arch": arch}
+    key = (name, json.dumps(launch.signature, sort_keys=True), repr(sorted(launch.constexprs.items())),
+           repr(sorted(launch.options.items())), arch)
+    if cache is not None and key in cache:
+        return {**cache[key], "variant": launch.variant}
+    try:
+        src = ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+        res = resources(compiled.asm["cubin"])
+        warps = compiled.metadata.num_warps
+        shared = max(res["SHARED"], compiled.metadata.shared)
+        row.update(regs=res["REG"], spill_bytes=res["LOCAL"] + res["STACK"], local_bytes=res["LOCAL"],
+                   stack_bytes=res["STACK"], shared_bytes=shared, num_warps=warps,
+                   num_stages=compiled.metadata.num_stages,
+                   tensor_core_ops=len(re.findall(TC_PATTERN[arch], compiled.asm["ptx"])),
+                   ctas_per_sm=occupancy(arch, res["REG"], shared, warps))
+    except Exception as e:  # a variant that does not compile is a row, not a crash
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if cache is not None:
+        cache[key] = row
+    return row
+
+
+def report(archs: list[int], quick: bool = False) -> list[dict[str, Any]]:
+    cache: dict = {}
+    return [compile_report(launch, arch, cache) for launch in launches(quick) for arch in archs]
+
+
+def _table(rows: list[dict]) -> str:
+    head = f"{'kernel':24} {'variant':26} {'sm':>4} {'regs':>5} {'spill':>6} {'smem':>7} {'warps':>5} " \
+           f"{'stg':>3} {'tc':>4} {'ctas':>4}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['kernel']:24} {r['variant']:26} {r['arch']:>4} ERROR {r['error']}")
+        else:
+            lines.append(f"{r['kernel']:24} {r['variant']:26} {r['arch']:>4} {r['regs']:>5} {r['spill_bytes']:>6} "
+                         f"{r['shared_bytes']:>7} {r['num_warps']:>5} {r['num_stages']:>3} {r['tensor_core_ops']:>4} "
+                         f"{r['ctas_per_sm']:>4}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(ARCH))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="bf16 and one shape per kernel only")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: unset TRITON_INTERPRET (the launchers would choose interpreter dtypes)", file=sys.stderr)
+        return 2
+    if not tools_available():
+        print(f"error: Triton's NVIDIA backend tools (cuobjdump, ptxas) are missing in {_tools()}", file=sys.stderr)
+        return 2
+    rows = report(args.arch, args.quick)
+    print(_table(rows))
+    if args.json:
+        print(json.dumps(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
