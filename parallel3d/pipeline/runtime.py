@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -37,25 +37,11 @@ from .backward import WeightWork, backward_input, backward_weight
 from .p2p import P2PQueue
 from .schedules import Action, ActionKind, build_schedule, stage_of
 from .simulate import split_steps
+from .stage import AuxObjective, PipelineStage  # noqa: F401  (PipelineStage: the stage contract)
 from .verify import verify
 
 K = ActionKind
 Record = list[tuple[int, Action, float, float]]  # (pp rank, action, start, end), time.perf_counter() times
-
-
-class PipelineStage(Protocol):
-    """What the runtime needs from a model chunk (any nn.Module with these)."""
-    pre: bool   # holds the embedding: its forward reads token ids (b, s_local)
-    post: bool  # holds the head: forward(x, position_ids, labels) returns the summed token loss
-
-    def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, ...]:
-        """Shape of the activation this stage sends on: (b, s_local[/tp with SP], h)."""
-
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,
-                 labels: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The activation, or on a stage without the head, optionally (activation, aux): a scalar term of
-        the objective in loss_sum units (MoE balancing losses) that the runtime reports and back-propagates
-        (AuxObjective)."""
 
 
 class ScheduleCache:
@@ -102,26 +88,6 @@ def forward_only_schedule(p: int, m: int, v: int = 1) -> list[list[Action]]:
                     acts.append(Action(K.SEND_ACT, mb, c, (s + 1) % p))
         out.append(acts)
     return out
-
-
-class AuxObjective(torch.autograd.Function):
-    """Identity on a stage's output; in backward it also gives the stage's auxiliary objective term (e.g.
-    MoE balancing losses, in loss_sum units) the gradient `scale` = d(objective)/d(loss_sum), so the term
-    is minimised with the loss by any schedule's backward (full, or split into input and weight passes).
-
-        forward:  y = x                 backward: dx = dy,  daux = scale
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(aux)
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
 
 
 @dataclass
