@@ -95,6 +95,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0       # 0: no clipping
     activation_checkpointing: str = "none"  # none | full | selective
+    activation_offload: bool = False  # saved activations to host memory during forward (offload/activations.py)
     eval_interval: int = 0       # 0: no periodic evaluation
     eval_steps: int = 10
     nan_policy: str = "skip"     # skip: drop the step and go on | stop: raise

@@ -9,6 +9,7 @@ target tokens in the global batch, so DP, CP, microbatching and accumulation lea
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable, Optional
@@ -18,6 +19,7 @@ from torch import nn
 
 from parallel3d import comm
 from parallel3d.mesh import ParallelContext
+from parallel3d.offload import ActivationOffload
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.runtime import Record, ScheduleCache, run_pipeline_forward, run_pipeline_step
 from parallel3d.pipeline.timeline import to_rows
@@ -84,6 +86,7 @@ class Trainer:
         self.dataset = make_dataset(cfg, cfg.data.path)
         self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
+        self.activation_offload = ActivationOffload() if cfg.train.activation_offload else None
         self.schedules = ScheduleCache()  # each (schedule, p, m, v) built and verified once
 
     def run_config(self) -> dict:
@@ -138,7 +141,8 @@ class Trainer:
         tokens = self._global_token_count(mbs)
         opt.zero_grad()
         record: Optional[Record] = [] if self._records_timeline() else None
-        loss = self._forward_backward(mbs, tokens, record).reshape(1).float()
+        with self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext():
+            loss = self._forward_backward(mbs, tokens, record).reshape(1).float()
         opt.finish_grad_sync()
         comm.all_reduce(loss, ctx.dp_cp)
         comm.all_reduce(loss, ctx.pp)  # only the last stage holds a nonzero loss
@@ -160,7 +164,8 @@ class Trainer:
         if record is not None:  # every pipeline rank's events, gathered (one JSON all-gather per pipeline)
             timeline = [row for rows in comm.all_gather_json(to_rows(record), ctx.pp) for row in rows]
         self.step += 1
-        return {"timeline": timeline, "step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
+        moved = self.activation_offload.offloaded_bytes if self.activation_offload else 0
+        return {"timeline": timeline, "activation_offload_bytes": moved, "step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
                 "loss_scale": opt.loss_scale, "comm_bytes": comm_bytes(ctx.stats),
                 "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0}
 
