@@ -13,7 +13,7 @@ wait for the end of that chunk's backward pass, where the optimizer launches wha
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -98,15 +98,18 @@ def _unit_buckets(module: nn.Module, named: Named, ctx: ParallelContext) -> tupl
 
 
 @torch.no_grad()
-def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
+def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtype,
+                state_device: Optional[torch.device] = None) -> None:
     """fp32 master (this rank's segment; everything for ZeRO-0), Adam state, parameter storage.
 
     ZeRO-0: parameters become views of one flat buffer (the master itself in fp32, so no copy).
+    state_device (optimizer offload): master and Adam state on the host; parameters keep a device copy.
     ZeRO-1/2: parameters stay separate tensors, converted to the compute dtype.
     ZeRO-3: a persistent shard in the compute dtype (the master itself in fp32); parameters are freed.
     """
     dev = b.slots[0].param.device
-    master = torch.zeros(b.seg, dtype=torch.float32, device=dev)
+    home = dev if state_device is None else state_device  # offload: the optimizer state lives on the host
+    master = torch.zeros(b.seg, dtype=torch.float32, device=home, pin_memory=home.type == "cpu" and dev.type == "cuda")
     for s in b.slots:
         n, r0 = s.valid_rows(b.shard), b.shard * s.chunk_rows
         if n:
@@ -114,7 +117,7 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
     b.adam.master = master
     b.adam.exp_avg, b.adam.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     if zero == 0:
-        b.param_flat = master if dtype == torch.float32 else master.to(dtype)
+        b.param_flat = master if dtype == torch.float32 and home == dev else master.to(dev, dtype)
         for s in b.slots:
             s.param.data = s.flat(b.param_flat).view(s.param.shape)
         b.grad.full = b.grad.shard = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
@@ -125,7 +128,7 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
         if zero == 1:
             b.grad.full = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
     else:
-        b.param_flat = master if dtype == torch.float32 else master.to(dtype)
+        b.param_flat = master if dtype == torch.float32 and home == dev else master.to(dev, dtype)
         for s in b.slots:
             s.param.data = torch.empty(s.param.shape, dtype=dtype, device=dev)
             s.param.data.untyped_storage().resize_(0)

@@ -39,7 +39,7 @@ from parallel3d import comm
 from parallel3d.data_parallel import state as _state
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
 from parallel3d.data_parallel.build import init_bucket, plan
-from parallel3d.data_parallel.adamw import adamw_
+from parallel3d.data_parallel.adamw import adamw_, check_offload_optimizer
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.comm import start_all_gather, start_all_reduce, start_reduce_scatter, wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
@@ -55,9 +55,13 @@ class DistributedOptimizer:
                  lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  bucket_size_mb: float = 25.0, no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
                  loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
-                 min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None) -> None:
+                 min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None,
+                 offload_optimizer: str = "none") -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
+        check_offload_optimizer(offload_optimizer)
+        # offload: fp32 master and Adam state in host memory; the AdamW step runs on the CPU
+        self.state_device = torch.device("cpu") if offload_optimizer == "cpu" else None
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         self.ctx, self.zero, self.precision = ctx, zero, precision
         self.dtype = compute_dtype(precision)
@@ -79,7 +83,7 @@ class DistributedOptimizer:
         self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
         self.params = [s.param for b in self.buckets for s in b.slots]
         for b in self.buckets:
-            init_bucket(b, zero, self.dtype, self.grad_dtype)
+            init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device)
         if zero == 3:
             gather = {e: ctx.clone("edp" if e else "dp_cp") for e in (False, True)}
             self.zero3 = Zero3(chains, gather, self.dtype)
@@ -141,7 +145,7 @@ class DistributedOptimizer:
 
     def _launch(self, b: Bucket) -> None:
         if b.grad.full is None:   # no gradient reached this bucket on this rank (unused parameters)
-            b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.adam.master.device)
+            b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.slots[0].param.device)
         if self.zero == 0:
             b.grad.work = start_all_reduce(b.grad.full, b.group)
         else:
@@ -251,7 +255,8 @@ class DistributedOptimizer:
             return False
         self.step_count += 1
         for b in self.buckets:
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
+            host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
         self.publish_params()
         return True
 
@@ -279,7 +284,8 @@ class DistributedOptimizer:
             return
         pending = []
         for b in self.buckets:
-            shard = b.adam.master if self.dtype == torch.float32 else b.adam.master.to(self.dtype)
+            device = b.slots[0].param.device  # the all-gather runs on the device (master may be on the host)
+            shard = b.adam.master.to(device=device, dtype=self.dtype)
             full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
             pending.append((b, full, start_all_gather(full, shard, b.group)))
         for b, full, work in pending:

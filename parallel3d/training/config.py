@@ -25,6 +25,7 @@ import yaml
 
 from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
+from parallel3d.data_parallel.adamw import check_offload_optimizer
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.mesh import MeshSpec
 from parallel3d.data_parallel.precision import DTYPES
@@ -73,6 +74,7 @@ class ParallelConfig:
     layers_per_stage: Optional[list[int]] = None  # one entry per (virtual) stage; None: even split
     bucket_size_mb: float = 25.0  # gradient-reduction bucket size
     timeout_s: float = 600.0     # collective timeout: a hung peer ends the job with the op named
+    offload_optimizer: str = "none"  # none | cpu: fp32 master + Adam state in host memory, AdamW on the CPU
 
 
 @dataclass
@@ -357,6 +359,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
     _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
+    _owned(lambda: check_offload_optimizer(p.offload_optimizer))
     _choice(t.precision, "train.precision", tuple(DTYPES))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
     _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))

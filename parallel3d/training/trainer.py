@@ -101,7 +101,8 @@ class Trainer:
                                     betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                                     bucket_size_mb=p.bucket_size_mb, loss_scale=t.loss_scale,
                                     initial_loss_scale=t.initial_loss_scale,
-                                    loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale)
+                                    loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
+                                    offload_optimizer=p.offload_optimizer)
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:
