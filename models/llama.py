@@ -92,8 +92,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x), position_ids)
+        h = self.attn(self.attn_norm(x), cos, sin)  # (b, s, h) or (b, s/tp, h) with sp
+        normed, x = self.mlp_norm.add_and_norm(h, x)  # fused: x <- x + h, normed = rmsnorm(x)
+        return x + self.mlp(normed, position_ids)
 
 
 class Llama(nn.Module):

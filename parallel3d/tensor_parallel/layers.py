@@ -174,3 +174,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rms_norm(x, self.weight, self.eps, self.backend)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(residual + x), residual + x) in one fused pass (Triton on CUDA, the torch twin elsewhere)."""
+        return dispatch.rms_norm_residual(x, residual, self.weight, self.eps, self.backend)
