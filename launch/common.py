@@ -14,7 +14,8 @@ from models.config import ModelConfig  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parallel3d.comm import CollectiveError  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
-from parallel3d.training.config import ConfigError, ExperimentConfig, load_config, resolve_and_validate  # noqa: E402
+from parallel3d.training.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
+from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 from parallel3d.training.data import DataError  # noqa: E402
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError, ValueError, FileNotFoundError)

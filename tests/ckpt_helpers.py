@@ -11,7 +11,8 @@ import torch
 
 from models.config import ModelConfig
 from parallel3d.mesh import MeshSpec, ParallelContext
-from parallel3d.training.config import load_config, resolve_and_validate
+from parallel3d.training.config import load_config
+from parallel3d.training.validate import resolve_and_validate
 
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.ffn_hidden_size=64", "model.kernels=torch", "train.seq_len=32", "train.global_batch_size=4",

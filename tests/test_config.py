@@ -6,8 +6,8 @@ import os
 import pytest
 
 from models.config import ModelConfig
-from parallel3d.training.config import (ConfigError, ExperimentConfig, config_from_dict, load_config,
-                                        resolve_and_validate, save_yaml, to_dict)
+from parallel3d.training.config import ConfigError, ExperimentConfig, config_from_dict, load_config, save_yaml, to_dict
+from parallel3d.training.validate import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = {"tiny": 4, "llama3_8b": 8, "llama3_70b": 32, "mixtral_8x7b": 32, "deepseek_moe": 8}

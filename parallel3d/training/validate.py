@@ -1,0 +1,168 @@
+"""Config validation against a world size: one ConfigError per broken constraint, before any process group.
+
+Each rule has one owner elsewhere (the mesh, the pipeline partition and schedules, the TP/CP/EP layers, the
+optimizer); validation calls it through `_owned` and only adds the cross-field rules nobody else owns.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from typing import Any, Optional, Sequence
+
+from parallel3d.context_parallel.attention import CP_MODES
+from parallel3d.context_parallel.sharding import check_seq_len
+from parallel3d.data_parallel.adamw import check_offload_optimizer
+from parallel3d.data_parallel.precision import DTYPES
+from parallel3d.expert_parallel.experts import check_expert_split
+from parallel3d.mesh import MeshSpec
+from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES
+from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
+from parallel3d.tensor_parallel.layers import check_kv_split
+from parallel3d.training.config import ConfigError, ExperimentConfig
+
+
+def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _owned(check: Any, prefix: str = "") -> Any:
+    """Run a rule's owner (a function raising ValueError) and turn its error into one ConfigError."""
+    try:
+        return check()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{prefix}{e}") from None
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def require_package(module: str, feature: str, pip_name: Optional[str] = None) -> None:
+    """An optional feature asked for without its package: one message naming what to install."""
+    if importlib.util.find_spec(module) is None:
+        name = pip_name or module
+        raise ConfigError(f"{feature} needs the {name!r} package, which is not installed: pip install {name}")
+
+
+def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentConfig:
+    """Return a resolved copy of `cfg` (dp and train.num_microbatches filled in; sp turned off when
+    tp == 1, where it is a no-op) after checking every cross-field constraint for `world_size`.
+
+    Raises ConfigError with one message naming the first broken constraint. `cfg` itself is left
+    untouched, so the unresolved config stays portable to other world sizes.
+    """
+    cfg = copy.deepcopy(cfg)
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    try:
+        m.validate()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    for name in ("tp", "pp", "cp", "ep", "virtual_stages"):
+        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    _require(p.dp >= 0, f"parallel.dp must be >= 0 (0: fill from the world size), got {p.dp}")
+    _choice(p.cp_mode, "parallel.cp_mode", CP_MODES)
+    _choice(p.schedule, "parallel.schedule", SCHEDULE_NAMES)
+    _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
+    _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
+    _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
+    _owned(lambda: check_offload_optimizer(p.offload_optimizer))
+    _choice(t.precision, "train.precision", tuple(DTYPES))
+    _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
+    _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
+    _choice(t.lr_schedule, "train.lr_schedule", ("cosine", "linear", "constant"))
+    for name in ("micro_batch_size", "global_batch_size", "seq_len"):
+        _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
+    for name in ("steps", "warmup_steps", "lr_decay_steps", "eval_interval", "eval_steps"):
+        _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be in [0, train.lr={t.lr}]")
+
+    # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2); the mesh owns the rules
+    if p.ep > 1:
+        _require(m.num_experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
+    p.dp = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp)).dp
+
+    # --- attention heads under TP / Ulysses CP
+    heads, kv = m.num_heads, m.num_kv_heads
+    _require(heads % p.tp == 0, f"model.num_heads={heads} is not divisible by parallel.tp={p.tp}")
+    _owned(lambda: check_kv_split(kv, p.tp))
+    if p.cp > 1 and p.cp_mode == "ulysses":
+        _require((heads // p.tp) % p.cp == 0,
+                 f"cp_mode=ulysses needs the heads per tp rank (model.num_heads/tp = {heads}/{p.tp} "
+                 f"= {heads // p.tp}) divisible by parallel.cp={p.cp}")
+
+    # --- sequence length under CP / SP
+    _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if p.cp > 1:
+        _owned(lambda: check_seq_len(t.seq_len, p.cp), "train.seq_len: ")
+    if p.sp and p.tp == 1:
+        p.sp = False                 # sequence parallelism over one rank is the identity
+    if p.sp:
+        _require(t.seq_len % (p.tp * p.cp) == 0,
+                 f"train.seq_len={t.seq_len} must be divisible by tp*cp = {p.tp}*{p.cp} with "
+                 f"sequence parallelism (each CP rank's seq_len/cp tokens are split across tp ranks)")
+
+    # --- experts
+    experts, top_k = m.num_experts, m.moe_top_k
+    if experts:
+        _owned(lambda: check_expert_split(experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, p.ep, p.tp))
+        _require(1 <= top_k <= experts, f"model.moe_top_k={top_k} must be in [1, model.num_experts={experts}]")
+
+    # --- batch
+    per_step = t.micro_batch_size * p.dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size} is not divisible by "
+             f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp} = {per_step}")
+    nmb = t.global_batch_size // per_step
+    _require(t.num_microbatches in (0, nmb),
+             f"train.num_microbatches={t.num_microbatches} disagrees with global_batch_size/"
+             f"(micro_batch_size*dp) = {nmb}; leave it 0 to derive it")
+    t.num_microbatches = nmb
+
+    # --- pipeline
+    if p.schedule == "interleaved":
+        _require(p.virtual_stages >= 2,
+                 f"schedule=interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
+        _require(p.pp >= 2, f"schedule=interleaved needs parallel.pp >= 2, got pp={p.pp}")
+        _require(nmb % p.pp == 0,
+                 f"schedule=interleaved needs the number of microbatches ({nmb}) divisible by "
+                 f"parallel.pp={p.pp}")
+    else:
+        _require(p.virtual_stages == 1,
+                 f"parallel.virtual_stages={p.virtual_stages} needs schedule=interleaved "
+                 f"(got schedule={p.schedule})")
+    if p.pp > 1 and p.zero == 3:
+        from parallel3d.data_parallel.zero3 import check_split_backward
+        from parallel3d.pipeline.schedules import SPLIT_BACKWARD
+        try:
+            check_split_backward(p.schedule in SPLIT_BACKWARD)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    try:  # the partition owns what a stage may hold (empty first/last stages are fine)
+        partition_layers(m.num_layers, p.pp, p.virtual_stages, p.layers_per_stage)
+    except ValueError as e:
+        raise ConfigError(f"pipeline split (model.num_layers={m.num_layers}, parallel.pp={p.pp}, "
+                          f"parallel.virtual_stages={p.virtual_stages}, parallel.layers_per_stage="
+                          f"{p.layers_per_stage}): {e}") from None
+
+    # --- checkpoints and logging
+    for name in ("interval", "keep"):
+        _require(getattr(cfg.checkpoint, name) >= 0,
+                 f"checkpoint.{name} must be >= 0, got {getattr(cfg.checkpoint, name)}")
+    _require(cfg.log.interval >= 1, f"log.interval must be >= 1, got {cfg.log.interval}")
+    if cfg.log.timeline is not None:
+        _require(os.path.splitext(cfg.log.timeline)[1] in TIMELINE_FORMATS,
+                 f"log.timeline={cfg.log.timeline} must end in one of {', '.join(TIMELINE_FORMATS)}")
+        _require(-1 <= cfg.log.timeline_step < max(t.steps, 1),
+                 f"log.timeline_step={cfg.log.timeline_step} must be -1 (the last step) or in [0, train.steps={t.steps})")
+    if cfg.log.tensorboard:
+        require_package("tensorboard", f"log.tensorboard={cfg.log.tensorboard}")
+    return cfg
