@@ -139,7 +139,7 @@ class Llama(nn.Module):
                              persistent=False)
 
     def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:
-        """The residual stream between pipeline stages (parallel3d.pipeline.runtime.PipelineStage)."""
+        """The residual stream between pipeline stages (parallel3d.pipeline.stage.PipelineStage)."""
         return batch, seq_local // self.ctx.tp.size if self.sp else seq_local, self.cfg.hidden_size  # (b, s, h)
 
     def make_block(self, index: int, cp_mode: str, recompute: str) -> nn.Module:

@@ -65,7 +65,7 @@ class MoETransformer(Llama):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As Llama.forward. The stage's MoE balancing terms join the loss on the stage with the head; a
         stage without it returns (hidden, aux) while training, for the pipeline runtime to report and
-        back-propagate (parallel3d.pipeline.runtime.PipelineStage)."""
+        back-propagate (parallel3d.pipeline.stage.PipelineStage)."""
         layers = self.moe_layers()
         out = super().forward(x, position_ids, labels)
         terms = [t for t in (layer.pop_aux_loss() for layer in layers.values()) if t is not None]

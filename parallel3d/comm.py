@@ -45,7 +45,7 @@ class CommStats:
 
 
 class SimulatedProcessGroup:
-    """Stands in for a process group in a dry run of one rank (planner, fake-CUDA tests): no peer exists,
+    """Stands in for a process group in a dry run of one rank (the off-CPU step tests, the planner): no peer exists,
     so collectives move nothing. Output buffers keep their (correct) shapes and are filled as if every rank
     held this rank's data; the bytes are recorded exactly as with a real group."""
 

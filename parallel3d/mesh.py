@@ -155,6 +155,7 @@ class ParallelContext:
     dp_cp: Group        # dense-gradient reduction (DP x CP)
     embedding: Optional[Group]  # first and last pipeline stage (tied embeddings)
     world: Group
+    timeout_s: float = 600.0    # collective timeout of the groups (clones get the same)
     _clones: dict[str, Group] = field(default_factory=dict, repr=False)  # see clone()
 
     @classmethod
@@ -189,7 +190,7 @@ class ParallelContext:
             return group
         if dim not in self._clones:
             for ranks in self.spec.groups(dim):
-                pg = dist.new_group(ranks)
+                pg = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
                 if self.rank in ranks:
                     self._clones[dim] = Group(group.name, list(ranks), self.rank, pg, self.stats, self.device)
         return self._clones[dim]
@@ -200,9 +201,11 @@ class ParallelContext:
         return cls.create(MeshSpec(), 0, device)
 
     @classmethod
-    def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "cuda:0") -> "ParallelContext":
-        """Rank `rank` of `spec` alone, its groups answered by comm's simulated backend (no processes):
-        the planner's dry run and the fake-CUDA tests run the real training step through it."""
+    def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "meta") -> "ParallelContext":
+        """Rank `rank` of `spec` alone, its groups answered by comm's simulated backend (no processes): the
+        off-CPU dry run of the real training step (tests/test_fake_device.py) runs through it. The default
+        `meta` device is the stand-in for CUDA on CPU-only builds (shapes, devices and placement rules, no
+        values)."""
         from parallel3d.comm import SimulatedProcessGroup
 
         ctx = cls.create(spec, rank, device, "simulated")
@@ -229,6 +232,7 @@ class ParallelContext:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         ctx = cls.create(spec, rank, device, backend)
+        ctx.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         for dim in DIMS:
             for ranks in spec.groups(dim):  # every rank creates every group, in the same order

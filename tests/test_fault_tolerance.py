@@ -3,7 +3,6 @@ non-finite losses are skipped or stop the run, and a hung collective ends with a
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import json
 import math

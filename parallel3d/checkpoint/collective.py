@@ -8,7 +8,7 @@ uint8 tensors so the same code works on gloo (CPU) and NCCL (CUDA tensors).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 

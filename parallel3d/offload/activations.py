@@ -4,7 +4,7 @@ device during forward and come back when backward unpacks them.
     forward:  saved tensor t (device) --pack--> host copy (pinned on CUDA, copied asynchronously)
     backward: host copy --unpack--> t' on the original device (asynchronously; ordered on the stream)
 
-Parameters (and anything else that requires grad as a leaf) stay where they are: they live for the whole
+Parameters and views of them (anything whose base requires grad as a leaf) stay where they are: they live for the whole
 step anyway. Tensors under `min_bytes` stay too: the copy would cost more than it frees. With activation
 checkpointing the recomputed segment's saved tensors go through the same hooks, so offload and selective
 or full recomputation combine. On the CPU the copy is real but frees nothing (it exists there so the path
@@ -27,7 +27,9 @@ class ActivationOffload:
     offloaded_tensors: int = 0
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if (t.requires_grad and t.is_leaf) or t.numel() * t.element_size() < self.min_bytes or t.device.type == "meta":
+        base = t if t._base is None else t._base  # a weight's transpose is a view of the parameter
+        if (base.requires_grad and base.is_leaf) or t.numel() * t.element_size() < self.min_bytes \
+                or t.device.type == "meta":
             return t
         pin = t.device.type == "cuda"
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)

@@ -37,7 +37,7 @@ from .backward import WeightWork, backward_input, backward_weight
 from .p2p import P2PQueue
 from .schedules import Action, ActionKind, build_schedule, stage_of
 from .simulate import split_steps
-from .stage import AuxObjective, PipelineStage  # noqa: F401  (PipelineStage: the stage contract)
+from .stage import AuxObjective  # the stage contract a chunk meets: stage.PipelineStage
 from .verify import verify
 
 K = ActionKind
