@@ -129,6 +129,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """(b, s, hq, d) attention without lse (SDPA on the torch path)."""
+    if q.is_meta:
+        return _meta_flash_attention(q, k, v, causal, scale)[0]
     if use_triton(backend, q):
         from kernels.flash_attention import flash_attention
         return flash_attention(q, k, v, causal, scale)[0]
@@ -139,7 +141,20 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        scale: Optional[float] = None, backend: str = "auto"
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, sq, hq, d), lse (b, hq, sq) fp32): the block function ring attention merges."""
+    if q.is_meta:
+        return _meta_flash_attention(q, k, v, causal, scale)
     if use_triton(backend, q):
         from kernels.flash_attention import flash_attention
         return flash_attention(q, k, v, causal, scale)
     return attention_reference(q, k, v, causal, scale)
+
+
+def _meta_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                          scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention on the `meta` device, the dry run's stand-in for CUDA (DESIGN.md section 5), where the GPU
+    path is our flash kernel. aten's flash-attention op has meta kernels, GQA-shaped gradients and FLOP
+    formulas, and like the Triton kernel it keeps only q, k, v, the output and the log-sum-exp for backward,
+    so the planner sees the kernel's memory and work, not the (s x s) scores the math fallback would build."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale)[:2]
+    return out.transpose(1, 2), lse  # (b, sq, hq, d), (b, hq, sq) fp32

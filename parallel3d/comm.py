@@ -26,6 +26,7 @@ class CommStats:
     bytes: dict = field(default_factory=lambda: defaultdict(int))
     last_op: str = ""
     on_op: Optional[Callable[[str], None]] = None   # e.g. the test harness's hang reporter
+    listener: Optional[Callable[[str, str, int], None]] = None  # (group, op, bytes) per call: the planner
 
     def record(self, group: "Group", op: str, nbytes: int) -> None:
         key = (group.name, op)
@@ -34,6 +35,8 @@ class CommStats:
         self.last_op = f"{op} on {group.name} group {group.ranks}"
         if self.on_op is not None:
             self.on_op(self.last_op)
+        if self.listener is not None:
+            self.listener(group.name, op, nbytes)
 
     def reset(self) -> None:
         self.calls.clear()

@@ -111,6 +111,8 @@ def init_parameters(module: torch.nn.Module, seed: int, default_std: float = 0.0
         meta = getattr(p, "meta", None)
         if meta is None:
             meta = p.meta = ParamMeta(tuple(p.shape), full_slices(p.shape))
+        if p.is_meta:
+            continue  # the dry run's stand-in device holds no values: drawing them would only cost time
         load_global_slice(p, init_slice(seed, name, meta, default_std))
 
 

@@ -337,3 +337,7 @@ class DistributedOptimizer:
 
     def memory_bytes(self) -> dict[str, int]:
         return _state.memory_bytes(self.buckets, self.params)
+
+    def state_by_category(self) -> dict[str, list[torch.Tensor]]:
+        """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
+        return _state.state_by_category(self.buckets, self.params)

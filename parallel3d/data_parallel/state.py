@@ -70,27 +70,32 @@ def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:
     return out
 
 
-def memory_bytes(buckets: Sequence[Bucket], params: Sequence[torch.Tensor]) -> dict[str, int]:
-    """Bytes of the tensor storages allocated right now, each storage counted once (first category wins).
+def state_by_category(buckets: Sequence[Bucket], params: Sequence[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """The model-state tensors allocated right now, per category (a storage may appear under several; the
+    first category in order params, grads, optimizer owns it):
 
     params: model parameters (0 while ZeRO-3 has them freed) + ZeRO-3's persistent shards;
     grads: accumulation buffers, reduced shards, reductions in flight, stray .grad;
     optimizer: fp32 master weights (unless they are the parameters: fp32 without ZeRO / ZeRO-3) + Adam m, v.
     """
-    seen: set[int] = set()
-
-    def nbytes(t) -> int:
-        if t is None:
-            return 0
-        st = t.untyped_storage()
-        if st.nbytes() == 0 or st.data_ptr() in seen:
-            return 0
-        seen.add(st.data_ptr())
-        return st.nbytes()
-
     bs = buckets
-    param_bytes = sum(nbytes(p.data) for p in params) + sum(nbytes(b.param_flat) for b in bs)
-    grads = sum(nbytes(b.grad.full) + nbytes(b.grad.shard) + nbytes(b.grad.out) for b in bs)
-    grads += sum(nbytes(p.grad) for p in params)
-    optimizer = sum(nbytes(b.adam.master) + nbytes(b.adam.exp_avg) + nbytes(b.adam.exp_avg_sq) for b in bs)
-    return {"params": param_bytes, "grads": grads, "optimizer": optimizer}
+    found = {"params": [p.data for p in params] + [b.param_flat for b in bs],
+             "grads": [t for b in bs for t in (b.grad.full, b.grad.shard, b.grad.out)] + [p.grad for p in params],
+             "optimizer": [t for b in bs for t in (b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq)]}
+    return {k: [t for t in v if t is not None] for k, v in found.items()}
+
+
+def memory_bytes(buckets: Sequence[Bucket], params: Sequence[torch.Tensor]) -> dict[str, int]:
+    """Bytes of the tensor storages allocated right now per category of `state_by_category`, each storage
+    counted once (first category wins)."""
+    seen: set = set()
+    out = {}
+    for category, tensors in state_by_category(buckets, params).items():
+        total = 0
+        for t in tensors:
+            st = t.untyped_storage()  # storages keep their Python identity (data_ptr is 0 on meta)
+            if st.nbytes() and st not in seen:
+                seen.add(st)
+                total += st.nbytes()
+        out[category] = total
+    return out

@@ -133,7 +133,9 @@ class Trainer:
                                  backward=lambda loss: opt.scale_loss(loss).backward(),
                                  before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1, chunk))
 
-    def train_step(self) -> dict:
+    def train_step(self, record: Optional[Record] = None) -> dict:
+        """One optimizer step. `record`, if given, receives this rank's pipeline actions with their times
+        (the planner's dry run); log.timeline's step gathers every pipeline rank's instead."""
         t0 = time.perf_counter()
         cfg, ctx, opt = self.cfg, self.ctx, self.optimizer
         ctx.stats.reset()  # comm_bytes: this rank's traffic in this step
@@ -141,7 +143,8 @@ class Trainer:
         mbs = self._microbatches(self.step)
         tokens = self._global_token_count(mbs)
         opt.zero_grad()
-        record: Optional[Record] = [] if self._records_timeline() else None
+        gather = record is None and self._records_timeline()
+        record = [] if gather else record
         with self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext():
             loss = self._forward_backward(mbs, tokens, record).reshape(1).float()
         opt.finish_grad_sync()
@@ -162,7 +165,7 @@ class Trainer:
             print(f"[rank {ctx.rank}] step {self.step}: non-finite loss {loss_value} / grad norm {grad_norm}; "
                   f"step skipped (train.nan_policy=skip)", flush=True)
         timeline = None
-        if record is not None:  # every pipeline rank's events, gathered (one JSON all-gather per pipeline)
+        if gather:  # every pipeline rank's events, gathered (one JSON all-gather per pipeline)
             timeline = [row for rows in comm.all_gather_json(to_rows(record), ctx.pp) for row in rows]
         self.step += 1
         moved = self.activation_offload.offloaded_bytes if self.activation_offload else 0

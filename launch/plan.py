@@ -1,0 +1,93 @@
+"""Plan a layout before spending a GPU-hour: the real training step dry-run on one CPU (no torchrun).
+
+    python launch/plan.py --config configs/llama3_70b.yaml --world-size 64 [--gpu h100] \\
+        [--gpus-per-node 8] [key=value ...] [--json] [--search]
+
+Builds and steps one rank of each role of the layout on the `meta` stand-in device (parallel3d/planner),
+then prints memory per rank (parameters, gradients, optimizer state, activations, communication buffers),
+step time, tokens/s, MFU and bytes per group. `--json`: the last stdout line is one JSON object.
+`--search`: every valid layout for the world size (parallel3d/planner/search.py), those that do not fit
+dropped, best first (with `--json`: the last line is a JSON list).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import fail, stage_builder  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from parallel3d.planner.estimate import MEMORY_KEYS, Plan, plan  # noqa: E402
+from parallel3d.planner.hardware import GPUS, gpu as find_gpu  # noqa: E402
+from parallel3d.planner.search import search  # noqa: E402
+from parallel3d.training.config import ConfigError, load_config  # noqa: E402
+from parallel3d.training.validate import resolve_and_validate  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def _table(result: Plan, gpu_name: str, world: int) -> str:
+    lay = result.layout
+    lines = [f"layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu_name})",
+             "memory of the worst rank (GiB): " + "  ".join(
+                 f"{k} {result.memory[k] / GiB:.2f}" for k in MEMORY_KEYS),
+             f"fits: {'yes' if result.fits else 'NO'}",
+             f"step time {result.step_time_s:.3f} s   tokens/s {result.tokens_per_s:,.0f}   "
+             f"MFU {100 * result.mfu:.1f}%   pipeline bubble {100 * result.bubble:.1f}%"]
+    b = result.breakdown
+    lines.append(f"  pipeline {b['pipeline_s']:.3f} s + outside the pipeline (grad sync tail, optimizer) "
+                 f"{b['outside_actions_s']:.3f} s; per microbatch: compute {b['compute_per_microbatch_s']:.4f} s, "
+                 f"blocking comm {b['blocking_comm_per_microbatch_s']:.4f} s")
+    for role in result.roles:
+        mem = role["memory"]
+        lines.append(f"  pp stage {role['pp_rank']} (rank {role['rank']}): peak {mem['peak'] / GiB:.2f} GiB, "
+                     f"activations {mem['activations'] / GiB:.2f} GiB at {role['in_flight']} microbatches in flight")
+    lines.append("bytes per step by group.op: " + ", ".join(
+        f"{k} {v / 1e9:.2f} GB" for k, v in sorted(result.comm_bytes.items())))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Dry-run a layout (or search all of them) on one CPU.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--search", action="store_true")
+    parser.add_argument("--max-candidates", type=int, default=0,
+                        help="--search: dry-run at most this many layouts, cheapest-looking first (0: all)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        gpu = find_gpu(args.gpu)
+        if args.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+        if not os.path.isfile(args.config):
+            raise ConfigError(f"config file {args.config} does not exist")
+        cfg = load_config(args.config, args.overrides, ModelConfig)
+        if args.search:
+            results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
+                             max_candidates=args.max_candidates, progress=sys.stderr)
+            for r in results[:10]:
+                print(_table(r, gpu.name, args.world_size), end="\n\n")
+            if not results:
+                print(f"no layout of world size {args.world_size} fits on {gpu.name}")
+            if args.json:
+                print(json.dumps([r.to_json() for r in results]))
+            return
+        cfg = resolve_and_validate(cfg, args.world_size)
+        result = plan(cfg, stage_builder, gpu, args.gpus_per_node)
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+    print(_table(result, gpu.name, args.world_size))
+    if args.json:
+        print(json.dumps(result.to_json()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The dry run: the real training step of one rank of any layout, on one CPU, with nothing to compute.
+
+`ParallelContext.simulated` gives the rank its groups (comm's simulated backend: shaped outputs, exact byte
+accounting) and the `meta` stand-in device (shapes and placement rules, no values; DESIGN.md section 5).
+The real `Trainer` builds the rank's model chunks, `DistributedOptimizer` and pipeline runtime and runs one
+full step (forward, backward, gradient sync, clipping, AdamW) under a `StepTracker`, which sees every op:
+its allocations (memory per category), FLOPs and bytes (the roofline), and the wall time at which it ran,
+so each op's modeled time is attributed to the pipeline action (F, B, I, W of a microbatch and chunk)
+that ran it. Collectives are timed by the alpha-beta model as they are recorded.
+
+One rank per distinct role is enough: ranks of a pipeline stage run the same code on the same shapes,
+except where the last tensor-parallel / data-parallel rank holds padding or a shorter shard, which the
+caller covers by also running the last rank of the last stage.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from parallel3d.mesh import MeshSpec, ParallelContext
+from parallel3d.pipeline.schedules import ActionKind
+from parallel3d.pipeline.timeline import to_rows
+from parallel3d.planner.cost import collective_time, exposed, link, op_time
+from parallel3d.planner.hardware import GPU
+from parallel3d.planner.tracker import CATEGORIES, StepTracker
+from parallel3d.training.config import ExperimentConfig
+
+BuildStage = Callable[[list[int], bool, bool], nn.Module]
+StageBuilder = Callable[[ExperimentConfig, ParallelContext], BuildStage]
+
+# collectives that run beside compute: ring-attention p2p, ZeRO-3 prefetch gathers, DP bucket reductions
+OVERLAPPED_GROUPS = ("cp", "dp_cp", "edp", "dp")
+DP_GROUPS = ("dp_cp", "edp", "dp")
+REDUCTIONS = ("reduce_scatter", "all_reduce")
+
+
+def is_grad_sync(group: str, op: str) -> bool:
+    """Gradient reductions over data-parallel groups: once per step (launched during the last
+    microbatch's backward, bucket by bucket), whatever the number of microbatches."""
+    return group in DP_GROUPS and op in REDUCTIONS
+
+
+@dataclass
+class ActionCost:
+    """Modeled seconds of one pipeline action (one microbatch of one chunk)."""
+    compute_s: float = 0.0
+    flops: float = 0.0
+    blocking_comm_s: float = 0.0     # TP / EP collectives: on the critical path
+    overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.blocking_comm_s + exposed(self.overlapped_comm_s, self.compute_s)
+
+
+@dataclass
+class RoleRun:
+    rank: int
+    pp_rank: int
+    microbatches: int                  # how many the dry-run step ran
+    memory: dict                       # bytes per category at the step's peak, and "peak"
+    model_state: dict                  # params / grads / optimizer bytes alive after the step
+    actions: dict                      # (kind name, chunk) -> mean ActionCost per microbatch
+    p2p_s: dict                        # comm kind name -> mean seconds per message
+    outside: ActionCost                # optimizer step, gradient-sync tail, clipping, loss reductions
+    grad_sync_s: float                 # DP gradient reductions (overlapped with the last backward)
+    comm_bytes: dict                   # "<group>.<op>" -> bytes in the step (the JSONL field)
+    comm_s: dict = field(default_factory=dict)  # "<group>.<op>" -> modeled seconds in the step
+    comm_bytes_in_actions: dict = field(default_factory=dict)  # the part of comm_bytes moved inside actions
+    flops: float = 0.0
+
+
+def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
+    p = cfg.parallel
+    return ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, device)
+
+
+def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
+             device: str = "meta") -> RoleRun:
+    """Build and step rank `rank` of resolved config `cfg` on the stand-in device, tracked."""
+    from parallel3d.training.trainer import Trainer
+
+    cfg = copy.deepcopy(cfg)
+    cfg.train.steps = 1
+    ctx = _context(cfg, rank, device)
+    trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
+    groups = {g.name: g for g in ctx.groups().values() if g is not None}
+    events: list[tuple[float, str, str, float, int]] = []
+
+    def on_collective(group: str, op: str, nbytes: int) -> None:
+        g = groups[group]
+        alpha, beta = link(g.ranks, gpus_per_node, gpu)
+        events.append((time.perf_counter(), group, op, collective_time(op, nbytes, g.size, alpha, beta), nbytes))
+
+    ctx.stats.listener = on_collective
+    try:
+        out, tracker = tracked_step(trainer, torch.device(device).type)
+    finally:
+        ctx.stats.listener = None
+    peak, split = tracker.peak()
+    live = tracker.live()
+    return _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu)
+
+
+def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
+    """One `trainer.train_step()` under a StepTracker (the model state it starts with adopted by category),
+    for the dry run and for the real step it is checked against. Returns (the step's record, tracker)."""
+    opt = trainer.optimizer
+    tracker = StepTracker(device_type=device_type)
+    state = opt.state_by_category()
+    for category in ("params", "grads", "optimizer"):
+        tracker.adopt(state[category], category, resizable=category == "params" and opt.zero == 3)
+    tracker.adopt([b for c in trainer.chunks for b in c.buffers()], "params")
+    record: list = []
+    with tracker:
+        out = trainer.train_step(record=record)
+    out["actions"] = to_rows(record)
+    owners: dict = {}
+    for category, tensors in opt.state_by_category().items():
+        for t in tensors:
+            owners.setdefault(t.untyped_storage(), category)
+    tracker.finish(owners.get)
+    return out, tracker
+
+
+def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU) -> RoleRun:
+    rows = out["actions"]
+    mine = sorted((r for r in rows if r[0] == ctx.coords.pp), key=lambda r: r[5])
+    per_action: dict = defaultdict(list)
+    p2p: dict = defaultdict(list)
+    spans = [(r[5], r[6], r) for r in mine]
+    costs = [ActionCost() for _ in spans]
+    outside = ActionCost()
+
+    def slot(wall: float) -> ActionCost:
+        for i, (start, end, _) in enumerate(spans):  # actions are few; a linear scan is fine
+            if start <= wall <= end:
+                return costs[i]
+        return outside
+
+    for op in tracker.ops:
+        c = slot(op.wall)
+        c.compute_s += op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu)
+        c.flops += op.flops
+    comm_s: dict = defaultdict(float)
+    inside: dict = defaultdict(int)
+    grad_sync = 0.0
+    for wall, group, op, seconds, nbytes in events:
+        comm_s[f"{group}.{op}"] += seconds
+        c = slot(wall)
+        if group == "pp":
+            inside[f"{group}.{op}"] += nbytes
+            continue  # pipeline messages are the schedule's own actions (below)
+        if is_grad_sync(group, op) and c is not outside:
+            grad_sync += seconds
+            continue
+        if c is not outside:
+            inside[f"{group}.{op}"] += nbytes
+        if group in OVERLAPPED_GROUPS and c is not outside:
+            c.overlapped_comm_s += seconds
+        else:
+            c.blocking_comm_s += seconds
+    for (start, end, row), c in zip(spans, costs):
+        kind = ActionKind[row[1]]
+        if kind.is_compute:
+            per_action[(row[1], row[3])].append(c)
+        else:
+            p2p[row[1]].append(sum(s for w, g, _, s, _ in events if g == "pp" and start <= w <= end))
+    actions = {k: ActionCost(*(statistics.mean(getattr(c, f) for c in v) for f in
+                               ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s")))
+               for k, v in per_action.items()}
+    memory = {k: split[k] for k in CATEGORIES}
+    memory["peak"] = peak
+    return RoleRun(rank=rank, pp_rank=ctx.coords.pp, microbatches=cfg.train.num_microbatches, memory=memory,
+                   model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
+                   p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside, grad_sync_s=grad_sync,
+                   comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),
+                   flops=sum(o.flops for o in tracker.ops))

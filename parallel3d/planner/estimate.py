@@ -1,0 +1,166 @@
+"""A layout's plan: dry-run one rank per role, then put memory, time and bytes together.
+
+Roles: one rank per pipeline stage (the first of the stage), plus the last rank of the world (the last
+tensor-parallel rank holds the vocabulary padding, the last data-parallel rank the shortest ZeRO shard).
+Stages with the same layers, ends and shard shapes share their dry run.
+
+Microbatches: the dry-run step runs `m_run = min(m, 2 * pp * v)` microbatches (enough for every schedule
+but GPipe to reach its peak number of microbatches in flight), and the full step is then
+  - time: the schedule for the real m simulated (pipeline/simulate.py) with each action's modeled cost and
+    each pipeline message's alpha-beta cost, plus what runs outside the actions (gradient-sync tail,
+    clipping, the optimizer step, ZeRO-1/2 parameter all-gathers), which nothing overlaps;
+  - memory: the dry-run peak, with the activations at the peak scaled by the schedule's peak number of
+    microbatches in flight for the real m over that of m_run (`peak_in_flight`, counting what zero-bubble
+    schedules keep until the weight pass).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+from parallel3d.mesh import MeshSpec
+from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD, ActionKind, build_schedule
+from parallel3d.pipeline.simulate import peak_in_flight, simulate
+from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
+from parallel3d.planner.cost import exposed
+from parallel3d.planner.hardware import GPU
+from parallel3d.training.config import ExperimentConfig
+from parallel3d.training.metrics import flops_per_token
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "comm_buffers", "peak")
+
+
+@dataclass
+class Plan:
+    fits: bool
+    layout: dict
+    memory: dict                     # bytes of the worst rank, by category
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    comm_bytes: dict                 # "<group>.<op>" -> bytes, the worst rank's step
+    breakdown: dict = field(default_factory=dict)   # seconds by component
+    roles: list = field(default_factory=list)       # per role: rank, stage, memory
+    bubble: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"fits": self.fits, "layout": self.layout, "memory": self.memory,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "comm_bytes": self.comm_bytes, "breakdown": self.breakdown, "bubble": self.bubble,
+                "roles": self.roles}
+
+
+def layout_of(cfg: ExperimentConfig) -> dict:
+    p, t = cfg.parallel, cfg.train
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp, "zero": p.zero, "sp": p.sp,
+            "schedule": p.schedule, "virtual_stages": p.virtual_stages, "micro_batch_size": t.micro_batch_size,
+            "activation_checkpointing": t.activation_checkpointing}
+
+
+def _chunks(cfg: ExperimentConfig) -> int:
+    return cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
+
+
+def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
+    """pp rank -> the rank whose dry run stands for it (stages with identical work share one)."""
+    p = cfg.parallel
+    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
+    v = _chunks(cfg)
+    stages = partition_layers(cfg.model.num_layers, p.pp, v, p.layers_per_stage)
+    last = p.pp * v - 1
+    signature_rank: dict = {}
+    out = {}
+    for r in range(p.pp):
+        ids = [c * p.pp + r for c in range(v)]
+        sig = tuple((len(stages[s]), s == 0, s == last) for s in ids)
+        out[r] = signature_rank.setdefault(sig, spec.rank(pp=r))
+    return out
+
+
+def _reduced(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The same layout with at most 2 * pp * v microbatches (a multiple of pp for interleaving)."""
+    t, p = cfg.train, cfg.parallel
+    cap = 2 * p.pp * _chunks(cfg)
+    if t.num_microbatches <= cap:
+        return cfg
+    run = copy.deepcopy(cfg)
+    run.train.num_microbatches = cap
+    run.train.global_batch_size = cap * t.micro_batch_size * p.dp
+    return run
+
+
+def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
+         device: str = "meta") -> Plan:
+    """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes."""
+    p, t = cfg.parallel, cfg.train
+    run_cfg = _reduced(cfg)
+    by_pp = role_ranks(cfg)
+    runs: dict[int, RoleRun] = {}
+    for rank in sorted(set(by_pp.values())):
+        runs[rank] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+    world = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).world_size
+    last_rank = world - 1
+    if last_rank not in runs:
+        runs[last_rank] = run_role(run_cfg, last_rank, stage_builder, gpu, gpus_per_node, device)
+    stage_run = {r: runs[by_pp[r]] for r in range(p.pp)}
+    stage_run[p.pp - 1] = runs[last_rank]
+
+    v, m, m_run = _chunks(cfg), t.num_microbatches, run_cfg.train.num_microbatches
+    schedule = build_schedule(p.schedule, p.pp, m, v)
+    keeps_weights = p.schedule in SPLIT_BACKWARD
+
+    def cost(rank: int, action) -> float:
+        run = stage_run[rank]
+        if action.kind.is_compute:
+            c = run.actions.get((action.kind.name, action.chunk))
+            return c.time_s if c is not None else 0.0
+        return run.p2p_s.get(action.kind.name, 0.0)
+
+    timeline = simulate(schedule, costs=cost, lazy_sends=True)
+    def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
+        last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
+                             if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
+        return run.outside.time_s + exposed(run.grad_sync_s, last_backward)
+
+    outside = max(tail(run) for run in stage_run.values())
+    step = timeline.makespan + outside
+
+    roles, worst = [], None
+    for r in range(p.pp):
+        run = stage_run[r]
+        full = peak_in_flight(schedule[r], until_weight=keeps_weights)
+        ran = peak_in_flight(build_schedule(p.schedule, p.pp, m_run, v)[r], until_weight=keeps_weights)
+        memory = dict(run.memory)
+        extra = memory["activations"] * (full / max(ran, 1) - 1)
+        memory["activations"] = int(memory["activations"] + extra)
+        memory["peak"] = int(memory["peak"] + extra)
+        roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full})
+        if worst is None or memory["peak"] > worst[0]["peak"]:
+            worst = (memory, run)
+    memory, worst_run = worst
+    tokens = t.global_batch_size * t.seq_len
+    flops = flops_per_token(cfg.model, t.seq_len) * tokens
+    breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside,
+                 "bubble_fraction": float(timeline.bubble_fraction),
+                 "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
+                 "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
+                 "comm_s": worst_run.comm_s}
+    return Plan(fits=memory["peak"] <= gpu.memory_bytes, layout=layout_of(cfg), memory=memory,
+                step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * gpu.peak_flops["bf16"]),
+                comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
+                bubble=float(timeline.bubble_fraction))
+
+
+def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:
+    """Bytes of the full step: what moved inside pipeline actions (TP, CP, EP, ZeRO-3 gathers, pipeline
+    messages) grows with the number of microbatches; what moved outside them (gradient-sync tail, clipping,
+    ZeRO-1/2 parameter gathers) does not. Exact when the dry run ran all m microbatches."""
+    if m == m_run:
+        return dict(run.comm_bytes)
+    out = {}
+    for key, total in run.comm_bytes.items():
+        inside = run.comm_bytes_in_actions.get(key, 0)
+        out[key] = int(total - inside + inside * m / m_run)
+    return out

@@ -1,0 +1,73 @@
+"""GPUs and links the planner knows: datasheet peaks plus the fraction of them real kernels reach.
+
+Every number has a stated basis; none is fitted to a published MFU.
+
+Peaks (dense, no sparsity), vendor datasheets:
+  A100-SXM4-80GB: 312 TFLOP/s bf16/fp16, 156 tf32, 19.5 fp32, no fp8; HBM2e 2.039 TB/s; NVLink3 300 GB/s
+                  per direction; InfiniBand HDR 200 Gb/s (25 GB/s) per GPU in DGX A100.
+  H100-SXM5-80GB: 989 bf16, 1979 fp8, 494.5 tf32, 67 fp32; HBM3 3.35 TB/s; NVLink4 450 GB/s per direction;
+                  NDR 400 Gb/s (50 GB/s) per GPU in DGX H100.
+  H200-SXM-141GB: the H100 compute die with HBM3e 4.8 TB/s and 141 GB.
+  B200-SXM-180GB (DGX B200): 2250 bf16, 4500 fp8, 1100 tf32 (dense); HBM3e 8 TB/s; NVLink5 900 GB/s per
+                  direction; ConnectX-7 400 Gb/s (50 GB/s) per GPU.
+
+Achievable fractions (the efficiencies), with their basis:
+  matmul 0.75: large bf16 GEMMs in cuBLAS reach roughly 70-80% of the dense peak on A100/H100 (NVIDIA's
+    published GEMM performance guides; our own Triton attention is held to the same bar);
+  memory 0.85: STREAM-like copy kernels reach about 85-90% of HBM peak;
+  NVLink 0.80 and InfiniBand 0.90 of the per-direction link bandwidth: nccl-tests' bus bandwidth for large
+    all-reduces on DGX H100 (~360 of 450 GB/s) and across NDR (~45 of 50 GB/s);
+  latency alpha: 10 us per collective step inside a node, 20 us across nodes (nccl-tests small-message
+    latency is 10-30 us). PCIe Gen5 x16 (host offload) 64 GB/s nominal, 0.8 of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: dict          # dtype name -> dense FLOP/s
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    nvlink_bytes_per_s: float  # per direction, per GPU
+    network_bytes_per_s: float  # inter-node, per GPU
+    pcie_bytes_per_s: float = 64e9
+    matmul_efficiency: float = 0.75
+    memory_efficiency: float = 0.85
+    nvlink_efficiency: float = 0.80
+    network_efficiency: float = 0.90
+    nvlink_latency_s: float = 10e-6
+    network_latency_s: float = 20e-6
+    sm_count: int = 132
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """Dense peak for a matmul whose inputs have `dtype` (fp32 matmuls use TF32 tensor cores, as
+        torch.backends.cuda.matmul.allow_tf32 / Megatron do)."""
+        key = {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "tf32",
+               torch.float64: "fp64"}.get(dtype, "fp8" if "float8" in str(dtype) else "bf16")
+        return self.peak_flops.get(key, self.peak_flops["bf16"])
+
+
+GB = 1e9
+GPUS: dict[str, GPU] = {
+    "a100": GPU("A100-SXM4-80GB", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12},
+                2.039e12, 80 * 2**30, 300 * GB, 25 * GB, pcie_bytes_per_s=32e9, sm_count=108),
+    "h100": GPU("H100-SXM5-80GB", {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 67e12,
+                                   "fp64": 67e12}, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB),
+    "h200": GPU("H200-SXM-141GB", {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 67e12,
+                                   "fp64": 67e12}, 4.8e12, 141e9, 450 * GB, 50 * GB),
+    "b200": GPU("B200-SXM-180GB", {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1100e12, "fp32": 80e12,
+                                   "fp64": 40e12}, 8.0e12, 180e9, 900 * GB, 50 * GB, sm_count=148),
+}
+
+
+def gpu(name: str) -> GPU:
+    key = name.lower().replace("-", "").replace("_", "")
+    key = {"a10080gb": "a100", "h100sxm": "h100", "h100sxm5": "h100"}.get(key, key)
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; the planner knows {', '.join(GPUS)}")
+    return GPUS[key]

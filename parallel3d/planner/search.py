@@ -1,0 +1,110 @@
+"""Layout search: every valid layout for a world size, dry-run in a promising order, best first.
+
+Enumeration (pure arithmetic; validation is the config's own, `resolve_and_validate`): tp over divisors of
+the world up to one node and dividing the heads; cp in 1, 2, 4, 8; pp dividing what is left (at most one
+stage per layer); ep over divisors of dp * cp that divide the experts; zero 0-3; schedules 1f1b,
+interleaved with 2 chunks and zb-h1 when pp > 1 (gpipe is dominated by 1f1b: same bubble, more memory);
+micro-batch sizes 1, 2, 4 dividing the per-rank batch; activation checkpointing none, selective, full.
+
+Each candidate is dry-run in full (estimate.plan), which takes seconds to a minute for large presets, so
+candidates are ordered by a prior first: DESIGN.md section 4's formulas for model-state and activation
+bytes (only to order; the dry run decides), then the ideal compute time with the 1F1B bubble and a
+recomputation and cross-node tensor-parallel penalty. `max_candidates` bounds how many are dry-run.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional, TextIO
+
+from parallel3d.planner.dryrun import StageBuilder
+from parallel3d.planner.estimate import Plan, plan
+from parallel3d.planner.hardware import GPU
+from parallel3d.training.config import ConfigError, ExperimentConfig
+from parallel3d.training.metrics import active_params, flops_per_token, param_counts, total_params
+from parallel3d.training.validate import resolve_and_validate
+
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: ExperimentConfig, world: int, gpus_per_node: int) -> list[ExperimentConfig]:
+    """Every layout of `world` ranks that passes validation (resolved configs)."""
+    m, out = cfg.model, []
+    experts = m.num_experts
+    for tp in [d for d in _divisors(world) if d <= gpus_per_node]:
+        for cp in [c for c in (1, 2, 4, 8) if (world // tp) % c == 0]:
+            for pp in [d for d in _divisors(world // (tp * cp)) if d <= m.num_layers]:
+                dp = world // (tp * cp * pp)
+                eps = [e for e in _divisors(dp * cp) if experts % e == 0] if experts else [1]
+                for ep in eps:
+                    for zero in (0, 1, 2, 3):
+                        for schedule, v in SCHEDULES if pp > 1 else SCHEDULES[:1]:
+                            for mbs in (1, 2, 4):
+                                for ac in RECOMPUTE:
+                                    c = _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac)
+                                    if c is not None:
+                                        out.append(c)
+    return out
+
+
+def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac) -> Optional[ExperimentConfig]:
+    c = copy.deepcopy(cfg)
+    p, t = c.parallel, c.train
+    p.tp, p.cp, p.pp, p.dp, p.ep, p.zero, p.schedule, p.virtual_stages = tp, cp, pp, dp, ep, zero, schedule, v
+    p.sp, p.layers_per_stage = tp > 1, None
+    t.micro_batch_size, t.activation_checkpointing, t.num_microbatches = mbs, ac, 0
+    try:
+        return resolve_and_validate(c, world)
+    except (ConfigError, ValueError):
+        return None
+
+
+def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, float]:
+    """(predicted to fit, predicted step seconds), from the textbook formulas; only orders the dry runs."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    counts = param_counts(m)
+    n_dense = total_params(m) - counts["experts_total"]
+    per_rank = (n_dense / p.tp + counts["experts_total"] / (p.tp * p.ep)) / p.pp
+    shard = {0: 1, 1: 1, 2: 1, 3: p.dp * p.cp}[p.zero]
+    state = per_rank * ({0: 16, 1: 4 + 12 / (p.dp * p.cp), 2: 2 + 14 / (p.dp * p.cp)}.get(p.zero, 16 / shard))
+    s, b, h, a = t.seq_len // p.cp, t.micro_batch_size, m.hidden_size, m.num_heads
+    per_layer = {"none": s * b * h * (34 + 5 * a * s / h) / p.tp, "selective": s * b * h * 34 / p.tp,
+                 "full": 2 * s * b * h}[t.activation_checkpointing]
+    in_flight = min(p.pp, t.num_microbatches) if p.schedule != "gpipe" else t.num_microbatches
+    acts = per_layer * math.ceil(m.num_layers / p.pp) * in_flight
+    fits = state + acts <= 0.9 * gpu.memory_bytes
+    world = p.tp * p.cp * p.pp * p.dp
+    ideal = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / (
+        world * gpu.peak_flops["bf16"] * gpu.matmul_efficiency)
+    bubble = (p.pp - 1) / (t.num_microbatches + p.pp - 1) / (p.virtual_stages if p.schedule == "interleaved" else 1)
+    penalty = (1.33 if t.activation_checkpointing == "full" else 1.0) * (1.3 if p.tp > gpus_per_node else 1.0)
+    penalty *= 1.0 + 0.02 * p.zero + 0.05 * (p.cp - 1) + (0.1 if active_params(m) and p.ep < 1 else 0)
+    return fits, ideal * penalty / (1 - bubble)
+
+
+def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
+           max_candidates: int = 0, progress: Optional[TextIO] = None) -> list[Plan]:
+    """Plans of the layouts that fit, fastest first. Raises ValueError when no layout is valid."""
+    found = candidates(cfg, world, gpus_per_node)
+    if not found:
+        raise ValueError(f"no valid layout for world size {world} with this model and batch "
+                         f"(train.global_batch_size={cfg.train.global_batch_size}, model.num_heads="
+                         f"{cfg.model.num_heads}, model.num_layers={cfg.model.num_layers})")
+    ranked = sorted(found, key=lambda c: (lambda f, s: (not f, s))(*prior(c, gpu, gpus_per_node)))
+    chosen = ranked[:max_candidates] if max_candidates else ranked
+    if progress is not None:
+        print(f"{len(found)} valid layouts; dry-running {len(chosen)}", file=progress, flush=True)
+    plans = []
+    for i, c in enumerate(chosen):
+        result = plan(c, stage_builder, gpu, gpus_per_node)
+        if progress is not None:
+            print(f"[{i + 1}/{len(chosen)}] {result.layout}: fits={result.fits} "
+                  f"tokens/s={result.tokens_per_s:,.0f}", file=progress, flush=True)
+        if result.fits:
+            plans.append(result)
+    return sorted(plans, key=lambda r: -r.tokens_per_s)

@@ -1,0 +1,220 @@
+"""What one training step really allocates and computes, observed op by op (a TorchDispatchMode).
+
+The same tracker watches a dry-run step on the `meta` stand-in device and a real step on the CPU, so the
+two can be compared like for like (tests/test_planner_memory.py).
+
+Memory: every op's output storages are registered when first seen and released when the storage dies
+(a weakref finalizer), so live and peak bytes are exactly what the step's tensors occupied. Each storage
+gets a category when it is born:
+  - storages already alive when tracking starts are the model state, classified by the caller
+    (`classify`: params, grads, optimizer);
+  - storages allocated while `parallel3d.comm` is on the Python stack are communication buffers
+    (gather outputs, receive buffers, reduction outputs in flight);
+  - storages allocated inside the optimizer's step, its gradient sync and its hooks that outlive the step
+    are classified by the caller too (ZeRO-3 reduced shards are gradients);
+  - everything else allocated during the step is activations (saved tensors, temporaries, grads in flight).
+
+Compute: every op gets its FLOPs (torch.utils.flop_counter's formulas, the ones FlopCounterMode uses),
+its bytes read and written (tensor arguments and results, views cost nothing) and the wall time at which
+it ran, so the planner can attribute modeled time to the pipeline action that ran it.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
+
+# ops that allocate or alias without moving data
+_FREE_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
+             "lift_fresh", "_to_copy_meta", "set_", "resize_"}
+
+
+# attention ops whose FLOP formula counts the full (s x s) scores; causal kernels do half (is_causal's index)
+_CAUSAL_ATTENTION = {"_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_backward": 11}
+
+
+def _is_causal(name: str, args, kwargs) -> bool:
+    index = _CAUSAL_ATTENTION[name]
+    return bool(kwargs["is_causal"]) if "is_causal" in kwargs else len(args) > index and bool(args[index])
+
+
+@dataclass
+class OpCost:
+    wall: float          # time.perf_counter() when the op ran
+    flops: float
+    nbytes: float        # bytes read + written
+    dtype: torch.dtype   # of the first floating-point input (picks the peak FLOP/s)
+    backward: bool
+
+
+@dataclass
+class _Alloc:
+    nbytes: int
+    category: str
+    born: int            # event counter at allocation
+    died: Optional[int] = None
+    resizes: list = field(default_factory=list)  # (event counter, new nbytes): ZeRO-3 frees by resize_(0)
+
+
+@dataclass
+class StepTracker(TorchDispatchMode):
+    """Use as a context manager around a step. `classify(storage) -> category or None` names the model-state
+    storages (called for pre-existing tensors via `adopt` and, at the end, for storages the step created
+    that are still alive)."""
+    device_type: str = "meta"  # only storages on this device are counted (the CPU-side data is not)
+    count_ops: bool = True
+    allocs: list = field(default_factory=list)
+    ops: list = field(default_factory=list)
+    _index: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    _clock: int = 0
+    _comm_file: str = ""
+    _watched: list = field(default_factory=list)  # (weakref to storage, alloc index) polled for resizes
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        import parallel3d.comm as comm_module
+        self._comm_file = comm_module.__file__
+
+    # ------------------------------------------------------------------ memory
+    def adopt(self, tensors, category: str, resizable: bool = False) -> None:
+        """Register live tensors (the model state built before tracking) under `category`. `resizable`:
+        storages that are freed and refilled in place (`untyped_storage().resize_`, which no dispatch mode
+        sees), so their size is polled at every op (ZeRO-3's parameters)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                storage = t.untyped_storage()
+                self._register(storage, category)
+                idx = self._index.get(storage)
+                if resizable and idx is not None and all(i != idx for _, i in self._watched):
+                    self._watched.append((weakref.ref(storage), idx))
+
+    def _register(self, storage, category: str) -> None:
+        if storage in self._index or (storage.nbytes() == 0 and not category == "params"):
+            return
+        self._clock += 1
+        rec = _Alloc(storage.nbytes(), category, self._clock)
+        idx = len(self.allocs)
+        self.allocs.append(rec)
+        self._index[storage] = idx
+        weakref.finalize(storage, self._free, idx)
+
+    def _free(self, idx: int) -> None:
+        self._clock += 1
+        self.allocs[idx].died = self._clock
+
+    def _in_comm(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename == self._comm_file:
+                return True
+            frame = frame.f_back
+        return False
+
+    def reclassify(self, storage, category: str) -> None:
+        idx = self._index.get(storage)
+        if idx is not None:
+            self.allocs[idx].category = category
+
+    # ------------------------------------------------------------------ dispatch
+    def _poll_resizes(self) -> None:
+        for ref, idx in self._watched:
+            storage, a = ref(), self.allocs[idx]
+            if storage is None:
+                continue
+            now = storage.nbytes()
+            if now != (a.resizes[-1][1] if a.resizes else a.nbytes):
+                self._clock += 1
+                a.resizes.append((self._clock, now))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._watched:
+            self._poll_resizes()
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        fresh = [t.untyped_storage() for t in outs if t.device.type == self.device_type]
+        fresh = [s for s in fresh if s not in self._index]
+        if fresh:
+            category = "comm_buffers" if self._in_comm() else "activations"
+            for s in fresh:
+                self._register(s, category)
+        if self.count_ops:
+            self._cost(func, args, kwargs, out, outs)
+        return out
+
+    def _cost(self, func, args, kwargs, out, outs) -> None:
+        name = func._overloadpacket.__name__
+        if func.is_view or name in _FREE_OPS:
+            return
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
+        flops = 0.0
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            flops = float(formula(*args, **kwargs, out_val=out))
+            if name in _CAUSAL_ATTENTION and _is_causal(name, args, kwargs):
+                flops /= 2  # the flash kernels skip the masked half of the score blocks
+        dtype = next((t.dtype for t in ins if t.is_floating_point()), torch.float32)
+        backward = torch._C._current_graph_task_id() != -1
+        self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward))
+
+    # ------------------------------------------------------------------ results
+    def finish(self, classify: Callable[[object], Optional[str]]) -> None:
+        """Give storages that are still alive their final category (model state the step created)."""
+        for storage, idx in list(self._index.items()):
+            category = classify(storage)
+            if category is not None:
+                self.allocs[idx].category = category
+
+    def peak(self) -> tuple[int, dict[str, int]]:
+        """(peak live bytes, the live bytes per category at that moment)."""
+        if self._watched:
+            self._poll_resizes()
+        events = []
+        for a in self.allocs:
+            size = a.nbytes
+            events.append((a.born, size))
+            for when, new in a.resizes:
+                events.append((when, new - size))
+                size = new
+            if a.died is not None:
+                events.append((a.died, -size))
+        events.sort(key=lambda e: e[0])
+        live, best, best_at = 0, -1, 0
+        for when, delta in events:
+            live += delta
+            if live > best:
+                best, best_at = live, when
+        split = dict.fromkeys(CATEGORIES, 0)
+        for a in self.allocs:
+            if a.born <= best_at and (a.died is None or a.died > best_at):
+                split[a.category] += _size_at(a, best_at)
+        return max(best, 0), split
+
+    def live(self) -> dict[str, int]:
+        """Bytes per category alive now."""
+        if self._watched:
+            self._poll_resizes()
+        split = dict.fromkeys(CATEGORIES, 0)
+        for a in self.allocs:
+            if a.died is None:
+                split[a.category] += a.resizes[-1][1] if a.resizes else a.nbytes
+        return split
+
+
+def _size_at(a: _Alloc, when: int) -> int:
+    size = a.nbytes
+    for at, new in a.resizes:
+        if at > when:
+            break
+        size = new
+    return size
