@@ -4,8 +4,8 @@ Roles: one rank per pipeline stage (the first of the stage), plus the last rank 
 tensor-parallel rank holds the vocabulary padding, the last data-parallel rank the shortest ZeRO shard).
 Stages with the same layers, ends and shard shapes share their dry run.
 
-Microbatches: the dry-run step runs `m_run = min(m, 2 * pp * v)` microbatches (enough for every schedule
-but GPipe to reach its peak number of microbatches in flight), and the full step is then
+Microbatches: the dry-run step runs only as many microbatches as the schedule needs to reach the real
+step's peak number of microbatches in flight on every rank (`run_microbatches`), and the full step is then
   - time: the schedule for the real m simulated (pipeline/simulate.py) with each action's modeled cost and
     each pipeline message's alpha-beta cost, plus what runs outside the actions (gradient-sync tail,
     clipping, the optimizer step, ZeRO-1/2 parameter all-gathers), which nothing overlaps;
@@ -79,15 +79,28 @@ def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
     return out
 
 
+def run_microbatches(name: str, p: int, m: int, v: int) -> int:
+    """The fewest microbatches whose schedule keeps as many microbatches in flight on every rank as the
+    real m does (so the dry run's activation peak is the real one), or, where none does (GPipe keeps all m),
+    2 * p * v, whose peak is then scaled by `plan`."""
+    keeps = name in SPLIT_BACKWARD
+    full = [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, m, v)]
+    step = p if name == "interleaved" else 1
+    for trial in range(step, m, step):
+        if [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, trial, v)] == full:
+            return trial
+    return min(m, 2 * p * v)
+
+
 def _reduced(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The same layout with at most 2 * pp * v microbatches (a multiple of pp for interleaving)."""
+    """The same layout with only the microbatches `run_microbatches` asks for."""
     t, p = cfg.train, cfg.parallel
-    cap = 2 * p.pp * _chunks(cfg)
-    if t.num_microbatches <= cap:
+    keep = run_microbatches(p.schedule, p.pp, t.num_microbatches, _chunks(cfg))
+    if keep == t.num_microbatches:
         return cfg
     run = copy.deepcopy(cfg)
-    run.train.num_microbatches = cap
-    run.train.global_batch_size = cap * t.micro_batch_size * p.dp
+    run.train.num_microbatches = keep
+    run.train.global_batch_size = keep * t.micro_batch_size * p.dp
     return run
 
 
