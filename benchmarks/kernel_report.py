@@ -216,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(ARCH))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="bf16 and one shape per kernel only")
+    ap.add_argument("--planner-table", metavar="PATH",
+                    help="also write {arch: {kernel: {variant: {ctas_per_sm, num_warps}}}} for the planner "
+                         "(parallel3d/planner/kernel_occupancy.json derates kernels by it)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET (the launchers would choose interpreter dtypes)", file=sys.stderr)
@@ -225,6 +228,14 @@ def main(argv=None) -> int:
         return 2
     rows = report(args.arch, args.quick)
     print(_table(rows))
+    if args.planner_table:
+        table: dict = {}
+        for r in rows:
+            if "error" not in r:
+                table.setdefault(str(r["arch"]), {}).setdefault(r["kernel"], {})[r["variant"]] = {
+                    "ctas_per_sm": r["ctas_per_sm"], "num_warps": r["num_warps"]}
+        with open(args.planner_table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
     if args.json:
         print(json.dumps(rows))
     return 1 if any("error" in r for r in rows) else 0

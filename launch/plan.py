@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import fail, stage_builder  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
+from parallel3d.planner.dryrun import DryRunError  # noqa: E402
 from parallel3d.planner.estimate import MEMORY_KEYS, Plan, plan  # noqa: E402
 from parallel3d.planner.hardware import GPUS, gpu as find_gpu  # noqa: E402
 from parallel3d.planner.search import search  # noqa: E402
@@ -42,6 +43,9 @@ def _table(result: Plan, gpu_name: str, world: int) -> str:
     lines.append(f"  pipeline {b['pipeline_s']:.3f} s + outside the pipeline (grad sync tail, optimizer) "
                  f"{b['outside_actions_s']:.3f} s; per microbatch: compute {b['compute_per_microbatch_s']:.4f} s, "
                  f"blocking comm {b['blocking_comm_per_microbatch_s']:.4f} s")
+    for kernel, d in sorted(b.get("derated_kernels", {}).items()):
+        lines.append(f"  kernel {kernel}: {d['warps_per_sm']} warps per SM (theoretical occupancy, "
+                     f"kernel_report) -> its roofline time / {d['factor']:.2f}")
     for role in result.roles:
         mem = role["memory"]
         lines.append(f"  pp stage {role['pp_rank']} (rank {role['rank']}): peak {mem['peak'] / GiB:.2f} GiB, "
@@ -82,7 +86,7 @@ def main(argv=None) -> None:
             return
         cfg = resolve_and_validate(cfg, args.world_size)
         result = plan(cfg, stage_builder, gpu, args.gpus_per_node)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, DryRunError) as e:
         fail(str(e))
     print(_table(result, gpu.name, args.world_size))
     if args.json:

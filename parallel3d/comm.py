@@ -140,7 +140,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     group._record("all_gather", _nbytes(out))
     _run(group, "all_gather", lambda: dist.all_gather_single(out, src, group=group.pg), src)
     if group.simulated:
-        out.copy_(src.repeat((group.size,) + (1,) * (src.dim() - 1)))
+        _simulate_all_gather(out, src, group.size)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -230,7 +230,7 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
     work = _run(group, "all_gather", lambda: dist.all_gather_single(out, inp, group=group.pg, async_op=True),
                 out, inp)
     if group.simulated:
-        out.copy_(inp.repeat(group.size))
+        _simulate_all_gather(out, inp, group.size)
     return work
 
 
@@ -278,12 +278,17 @@ def barrier(group: Group) -> None:
     _run(group, "barrier", lambda: dist.barrier(group=group.pg))
 
 
+def _simulate_all_gather(out: torch.Tensor, t: torch.Tensor, size: int) -> None:
+    """Every rank holds this rank's t; filled in place (no temporary, so a dry run's memory is the real one)."""
+    out.view((size,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((size,) + tuple(t.shape)))
+
+
 def _simulate_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
     """Every peer sends what this rank sends: the received rows are this rank's rows, cycled to fit."""
-    n = out.shape[0]
-    if n and t.shape[0]:
-        reps = -(-n // t.shape[0])
-        out.copy_(t.repeat((reps,) + (1,) * (t.dim() - 1))[:n])
+    n, rows = out.shape[0], t.shape[0]
+    for start in range(0, n if rows else 0, max(rows, 1)):  # in place, a block of rows at a time
+        take = min(rows, n - start)
+        out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
 
 
 # ---- reading device values on the host ------------------------------------------------------------------

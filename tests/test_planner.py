@@ -143,3 +143,27 @@ def test_search_picks_a_fitting_layout():
     assert [p["tokens_per_s"] for p in plans] == sorted((p["tokens_per_s"] for p in plans), reverse=True)
     world = {p["layout"]["tp"] * p["layout"]["pp"] * p["layout"]["cp"] * p["layout"]["dp"] for p in plans}
     assert world == {4}
+
+
+def test_a_cpu_tensor_in_a_collective_fails_the_dry_run_naming_rank_and_op():
+    """A model that hands a host tensor to a TP collective (NCCL would fail): the dry run says where."""
+    from parallel3d import comm
+    from parallel3d.planner.dryrun import DryRunError
+
+    def broken_builder(cfg, ctx):
+        build = _stage_builder(cfg, ctx)
+
+        def stage(layers, pre, post):
+            module = build(layers, pre, post)
+            forward = module.forward
+
+            def leaky(*args, **kwargs):
+                comm.all_reduce(torch.ones(2), ctx.tp)  # a CPU tensor: the bug under test
+                return forward(*args, **kwargs)
+            module.forward = leaky
+            return module
+        return stage
+
+    cfg = make_config(["parallel.tp=2", *SMALL], 2)
+    with pytest.raises(DryRunError, match=r"rank 1 .*all_reduce on tp group .* is on cpu, the group's device is meta"):
+        run_role(cfg, 1, broken_builder, H100, 8)

@@ -29,6 +29,7 @@ from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.planner.cost import collective_time, exposed, link, op_time
 from parallel3d.planner.hardware import GPU
+from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
 from parallel3d.planner.tracker import CATEGORIES, StepTracker
 from parallel3d.training.config import ExperimentConfig
 
@@ -47,11 +48,17 @@ def is_grad_sync(group: str, op: str) -> bool:
     return group in DP_GROUPS and op in REDUCTIONS
 
 
+class DryRunError(RuntimeError):
+    """The real step failed on the stand-in device (a tensor on the wrong device reaching a collective or
+    mixing devices in an op, a shape error): the message names the rank, its coordinates and the op."""
+
+
 @dataclass
 class ActionCost:
     """Modeled seconds of one pipeline action (one microbatch of one chunk)."""
     compute_s: float = 0.0
     flops: float = 0.0
+    derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
     blocking_comm_s: float = 0.0     # TP / EP collectives: on the critical path
     overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
 
@@ -102,6 +109,9 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     ctx.stats.listener = on_collective
     try:
         out, tracker = tracked_step(trainer, torch.device(device).type)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        raise DryRunError(f"dry run of rank {rank} ({ctx.coords}) failed in its training step "
+                          f"(last collective: {ctx.stats.last_op or 'none'}): {type(e).__name__}: {e}") from e
     finally:
         ctx.stats.listener = None
     peak, split = tracker.peak()
@@ -145,9 +155,16 @@ def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU
                 return costs[i]
         return outside
 
+    derated: dict = {}
     for op in tracker.ops:
         c = slot(op.wall)
-        c.compute_s += op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu)
+        factor = 1.0
+        if op.name in KERNELS_OF_OP:
+            found = occupancy_factor(gpu.name, op.name, str(op.dtype), op.head_dim, op.causal)
+            if found is not None:
+                factor, warps = found
+                derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
+        c.compute_s += op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor)
         c.flops += op.flops
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
@@ -182,4 +199,4 @@ def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU
                    model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
                    p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside, grad_sync_s=grad_sync,
                    comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),
-                   flops=sum(o.flops for o in tracker.ops))
+                   flops=sum(o.flops for o in tracker.ops), derated_kernels=derated)

@@ -54,6 +54,9 @@ class OpCost:
     nbytes: float        # bytes read + written
     dtype: torch.dtype   # of the first floating-point input (picks the peak FLOP/s)
     backward: bool
+    name: str = ""       # aten op name (the planner maps some to our kernels)
+    head_dim: int = 0    # last dim of the first input
+    causal: bool = False
 
 
 @dataclass
@@ -158,14 +161,16 @@ class StepTracker(TorchDispatchMode):
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
         flops = 0.0
+        causal = name in _CAUSAL_ATTENTION and _is_causal(name, args, kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
-            if name in _CAUSAL_ATTENTION and _is_causal(name, args, kwargs):
+            if causal:
                 flops /= 2  # the flash kernels skip the masked half of the score blocks
         dtype = next((t.dtype for t in ins if t.is_floating_point()), torch.float32)
         backward = torch._C._current_graph_task_id() != -1
-        self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward))
+        head_dim = int(ins[0].shape[-1]) if ins and ins[0].dim() else 0
+        self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward, name, head_dim, causal))
 
     # ------------------------------------------------------------------ results
     def finish(self, classify: Callable[[object], Optional[str]]) -> None:
