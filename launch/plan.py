@@ -43,6 +43,7 @@ def _table(result: Plan, gpu_name: str, world: int) -> str:
     lines.append(f"  pipeline {b['pipeline_s']:.3f} s + outside the pipeline (grad sync tail, optimizer) "
                  f"{b['outside_actions_s']:.3f} s; per microbatch: compute {b['compute_per_microbatch_s']:.4f} s, "
                  f"blocking comm {b['blocking_comm_per_microbatch_s']:.4f} s")
+    lines.append("  share of the step: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in b["shares"].items()))
     for kernel, d in sorted(b.get("derated_kernels", {}).items()):
         lines.append(f"  kernel {kernel}: {d['warps_per_sm']} warps per SM (theoretical occupancy, "
                      f"kernel_report) -> its roofline time / {d['factor']:.2f}")

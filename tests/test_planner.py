@@ -167,3 +167,21 @@ def test_a_cpu_tensor_in_a_collective_fails_the_dry_run_naming_rank_and_op():
     cfg = make_config(["parallel.tp=2", *SMALL], 2)
     with pytest.raises(DryRunError, match=r"rank 1 .*all_reduce on tp group .* is on cpu, the group's device is meta"):
         run_role(cfg, 1, broken_builder, H100, 8)
+
+
+def test_kernel_occupancy_derates_the_roofline(monkeypatch):
+    """The kernel report's table is what the planner reads; a kernel with few resident warps is slowed."""
+    from parallel3d.planner import kernels
+
+    factor, warps = kernels.occupancy_factor("H100-SXM5-80GB", "_scaled_dot_product_flash_attention",
+                                             "torch.bfloat16", 128, True)
+    table = kernels._table()["90"]["_attn_fwd_kernel"]["bf16 d=128 causal"]
+    assert warps == {"_attn_fwd_kernel": table["ctas_per_sm"] * table["num_warps"]}
+    assert factor == min(1.0, warps["_attn_fwd_kernel"] / 8)
+    low = {"90": {"_attn_fwd_kernel": {"bf16 d=128 causal": {"ctas_per_sm": 1, "num_warps": 4}}}}
+    monkeypatch.setattr(kernels, "_table", lambda: low)
+    factor, _ = kernels.occupancy_factor("H100-SXM5-80GB", "_scaled_dot_product_flash_attention",
+                                         "torch.bfloat16", 96, True)  # d=96 runs the d=128 variant
+    assert factor == 0.5
+    assert op_time(1e12, 0, 989e12, H100, factor) == pytest.approx(2 * op_time(1e12, 0, 989e12, H100))
+    assert kernels.occupancy_factor("H100-SXM5-80GB", "mm", "torch.bfloat16", 128, True) is None

@@ -58,7 +58,6 @@ class ActionCost:
     """Modeled seconds of one pipeline action (one microbatch of one chunk)."""
     compute_s: float = 0.0
     flops: float = 0.0
-    derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
     blocking_comm_s: float = 0.0     # TP / EP collectives: on the critical path
     overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
 
@@ -82,6 +81,7 @@ class RoleRun:
     comm_s: dict = field(default_factory=dict)  # "<group>.<op>" -> modeled seconds in the step
     comm_bytes_in_actions: dict = field(default_factory=dict)  # the part of comm_bytes moved inside actions
     flops: float = 0.0
+    derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:

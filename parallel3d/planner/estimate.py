@@ -156,6 +156,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     tokens = t.global_batch_size * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens
     breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside,
+                 "shares": _shares(stage_run, schedule, timeline, outside, step),
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
                  "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
@@ -177,3 +178,21 @@ def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:
         inside = run.comm_bytes_in_actions.get(key, 0)
         out[key] = int(total - inside + inside * m / m_run)
     return out
+
+
+def _shares(stage_run: dict, schedule, timeline, outside: float, step: float) -> dict:
+    """Where the step goes on the busiest pipeline rank: compute, TP/EP collectives on the critical path,
+    overlapped communication that compute could not hide, the pipeline bubble, and the tail after the
+    pipeline (gradient-sync remainder, clipping, optimizer step, ZeRO-1/2 parameter gathers)."""
+    busiest = max(range(len(schedule)), key=timeline.busy)
+    run = stage_run[busiest]
+    parts = {"compute": 0.0, "blocking_comm": 0.0, "exposed_overlapped_comm": 0.0}
+    for a in schedule[busiest]:
+        c = run.actions.get((a.kind.name, a.chunk)) if a.kind.is_compute else None
+        if c is not None:
+            parts["compute"] += c.compute_s
+            parts["blocking_comm"] += c.blocking_comm_s
+            parts["exposed_overlapped_comm"] += exposed(c.overlapped_comm_s, c.compute_s)
+    parts["pipeline_bubble_and_p2p"] = max(0.0, timeline.makespan - sum(parts.values()))
+    parts["after_pipeline"] = outside
+    return {k: v / step for k, v in parts.items()}
