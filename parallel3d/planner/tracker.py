@@ -9,7 +9,9 @@ gets a category when it is born:
   - storages already alive when tracking starts are the model state, classified by the caller
     (`classify`: params, grads, optimizer);
   - storages allocated while `parallel3d.comm` is on the Python stack are communication buffers
-    (gather outputs, receive buffers, reduction outputs in flight);
+    (gather outputs, receive buffers, reduction outputs in flight), unless autograd saves them for
+    backward (a sequence-parallel all-gather's output kept by the next linear), which makes them
+    activations;
   - storages allocated inside the optimizer's step, its gradient sync and its hooks that outlive the step
     are classified by the caller too (ZeRO-3 reduced shards are gradients);
   - everything else allocated during the step is activations (saved tensors, temporaries, grads in flight).
@@ -86,6 +88,23 @@ class StepTracker(TorchDispatchMode):
         super().__init__()
         import parallel3d.comm as comm_module
         self._comm_file = comm_module.__file__
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self):
+        self._saved.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._saved.__exit__(*exc)
+        return out
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Whatever autograd keeps for backward is an activation, wherever it was allocated."""
+        idx = self._index.get(t.untyped_storage()) if t.device.type == self.device_type else None
+        if idx is not None and self.allocs[idx].category == "comm_buffers":
+            self.allocs[idx].category = "activations"
+        return t
 
     # ------------------------------------------------------------------ memory
     def adopt(self, tensors, category: str, resizable: bool = False) -> None:
