@@ -31,12 +31,13 @@ from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 GiB = 2 ** 30
 
 
-def _table(result: Plan, gpu_name: str, world: int) -> str:
+def _table(result: Plan, gpu, world: int) -> str:
     lay = result.layout
-    lines = [f"layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu_name})",
+    lines = [f"layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
              "memory of the worst rank (GiB): " + "  ".join(
                  f"{k} {result.memory[k] / GiB:.2f}" for k in MEMORY_KEYS),
-             f"fits: {'yes' if result.fits else 'NO'}",
+             f"fits: {'yes' if result.fits else 'NO'} (peak vs the GPU's memory less "
+             f"{gpu.reserved_bytes / GiB:.0f} GiB for the CUDA context, workspaces and NCCL buffers)",
              f"step time {result.step_time_s:.3f} s   tokens/s {result.tokens_per_s:,.0f}   "
              f"MFU {100 * result.mfu:.1f}%   pipeline bubble {100 * result.bubble:.1f}%"]
     b = result.breakdown
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
                              max_candidates=args.max_candidates, progress=sys.stderr)
             for r in results[:10]:
-                print(_table(r, gpu.name, args.world_size), end="\n\n")
+                print(_table(r, gpu, args.world_size), end="\n\n")
             if not results:
                 print(f"no layout of world size {args.world_size} fits on {gpu.name}")
             if args.json:
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
         result = plan(cfg, stage_builder, gpu, args.gpus_per_node)
     except (ConfigError, ValueError, DryRunError) as e:
         fail(str(e))
-    print(_table(result, gpu.name, args.world_size))
+    print(_table(result, gpu, args.world_size))
     if args.json:
         print(json.dumps(result.to_json()))
 

@@ -161,7 +161,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
                  "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
                  "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels}
-    return Plan(fits=memory["peak"] <= gpu.memory_bytes, layout=layout_of(cfg), memory=memory,
+    return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,
                 step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * gpu.peak_flops["bf16"]),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
                 bubble=float(timeline.bubble_fraction))

@@ -43,6 +43,12 @@ class GPU:
     nvlink_latency_s: float = 10e-6
     network_latency_s: float = 20e-6
     sm_count: int = 132
+    reserved_bytes: float = 2 * 2**30  # CUDA context, cuBLAS workspaces and NCCL channel buffers (~1-2 GiB)
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a training step's tensors may use: HBM less the runtime's own reservations."""
+        return self.memory_bytes - self.reserved_bytes
 
     def peak(self, dtype: torch.dtype) -> float:
         """Dense peak for a matmul whose inputs have `dtype` (fp32 matmuls use TF32 tensor cores, as

@@ -77,7 +77,7 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
                  "full": 2 * s * b * h}[t.activation_checkpointing]
     in_flight = min(p.pp, t.num_microbatches) if p.schedule != "gpipe" else t.num_microbatches
     acts = per_layer * math.ceil(m.num_layers / p.pp) * in_flight
-    fits = state + acts <= 0.9 * gpu.memory_bytes
+    fits = state + acts <= 0.9 * gpu.usable_bytes
     world = p.tp * p.cp * p.pp * p.dp
     ideal = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / (
         world * gpu.peak_flops["bf16"] * gpu.matmul_efficiency)
