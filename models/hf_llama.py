@@ -58,7 +58,7 @@ def fields_to_llama_config(m: dict[str, Any]) -> dict[str, Any]:
            "intermediate_size": m["ffn_hidden_size"], "rms_norm_eps": m["norm_eps"],
            "max_position_embeddings": m["max_seq_len"], "tie_word_embeddings": m["tie_embeddings"],
            "hidden_act": "silu", "initializer_range": m["init_std"], "torch_dtype": "float32",
-           "head_dim": m["hidden_size"] // m["num_heads"], "attention_bias": False, "mlp_bias": False,
+           "head_dim": m.get("head_dim") or m["hidden_size"] // m["num_heads"], "attention_bias": False, "mlp_bias": False,
            "rope_theta": m["rope_theta"]}
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m["rope_theta"]}
     if m.get("rope_scaling"):

@@ -29,7 +29,7 @@ def param_counts(m: TransformerShape) -> dict[str, int]:
     """Parameter counts by part from model fields: embedding, output, attention, dense_mlp,
     experts_total, experts_active (routed top_k per token), shared_experts, router, norms."""
     h, L, V = m.hidden_size, m.num_layers, m.vocab_size
-    head_dim = h // m.num_heads
+    head_dim = getattr(m, "head_dim", 0) or h // m.num_heads  # Qwen3 decouples it from h / heads
     kv = m.num_kv_heads
     experts = m.num_experts
     moe_layers = max(0, L - m.first_k_dense) if experts else 0
@@ -66,7 +66,8 @@ def flops_per_token(m: TransformerShape, seq_len: int) -> float:
     minus the input-embedding lookup plus the output projection (once, even when tied)."""
     c = param_counts(m)
     n = active_params(m) - c["embedding"] - c["output"] + m.vocab_size * m.hidden_size
-    return 6.0 * n + 12.0 * m.num_layers * m.hidden_size * seq_len
+    attn_width = (getattr(m, "head_dim", 0) or m.hidden_size // m.num_heads) * m.num_heads  # h unless head_dim is set
+    return 6.0 * n + 12.0 * m.num_layers * attn_width * seq_len
 
 
 def peak_flops_table() -> dict[str, dict[str, float]]:
