@@ -88,6 +88,7 @@ def qwen2_config_to_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 def qwen3_moe_config_to_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Hugging Face Qwen3MoeConfig -> ModelConfig field values."""
+    common = _attention_fields(hf, "Qwen3-MoE", "qwen3_moe")
     layers = hf["num_hidden_layers"]
     experts = hf.get("num_experts", hf.get("num_local_experts", 0))
     dense = sorted(set(hf.get("mlp_only_layers") or []))
@@ -95,7 +96,7 @@ def qwen3_moe_config_to_fields(hf: dict[str, Any]) -> dict[str, Any]:
         ("num_experts", experts, experts > 0), ("decoder_sparse_step", hf.get("decoder_sparse_step", 1),
                                                 hf.get("decoder_sparse_step", 1) == 1),
         ("mlp_only_layers (only the first k layers may be dense)", dense, dense == list(range(len(dense))))] if not ok])
-    return {**_attention_fields(hf, "Qwen3-MoE", "qwen3_moe"), "qk_norm": True, "qkv_bias": False,
+    return {**common, "qk_norm": True, "qkv_bias": False,
             "num_experts": experts, "moe_top_k": hf["num_experts_per_tok"],
             "moe_ffn_hidden_size": hf["moe_intermediate_size"], "num_shared_experts": 0,
             "first_k_dense": min(len(dense), layers), "router_score": "softmax",
