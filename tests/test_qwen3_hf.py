@@ -158,3 +158,25 @@ def test_config_mapping_and_refusals():
     assert adapter_for_model(dense_fields).architecture == "Qwen3ForCausalLM"
     assert adapter_for_model({**dense_fields, "qk_norm": False, "qkv_bias": True}).architecture == "Qwen2ForCausalLM"
     assert adapter_for_model({**dense_fields, "qk_norm": False}).architecture == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("preset", ["qwen3_8b", "qwen3_30b_a3b"])
+def test_presets_have_the_published_sizes(preset):
+    """The preset exported as a Hugging Face config builds (on the meta device) a transformers model with
+    exactly the parameters our count gives: 8.19B for Qwen3-8B; 30.5B total (3.3B active) for Qwen3-30B-A3B."""
+    import dataclasses
+
+    from parallel3d.training.config import load_config
+    from parallel3d.training.metrics import active_params, total_params
+
+    model = load_config(f"configs/{preset}.yaml", [], ModelConfig).model
+    fields = dataclasses.asdict(model)
+    hf_cfg = adapter_for_model(fields).config_to_hf(fields)
+    cls = transformers.Qwen3MoeForCausalLM if model.num_experts else transformers.Qwen3ForCausalLM
+    config_cls = transformers.Qwen3MoeConfig if model.num_experts else transformers.Qwen3Config
+    with torch.device("meta"):
+        hf = cls(config_cls(**{k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")}))
+    assert sum(p.numel() for p in hf.parameters()) == total_params(model)
+    expected = {"qwen3_8b": (8.19e9, 8.19e9), "qwen3_30b_a3b": (30.5e9, 3.3e9)}[preset]  # model cards
+    assert total_params(model) == pytest.approx(expected[0], rel=0.01)
+    assert active_params(model) == pytest.approx(expected[1], rel=0.02)

@@ -45,7 +45,7 @@ def param_counts(m: TransformerShape) -> dict[str, int]:
         "experts_active": moe_layers * min(m.moe_top_k, experts) * expert,
         "shared_experts": moe_layers * m.num_shared_experts * expert,
         "router": moe_layers * experts * h,
-        "norms": (2 * L + 1) * h,
+        "norms": (2 * L + 1) * h + (2 * L * head_dim if getattr(m, "qk_norm", False) else 0),
     }
 
 
