@@ -90,11 +90,13 @@ def test_import_logits_loss_and_export_round_trip(tmp_path, kind, tied, extra):
     assert cfg["tie_word_embeddings"] == tied and cfg["architectures"] == [CLASSES[kind].__name__]
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_export_after_training_matches_our_logits(tmp_path, moe):
-    """Three AdamW steps through the real Trainer (QK-norm weights move), save, export, load in transformers."""
-    overrides = ["model.qk_norm=true", "model.head_dim=16", "model.vocab_size=128", "train.steps=3",
-                 "model.norm_eps=1e-6"]
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "llama"])
+def test_export_after_training_matches_our_logits(tmp_path, kind):
+    """Three AdamW steps through the real Trainer (QK-norm weights move), save, export, load in transformers.
+    `llama`: the same decoupled head_dim without QK-norm exports as Llama and imports back."""
+    moe = kind == "qwen3_moe"
+    overrides = [f"model.qk_norm={str(kind != 'llama').lower()}", "model.head_dim=16", "model.vocab_size=128",
+                 "train.steps=3", "model.norm_eps=1e-6"]
     if moe:
         overrides += ["model.num_experts=8", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
                       "model.router_norm_topk=false", "model.first_k_dense=1", "model.aux_loss_coef=0.01"]
@@ -103,14 +105,42 @@ def test_export_after_training_matches_our_logits(tmp_path, moe):
     for _ in range(3):
         trainer.train_step()
     model = trainer.chunks[0]
-    assert not torch.equal(model.layers["1"].attn.q_norm.weight, torch.ones(16))  # trained, not the init
+    if kind != "llama":
+        assert not torch.equal(model.layers["1"].attn.q_norm.weight, torch.ones(16))  # trained, not the init
     save_checkpoint(trainer, str(tmp_path / "ckpt"))
     export_hf(str(tmp_path / "ckpt" / "step_00000003"), str(tmp_path / "hf"))
-    cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "llama": transformers.LlamaForCausalLM}[kind]
     hf = cls.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    assert hf.config.head_dim == 16 and hf.config.hidden_size == 32
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert _max_diff(model.eval()(ids, torch.arange(32)), hf(ids).logits) <= 1e-4
+        ref = hf(ids).logits
+        assert _max_diff(model.eval()(ids, torch.arange(32)), ref) <= 1e-4
+    if kind == "llama":  # and back: import keeps the decoupled head_dim
+        assert import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))["head_dim"] == 16
+        with torch.no_grad():
+            assert _max_diff(load_imported(str(tmp_path / "back"), Llama)(ids, torch.arange(32)), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.head_dim=-1"], "model.head_dim=-1 must be >= 0"),
+    (["model.head_dim=15"], "model.head_dim=15 must be even"),
+    (["model.hidden_size=60"], "hidden_size=60 is not divisible by model.num_heads=8"),
+])
+def test_bad_head_dim_is_one_clear_error(overrides, message):
+    from parallel3d.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_config(["model.num_heads=8", *overrides], 1)
+
+
+def test_head_dim_decouples_the_attention_width():
+    cfg = make_config(["model.hidden_size=60", "model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=16",
+                       "model.qk_norm=true", "model.qkv_bias=true"], 1)  # 60 % 8 != 0 is fine with head_dim set
+    block = Llama(cfg.model, context_for(cfg)).layers["0"]
+    assert block.attn.q_proj.weight.shape == (128, 60) and block.attn.o_proj.weight.shape == (60, 128)
+    assert block.attn.k_proj.bias.shape == (32,) and block.attn.q_norm.weight.shape == (16,)
 
 
 def test_in_memory_fused_expert_names_map_like_saved_files(tmp_path):
