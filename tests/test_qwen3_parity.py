@@ -81,3 +81,30 @@ def test_training_step_runs_off_the_cpu(model):
         trainer = build_trainer(cfg, ParallelContext.simulated(spec, rank, "meta"))
         assert not trainer.train_step()["skipped"]
         assert all(q.device.type == "meta" for chunk in trainer.chunks for q in chunk.parameters())
+
+
+def test_triton_kernels_on_the_qk_norm_path_match_torch():
+    """The QK-norm runs the RMSNorm kernel on (b, s, heads, head_dim) views: forced Triton (interpreter on CPU)
+    gives the torch path's loss and gradients."""
+    from models.config import ModelConfig
+    from models.llama import Llama
+
+    def loss_and_grads(kernels: str):
+        cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=24,
+                          ffn_hidden_size=40, qk_norm=True, qkv_bias=True, kernels=kernels)
+        model = Llama(cfg, ParallelContext.single())
+        model.init_weights(3)
+        for name, p in model.named_parameters():  # non-trivial norm weights and biases
+            if "norm" in name or name.endswith("bias"):
+                p.data.normal_(1.0 if "norm" in name else 0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        tokens = torch.randint(0, 48, (2, 13), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens[:, :-1], torch.arange(12), tokens[:, 1:]) / 24
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = loss_and_grads("torch")
+    loss, grads = loss_and_grads("triton")
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert ref_grads["layers.0.attn.q_norm.weight"].abs().max() > 1e-4
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
