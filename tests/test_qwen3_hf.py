@@ -197,7 +197,7 @@ def test_presets_have_the_published_sizes(preset):
     import dataclasses
 
     from parallel3d.training.config import load_config
-    from parallel3d.training.metrics import active_params, total_params
+    from parallel3d.training.metrics import active_params, flops_per_token, total_params
 
     model = load_config(f"configs/{preset}.yaml", [], ModelConfig).model
     fields = dataclasses.asdict(model)
@@ -210,3 +210,5 @@ def test_presets_have_the_published_sizes(preset):
     expected = {"qwen3_8b": (8.19e9, 8.19e9), "qwen3_30b_a3b": (30.5e9, 3.3e9)}[preset]  # model cards
     assert total_params(model) == pytest.approx(expected[0], rel=0.01)
     assert active_params(model) == pytest.approx(expected[1], rel=0.02)
+    # attention score and value FLOPs grow with the attention width, 32 heads x 128, not hidden_size
+    assert flops_per_token(model, 2) - flops_per_token(model, 1) == 12 * model.num_layers * 32 * 128

@@ -63,7 +63,8 @@ def active_params(m: TransformerShape) -> int:
 
 def flops_per_token(m: TransformerShape, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_matmul + 12 * L * h * s, with N_matmul = active parameters
-    minus the input-embedding lookup plus the output projection (once, even when tied)."""
+    minus the input-embedding lookup plus the output projection (once, even when tied). The attention
+    width is heads * head_dim, h unless head_dim is set apart from h / heads (Qwen3-30B-A3B: 4096, h 2048)."""
     c = param_counts(m)
     n = active_params(m) - c["embedding"] - c["output"] + m.vocab_size * m.hidden_size
     attn_width = (getattr(m, "head_dim", 0) or m.hidden_size // m.num_heads) * m.num_heads  # h unless head_dim is set
