@@ -212,3 +212,37 @@ def test_presets_have_the_published_sizes(preset):
     assert active_params(model) == pytest.approx(expected[1], rel=0.02)
     # attention score and value FLOPs grow with the attention width, 32 heads x 128, not hidden_size
     assert flops_per_token(model, 2) - flops_per_token(model, 1) == 12 * model.num_layers * 32 * 128
+
+
+# The published config.json files (Hugging Face Hub, Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B; transformers-4
+# spelling: top-level rope_theta, rope_scaling null), less tokenizer ids and dtype.
+PUBLISHED = {
+    "qwen3_8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+                 "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+                 "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+                 "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36,
+                 "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+                 "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False,
+                 "vocab_size": 151936},
+    "qwen3_30b_a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+                      "attention_dropout": 0.0, "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu",
+                      "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+                      "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+                      "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+                      "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                      "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                      "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+                      "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_config_imports_as_the_preset_model(preset):
+    import dataclasses
+
+    from models.hf import adapter_for_hf
+    from parallel3d.training.config import load_config
+
+    fields = adapter_for_hf(PUBLISHED[preset]).config_from_hf(PUBLISHED[preset])
+    model = dataclasses.asdict(load_config(f"configs/{preset}.yaml", [], ModelConfig).model)
+    assert {k: model[k] for k in fields} == fields
