@@ -12,6 +12,7 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2              # grouped-query attention: num_heads % num_kv_heads == 0
+    head_dim: int = 0                  # width of one attention head; 0: hidden_size // num_heads (Qwen3: 128)
     ffn_hidden_size: int = 172
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # Llama-3: factor, low/high_freq_factor, original_max_position_embeddings
@@ -19,6 +20,8 @@ class ModelConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False              # Qwen3: RMSNorm over each query and key head (weight (head_dim,)) before RoPE
+    qkv_bias: bool = False             # Qwen2/2.5: biases on the q, k and v projections (not on o)
     kernels: str = "auto"              # auto | triton | torch (DESIGN.md section 3: model.kernels)
     # Mixture-of-Experts (num_experts == 0 means dense). Filled in by the MoE issue.
     num_experts: int = 0
@@ -35,19 +38,22 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def attn_head_dim(self) -> int:
+        """The per-head width the attention uses: model.head_dim, or hidden_size // num_heads when 0."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
-        if self.hidden_size % self.num_heads:
+        if self.head_dim < 0:
+            raise ValueError(f"model.head_dim={self.head_dim} must be >= 0 (0: hidden_size // num_heads)")
+        if not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} is not divisible by "
                              f"model.num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.attn_head_dim % 2:
+            raise ValueError(f"model.head_dim={self.attn_head_dim} must be even for RoPE")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"model.kernels must be auto, triton or torch, got {self.kernels!r}")
         if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:

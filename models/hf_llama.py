@@ -37,14 +37,14 @@ def llama_config_to_fields(hf: dict[str, Any]) -> dict[str, Any]:
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
     heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise CheckpointError(f"head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; unsupported")
     fields = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                   num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                   ffn_hidden_size=hf["intermediate_size"], rope_theta=float(theta), norm_eps=hf["rms_norm_eps"],
                   max_seq_len=hf.get("max_position_embeddings", 2048),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   init_std=hf.get("initializer_range", 0.02))
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        fields["head_dim"] = hf["head_dim"]  # decoupled from hidden_size / heads
     if scaling:
         fields["rope_scaling"] = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                          "original_max_position_embeddings")}
@@ -58,7 +58,7 @@ def fields_to_llama_config(m: dict[str, Any]) -> dict[str, Any]:
            "intermediate_size": m["ffn_hidden_size"], "rms_norm_eps": m["norm_eps"],
            "max_position_embeddings": m["max_seq_len"], "tie_word_embeddings": m["tie_embeddings"],
            "hidden_act": "silu", "initializer_range": m["init_std"], "torch_dtype": "float32",
-           "head_dim": m["hidden_size"] // m["num_heads"], "attention_bias": False, "mlp_bias": False,
+           "head_dim": m.get("head_dim") or m["hidden_size"] // m["num_heads"], "attention_bias": False, "mlp_bias": False,
            "rope_theta": m["rope_theta"]}
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m["rope_theta"]}
     if m.get("rope_scaling"):

@@ -77,7 +77,7 @@ def model_fields_to_mixtral_config(m: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": m["tie_embeddings"], "hidden_act": "silu",
             "initializer_range": m["init_std"], "router_aux_loss_coef": m["aux_loss_coef"],
             "router_jitter_noise": 0.0, "sliding_window": None, "torch_dtype": "float32",
-            "head_dim": m["hidden_size"] // m["num_heads"], "rope_theta": m["rope_theta"], "rope_parameters": rope}
+            "head_dim": m.get("head_dim") or m["hidden_size"] // m["num_heads"], "rope_theta": m["rope_theta"], "rope_parameters": rope}
 
 
 # ---- tensors (pure) -------------------------------------------------------------------------------------------

@@ -31,20 +31,31 @@ from parallel3d.tensor_parallel.layers import vocab_shard
 
 
 class Attention(nn.Module):
-    """Megatron attention block: q/k/v column-parallel (heads split over TP), o_proj row-parallel."""
+    """Megatron attention block: q/k/v column-parallel (heads split over TP), o_proj row-parallel.
+
+    Qwen options: `qkv_bias` adds biases to q/k/v (Qwen2); `qk_norm` applies an RMSNorm over each query
+    and key head (one (head_dim,) weight each, shared by all heads) before RoPE (Qwen3). Under TP each rank
+    normalises its own heads, no gather; its norm-weight gradient covers only those heads, so it is
+    partial and summed over TP (the same reduction as a sequence-parallel norm).
+    """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, sp: bool, cp_mode: str, recompute_core: bool) -> None:
         super().__init__()
-        tp, h, d = ctx.tp, cfg.hidden_size, cfg.head_dim
+        tp, h, d = ctx.tp, cfg.hidden_size, cfg.attn_head_dim
         if cfg.num_heads % tp.size:
             raise ValueError(f"model.num_heads={cfg.num_heads} is not divisible by parallel.tp={tp.size}")
         self.tp, self.sp, self.cp, self.cp_mode, self.backend = tp, sp, ctx.cp, cp_mode, cfg.kernels
         self.recompute_core = recompute_core
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, tp, sp, enter_region=False)
-        self.k_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp)
-        self.v_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp)
+        bias = cfg.qkv_bias
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, tp, sp, enter_region=False, bias=bias)
+        self.k_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp, bias=bias)
+        self.v_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp, bias=bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, tp, sp)
         self.head_dim = d
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # sequence_parallel=True: the partial-over-TP gradient reduction (see class docstring)
+            self.q_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.backend)
@@ -55,6 +66,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nkv/tp or 1, d)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head: normalised over d, before RoPE
         q, k = dispatch.rope(q, k, cos, sin, self.backend)
         if self.recompute_core and torch.is_grad_enabled():
             o = checkpoint(self._core, q, k, v, use_reentrant=False)
@@ -135,7 +148,7 @@ class Llama(nn.Module):
             for p in self._tied_params():
                 p.meta.grad_reduce += ("embedding",)
                 p.meta.replicated += ("embedding",)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
 
     def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:

@@ -1,6 +1,8 @@
 """Mixture-of-Experts decoder: the Llama stage with MoE MLPs (parallel3d.expert_parallel.MoELayer).
 
     Mixtral style    every layer MoE (first_k_dense=0), no shared experts, softmax top-2, normalised
+    Qwen3-MoE style  every layer MoE (or the first k dense), many small experts (moe_ffn_hidden_size), softmax
+                     top-k renormalised only with router_norm_topk (HF norm_topk_prob), QK-norm attention
     DeepSeek style   first_k_dense dense layers, num_shared_experts always-on experts beside many small
                      ("fine-grained") routed ones (moe_ffn_hidden_size), sigmoid scores, bias balancing
 

@@ -102,7 +102,7 @@ def _block_comm(w, sp):
     b, s, h = 2, 8, cfg.hidden_size
     x = torch.randn(b, s // ctx.tp.size if sp else s, h, requires_grad=True)
     from kernels.rope import rope_cos_sin, rope_inv_freq
-    cos, sin = rope_cos_sin(torch.arange(s), rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+    cos, sin = rope_cos_sin(torch.arange(s), rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta))
     ctx.stats.reset()
     y = block(x, cos, sin)
     fwd = ctx.stats.summary()

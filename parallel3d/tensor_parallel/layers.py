@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool = False,
                  enter_region: bool = True, gather_output: bool = False, vocab_padding: bool = False,
-                 std: Optional[float] = None) -> None:
+                 std: Optional[float] = None, bias: bool = False) -> None:
         super().__init__()
         self.group, self.sp, self.enter_region, self.gather_output = group, sequence_parallel, enter_region, gather_output
         if vocab_padding:
@@ -57,11 +57,14 @@ class ColumnParallelLinear(nn.Module):
             slices = shard_slices((out_features, in_features), 0, group.rank, group.size)
         self.out_local = local
         self.weight = new_param((local, in_features), ParamMeta((out_features, in_features), slices, std=std))
+        self.bias = None
+        if bias:  # split like the output rows (zeros at init, as nn.Linear biases in Hugging Face models)
+            self.bias = new_param((local,), ParamMeta((out_features,), slices[:1], init="zeros"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sp)  # (b, s, in)
-        y = F.linear(x, self.weight)  # (b, s, out/tp)
+        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
         return gather_from_tp(y, self.group, -1) if self.gather_output else y
 
 
@@ -109,8 +112,8 @@ class KVParallelLinear(nn.Module):
         kv=2, tp=4:   ranks 0,1 -> kv head 0     ranks 2,3 -> kv head 1
     """
 
-    def __init__(self, in_features: int, kv_heads: int, head_dim: int, group: Group, std: Optional[float] = None
-                 ) -> None:
+    def __init__(self, in_features: int, kv_heads: int, head_dim: int, group: Group, std: Optional[float] = None,
+                 bias: bool = False) -> None:
         super().__init__()
         tp = group.size
         shape = (kv_heads * head_dim, in_features)
@@ -126,10 +129,17 @@ class KVParallelLinear(nn.Module):
             self.weight = new_param(shape, meta)
         else:
             check_kv_split(kv_heads, tp)
+        self.bias = None
+        if bias:  # the bias follows the weight's rows: split, or replicated with a partial gradient
+            w = self.weight.meta
+            self.bias = new_param((self.weight.shape[0],), ParamMeta(shape[:1], w.slices[:1], init="zeros",
+                                                                    grad_reduce=w.grad_reduce, replicated=w.replicated))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.row_range is None else self.weight[self.row_range[0]:self.row_range[1]]
-        return F.linear(x, w)  # (b, s, local_kv_heads * head_dim)
+        if self.row_range is None:
+            return F.linear(x, self.weight, self.bias)  # (b, s, local_kv_heads * head_dim)
+        lo, hi = self.row_range
+        return F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])  # (b, s, head_dim)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -29,7 +29,7 @@ def param_counts(m: TransformerShape) -> dict[str, int]:
     """Parameter counts by part from model fields: embedding, output, attention, dense_mlp,
     experts_total, experts_active (routed top_k per token), shared_experts, router, norms."""
     h, L, V = m.hidden_size, m.num_layers, m.vocab_size
-    head_dim = h // m.num_heads
+    head_dim = getattr(m, "head_dim", 0) or h // m.num_heads  # Qwen3 decouples it from h / heads
     kv = m.num_kv_heads
     experts = m.num_experts
     moe_layers = max(0, L - m.first_k_dense) if experts else 0
@@ -45,7 +45,7 @@ def param_counts(m: TransformerShape) -> dict[str, int]:
         "experts_active": moe_layers * min(m.moe_top_k, experts) * expert,
         "shared_experts": moe_layers * m.num_shared_experts * expert,
         "router": moe_layers * experts * h,
-        "norms": (2 * L + 1) * h,
+        "norms": (2 * L + 1) * h + (2 * L * head_dim if getattr(m, "qk_norm", False) else 0),
     }
 
 
@@ -63,10 +63,12 @@ def active_params(m: TransformerShape) -> int:
 
 def flops_per_token(m: TransformerShape, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_matmul + 12 * L * h * s, with N_matmul = active parameters
-    minus the input-embedding lookup plus the output projection (once, even when tied)."""
+    minus the input-embedding lookup plus the output projection (once, even when tied). The attention
+    width is heads * head_dim, h unless head_dim is set apart from h / heads (Qwen3-30B-A3B: 4096, h 2048)."""
     c = param_counts(m)
     n = active_params(m) - c["embedding"] - c["output"] + m.vocab_size * m.hidden_size
-    return 6.0 * n + 12.0 * m.num_layers * m.hidden_size * seq_len
+    attn_width = (getattr(m, "head_dim", 0) or m.hidden_size // m.num_heads) * m.num_heads  # h unless head_dim is set
+    return 6.0 * n + 12.0 * m.num_layers * attn_width * seq_len
 
 
 def peak_flops_table() -> dict[str, dict[str, float]]:
