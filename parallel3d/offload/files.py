@@ -20,6 +20,7 @@ import itertools
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -39,8 +40,11 @@ def check_offload_dir(path: Optional[str]) -> None:
         raise OffloadError("parallel.offload_dir is not set (nvme offload needs a directory)")
     if not os.path.isdir(path):
         raise OffloadError(f"parallel.offload_dir={path} does not exist or is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise OffloadError(f"parallel.offload_dir={path} is not writable")
+    try:  # really create a file: os.access says yes to root, also on read-only mounts
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise OffloadError(f"parallel.offload_dir={path} is not writable ({e.strerror})") from None
 
 
 def create_on_every_rank(ctx, build: Callable[[], Any]) -> Any:
