@@ -308,7 +308,9 @@ class DistributedOptimizer:
         if self.nvme is not None and not streamed:
             self.nvme.read_master(self.buckets, self.publish_chunk)
         for b in self.buckets if self.nvme is None else []:
-            if b.param_flat is not b.adam.master:
+            if self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
+                self._shards[id(b)] = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
+            elif b.param_flat is not b.adam.master:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)
         if self.zero in (0, 3):
             return
