@@ -150,3 +150,27 @@ def test_disk_full_during_a_step_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.undo()
     trainer.optimizer.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_cli_removes_offload_files_when_terminated(tmp_path):
+    """torchrun ends surviving workers with SIGTERM: the files go with them."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [*CLI, "train.steps=100000", "parallel.offload_optimizer=nvme", f"parallel.offload_dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.listdir(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert os.listdir(tmp_path), "the run never created its offload files"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    assert os.listdir(tmp_path) == []
