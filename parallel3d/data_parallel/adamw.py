@@ -2,9 +2,11 @@
 
 One update (`adamw_flat_`) serves every home of the state: the device, host memory (offload cpu) and the
 chunks streamed from NVMe (offload/nvme.py), so all of them are bit-identical. It is torch.optim.AdamW's
-single-tensor arithmetic (decay, lerp, addcmul, sqrt/div/add, addcdiv) run over cache-sized blocks;
-benchmarks/offload.py measured it against torch's foreach (equal values, slower on a CPU) and fused
-(faster, but not bit-identical: it rounds the parameter update differently) CPU AdamW.
+single-tensor arithmetic (decay, lerp, addcmul, sqrt/div/add, addcdiv) run over cache-sized blocks.
+benchmarks/offload.py (RESULTS.md) measured the CPU candidates: this blocked form, torch's single-tensor
+and foreach AdamW are equal to the bit and within noise of each other (this one a little ahead);
+torch's fused CPU AdamW, a torch.compile'd loop and DeepSpeedCPUAdam are 2-10x faster but round
+differently, so they are not used: the offloaded run must equal the run without offload.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from parallel3d.data_parallel.buffer import Bucket
 
-BLOCK = 1 << 15  # elements per block: p, m, v, g and one temporary (5 x 128 KiB) stay in L2
+BLOCK = 1 << 17  # elements per block: p, m, v, g and one temporary (5 x 512 KiB) stay in cache
 
 
 def decay_ranges(b: Bucket) -> list[tuple[int, int]]:
