@@ -126,3 +126,32 @@ def test_nvme_checkpoint_reshards_both_ways(worlds, tmp_path):
     rest = worlds.run(2, _ckpt, ["parallel.zero=3", *nvme(d), "parallel.offload_params=nvme"], 4, None, (),
                       str(tmp_path / "b"))[0]
     assert first + rest == pytest.approx(full, rel=1e-5)
+
+
+def test_cpu_adamw_update_is_torch_adamw_bit_for_bit():
+    """adamw_flat_ (the update of every offload home, in blocks and in streamed chunks with per-parameter
+    decay ranges) equals torch.optim.AdamW's single-tensor update, the arithmetic the device runs."""
+    from parallel3d.data_parallel.adamw import adamw_flat_, clip_ranges
+
+    g = torch.Generator().manual_seed(0)
+    sizes, decay = [3000, 77, 5000], [True, False, True]
+    params = [torch.randn(n, generator=g) for n in sizes]
+    flat = torch.cat(params)
+    m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW([{"params": [p], "weight_decay": 0.1 if d else 0.0} for p, d in zip(ref, decay)],
+                            lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    offsets = [0, 3000, 3077, 8077]
+    ranges = [(offsets[i], offsets[i + 1]) for i in range(3) if decay[i]]
+    for step in range(1, 4):
+        grads = [torch.randn(n, generator=g) for n in sizes]
+        for p, gr in zip(ref, grads):
+            p.grad = gr.clone()
+        opt.step()
+        gflat = torch.cat(grads)
+        for a in range(0, flat.numel(), 1000):   # streamed chunks of 1000, blocks of 256 inside
+            e = min(a + 1000, flat.numel())
+            adamw_flat_(flat[a:e], m[a:e], v[a:e], gflat[a:e], clip_ranges(ranges, a, e), 3e-3, (0.9, 0.95),
+                        1e-8, 0.1, step, block=256)
+    assert torch.equal(flat, torch.cat([p.detach() for p in ref]))
+    assert torch.equal(m, torch.cat([opt.state[p]["exp_avg"] for p in ref]))
