@@ -59,7 +59,6 @@ def assert_identical(plain, off):
 CASES = {  # layout, offload (D: the offload directory)
     "tp2-dp2-zero1-nvme": (["parallel.tp=2", "parallel.zero=1"], lambda d: nvme(d)),
     "pp2-dp2-zero2-nvme": (["parallel.pp=2", "parallel.zero=2"], lambda d: nvme(d)),
-    "tp2-pp2-zero0-nvme": (["parallel.tp=2", "parallel.pp=2", "parallel.zero=0"], lambda d: nvme(d)),
     "tp2-dp2-zero3-params+opt-nvme": (["parallel.tp=2", "parallel.zero=3"],
                                       lambda d: [*nvme(d), "parallel.offload_params=nvme"]),
     "dp4-zero3-params-cpu": (["parallel.zero=3"], lambda d: ["parallel.offload_params=cpu",

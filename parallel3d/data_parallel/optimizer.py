@@ -61,6 +61,9 @@ class DistributedOptimizer:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
+        if ctx.device.type == "meta" and (offload_optimizer, offload_params) != ("none", "none"):
+            raise ValueError("the meta-device dry run (launch/plan.py) does not model offload yet: plan without "
+                             "parallel.offload_optimizer / parallel.offload_params")
         # offload: fp32 master and Adam state in host memory (cpu) or files (nvme); AdamW runs on the CPU
         self.state_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
@@ -268,9 +271,10 @@ class DistributedOptimizer:
         if self.nvme is not None:  # streamed: each updated master chunk is published as it is produced
             self.nvme.step(self.buckets, lr, self.betas, self.eps, self.weight_decay, self.step_count,
                            self.publish_chunk)
-        for b in self.buckets if self.nvme is None else []:
-            host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
+        else:
+            for b in self.buckets:
+                host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
+                adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
         self.publish_params(streamed=self.nvme is not None)
         return True
 
