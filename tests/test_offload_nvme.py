@@ -175,3 +175,4 @@ def test_cli_removes_offload_files_when_terminated(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
     assert os.listdir(tmp_path) == []
+

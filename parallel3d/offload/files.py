@@ -3,9 +3,9 @@
     DIR/parallel3d-offload-<host>-<pid>-r<rank>-<what><n>/<kind>.bin   one file per kind (master, exp_avg, ...)
 
 The set is created (and its space reserved with posix_fallocate, so a disk that is too small fails now,
-not in the middle of a step) when the optimizer is built, and removed by `close()`: the optimizer calls it,
-an atexit handler catches every exit that runs Python's shutdown (normal end, an exception, sys.exit from
-the launcher's error path), and launch/common.py turns torchrun's SIGTERM into such an exit.
+not in the middle of a step) when the optimizer is built, and removed by `close()` (the optimizer's), when
+the object is collected, or at interpreter exit (weakref.finalize: a normal end, an exception, sys.exit
+from the launcher's error path); launch/common.py turns torchrun's SIGTERM into such an exit.
 
 Reads and writes are os.preadv / os.pwrite straight between the file and a caller's host tensor (no
 mmap: mapped pages would count against the process and pile up); after each transfer the range is
@@ -14,14 +14,12 @@ machine's cached memory either.
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import itertools
 import os
 import shutil
 import socket
 import tempfile
-import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -76,13 +74,15 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 _SERIAL = itertools.count()  # several optimizers in one process (tests) get their own directories
-_OPEN: "weakref.WeakSet[StateFiles]" = weakref.WeakSet()
 
 
-@atexit.register
-def _close_all() -> None:
-    for files in list(_OPEN):
-        files.close()
+def _remove(fds: dict[str, int], directory: str) -> None:
+    """Close the descriptors and delete the directory (a weakref.finalize callback: runs once, on close(),
+    when the StateFiles is collected, or at interpreter exit, whichever comes first)."""
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 class StateFiles:
@@ -99,7 +99,7 @@ class StateFiles:
         name = f"parallel3d-offload-{socket.gethostname()}-{os.getpid()}-r{rank}-{tag}{next(_SERIAL)}"
         self.dir = os.path.join(root, name)
         self.fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _remove, self.fds, self.dir)
         try:
             os.makedirs(self.dir)
             for kind, nbytes in sizes.items():
@@ -113,7 +113,6 @@ class StateFiles:
         except OffloadError:
             self.close()
             raise
-        _OPEN.add(self)
 
     def _path(self, kind: str) -> str:
         return os.path.join(self.dir, f"{kind}.bin")
@@ -157,10 +156,4 @@ class StateFiles:
 
     def close(self) -> None:
         """Close and delete the files and this rank's directory (idempotent)."""
-        with self._lock:
-            fds, self.fds = self.fds, {}
-            for fd in fds.values():
-                os.close(fd)
-            if getattr(self, "dir", None) and os.path.isdir(self.dir):
-                shutil.rmtree(self.dir, ignore_errors=True)
-        _OPEN.discard(self)
+        self._finalizer()
