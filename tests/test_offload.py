@@ -61,6 +61,8 @@ CASES = {  # layout, offload (D: the offload directory)
     "pp2-dp2-zero2-nvme": (["parallel.pp=2", "parallel.zero=2"], lambda d: nvme(d)),
     "tp2-dp2-zero3-params+opt-nvme": (["parallel.tp=2", "parallel.zero=3"],
                                       lambda d: [*nvme(d), "parallel.offload_params=nvme"]),
+    "cp2-dp2-ep2-moe-zero2-nvme": (["parallel.cp=2", "parallel.ep=2", "parallel.zero=2", "model.num_experts=4",
+                                    "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"], lambda d: nvme(d)),
     "dp4-zero3-params-cpu": (["parallel.zero=3"], lambda d: ["parallel.offload_params=cpu",
                                                              "parallel.offload_optimizer=cpu"]),
 }
