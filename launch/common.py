@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -59,6 +60,14 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
     if cfg.checkpoint.load_dir is not None and not os.path.isdir(cfg.checkpoint.load_dir):
         raise CheckpointError(f"checkpoint.load_dir {cfg.checkpoint.load_dir} does not exist")
     return cfg
+
+
+def exit_cleanly_on_sigterm(cfg: ExperimentConfig) -> None:
+    """NVMe offload files are removed at exit (atexit); torchrun ends the other workers of a failed job
+    with SIGTERM, which by default skips atexit. Turn it into SystemExit, so they are removed then too."""
+    p = cfg.parallel
+    if "nvme" in (p.offload_optimizer, p.offload_params):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def build_context(cfg: ExperimentConfig) -> ParallelContext:

@@ -12,8 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RUN_ERRORS, USER_ERRORS, build_context, fail, load_and_validate, parse_args,  # noqa: E402
-                    shutdown, stage_builder)
+from common import (RUN_ERRORS, USER_ERRORS, build_context, exit_cleanly_on_sigterm, fail,  # noqa: E402
+                    load_and_validate, parse_args, shutdown, stage_builder)
 
 
 def main(argv=None) -> int:
@@ -24,6 +24,7 @@ def main(argv=None) -> int:
         fail(str(e))
     from parallel3d.training.loop import run_training
 
+    exit_cleanly_on_sigterm(cfg)
     ctx = build_context(cfg)
     try:
         run_training(cfg, ctx, stage_builder(cfg, ctx))

@@ -1,48 +1,91 @@
-"""AdamW on a bucket's flat fp32 state: the update each rank applies to the segment it holds."""
+"""AdamW on a bucket's flat fp32 state: the update each rank applies to the segment it holds.
+
+One update (`adamw_flat_`) serves every home of the state: the device, host memory (offload cpu) and the
+chunks streamed from NVMe (offload/nvme.py), so all of them are bit-identical. It is torch.optim.AdamW's
+single-tensor arithmetic (decay, lerp, addcmul, sqrt/div/add, addcdiv) run over cache-sized blocks.
+benchmarks/offload.py (RESULTS.md) measured the CPU candidates: this blocked form, torch's single-tensor
+and foreach AdamW are equal to the bit and within noise of each other (this one a little ahead);
+torch's fused CPU AdamW, a torch.compile'd loop and DeepSpeedCPUAdam are 2-10x faster but round
+differently, so they are not used: the offloaded run must equal the run without offload.
+"""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from parallel3d.data_parallel.buffer import Bucket
 
+BLOCK = 1 << 17  # elements per block: p, m, v, g and one temporary (5 x 512 KiB) stay in cache
+
+
+def decay_ranges(b: Bucket) -> list[tuple[int, int]]:
+    """[start, end) element ranges of the segment whose parameters take weight decay."""
+    return [(s.offset, s.offset + s.chunk_numel) for s in b.slots if s.decay]
+
 
 @torch.no_grad()
-def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-           step: int, block: int = 1 << 16, grad: Optional[torch.Tensor] = None) -> None:
-    """torch.optim.AdamW's single-tensor update on the bucket's flat fp32 state (padding stays 0).
-
-    Weight decay is applied per parameter (views); the moment and parameter updates run over the flat
-    segment in cache-sized blocks (the update is ~7 passes over 4 tensors: blocking keeps them in cache).
-    """
-    p, m, v = b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq
-    grad = b.grad.shard if grad is None else grad  # offload: a host copy of the held gradient
+def adamw_flat_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                decayed: Sequence[tuple[int, int]], lr: float, betas: tuple[float, float], eps: float,
+                weight_decay: float, step: int, block: int = BLOCK) -> None:
+    """In place on flat fp32 p, m, v (same length as grad); `decayed`: ranges (relative to p) to decay."""
     if weight_decay:
-        for s in b.slots:
-            if s.decay:
-                s.flat(p).mul_(1 - lr * weight_decay)
+        for a, e in decayed:
+            if e > a:
+                p[a:e].mul_(1 - lr * weight_decay)
     beta1, beta2 = betas
     step_size = lr / (1 - beta1 ** step)
     bc2_sqrt = math.sqrt(1 - beta2 ** step)
-    for i in range(0, p.numel(), block):
-        sl = slice(i, i + block)
+    n = p.numel()
+    scratch = torch.empty(min(block, n), dtype=torch.float32, device=p.device)
+    for i in range(0, n, block):
+        sl = slice(i, min(i + block, n))
         g = grad[sl] if grad.dtype == torch.float32 else grad[sl].float()
         mb, vb = m[sl], v[sl]
+        denom = scratch[: sl.stop - sl.start]
         mb.lerp_(g, 1 - beta1)
         vb.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = vb.sqrt().div_(bc2_sqrt).add_(eps)
+        torch.sqrt(vb, out=denom)
+        denom.div_(bc2_sqrt).add_(eps)
         p[sl].addcdiv_(mb, denom, value=-step_size)
 
 
-OFFLOAD_OPTIMIZER = ("none", "cpu")
+def clip_ranges(ranges: Sequence[tuple[int, int]], a: int, e: int) -> list[tuple[int, int]]:
+    """`ranges` intersected with [a, e), shifted to start at a."""
+    return [(max(x, a) - a, min(y, e) - a) for x, y in ranges if x < e and y > a]
 
 
-def check_offload_optimizer(mode: str) -> None:
-    """parallel.offload_optimizer: none, or cpu (master weights and Adam state in host memory, AdamW on the
-    CPU). nvme is not built yet."""
-    if mode == "nvme":
-        raise ValueError("parallel.offload_optimizer=nvme is not implemented yet; use cpu or none")
-    if mode not in OFFLOAD_OPTIMIZER:
-        raise ValueError(f"parallel.offload_optimizer={mode!r} is not one of {', '.join(OFFLOAD_OPTIMIZER)}")
+@torch.no_grad()
+def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+           step: int, grad: Optional[torch.Tensor] = None) -> None:
+    """torch.optim.AdamW's single-tensor update on the bucket's resident flat fp32 state (padding stays 0)."""
+    grad = b.grad.shard if grad is None else grad  # offload: a host copy of the held gradient
+    adamw_flat_(b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq, grad, decay_ranges(b), lr, betas, eps,
+                weight_decay, step)
+
+
+OFFLOAD_MODES = ("none", "cpu", "nvme")
+
+
+def check_offload(optimizer: str, params: str = "none", zero: int = 0, offload_dir: Optional[str] = None,
+                  buffer_mb: float = 64.0) -> None:
+    """parallel.offload_optimizer / offload_params / offload_dir / offload_buffer_mb.
+
+    optimizer: none | cpu (fp32 master and Adam state in host memory, AdamW on the CPU) | nvme (the same
+    state in files under offload_dir, streamed through offload_buffer_mb of host buffers). params: none |
+    cpu | nvme, ZeRO-3 only (the persistent parameter shard lives off the device between uses)."""
+    for key, mode in (("offload_optimizer", optimizer), ("offload_params", params)):
+        if mode not in OFFLOAD_MODES:
+            raise ValueError(f"parallel.{key}={mode!r} is not one of {', '.join(OFFLOAD_MODES)}")
+    if params != "none" and zero != 3:
+        raise ValueError(f"parallel.offload_params={params} needs parallel.zero=3 (only ZeRO-3 keeps a parameter "
+                         f"shard that can live off the device between uses), got zero={zero}")
+    if "nvme" in (optimizer, params) and not offload_dir:
+        raise ValueError("parallel.offload_optimizer/offload_params=nvme needs parallel.offload_dir=DIR "
+                         "(a directory on a fast local disk)")
+    if "nvme" in (optimizer, params):
+        from parallel3d.offload.files import check_offload_dir
+        check_offload_dir(offload_dir)
+    if not buffer_mb > 0:
+        raise ValueError(f"parallel.offload_buffer_mb must be > 0, got {buffer_mb}")

@@ -142,6 +142,7 @@ class AdamState:
     master: Optional[torch.Tensor] = None
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
+    home: Optional[object] = None   # NVMe offload (offload/nvme.py NvmeAdam): the three live in files instead
 
 
 @dataclass

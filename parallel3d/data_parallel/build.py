@@ -98,26 +98,43 @@ def _unit_buckets(module: nn.Module, named: Named, ctx: ParallelContext) -> tupl
 
 
 @torch.no_grad()
+def fill_segment(b: Bucket, a: int, e: int, out: torch.Tensor) -> torch.Tensor:
+    """out <- elements [a, e) of this rank's segment, taken from the parameters (zeros in the padding).
+    The whole segment is the initial master; chunks of it initialise state streamed to NVMe."""
+    out.zero_()
+    for s in b.slots:
+        n, r0 = s.valid_rows(b.shard), b.shard * s.chunk_rows * s.row_numel
+        lo, hi = max(a, s.offset), min(e, s.offset + n * s.row_numel)
+        if lo < hi:
+            out[lo - a: hi - a].copy_(s.param.data.reshape(-1)[r0 + lo - s.offset: r0 + hi - s.offset])
+    return out
+
+
+@torch.no_grad()
 def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtype,
-                state_device: Optional[torch.device] = None) -> None:
+                state_device: Optional[torch.device] = None, resident: bool = True) -> None:
     """fp32 master (this rank's segment; everything for ZeRO-0), Adam state, parameter storage.
 
     ZeRO-0: parameters become views of one flat buffer (the master itself in fp32, so no copy).
     state_device (optimizer offload): master and Adam state on the host; parameters keep a device copy.
+    resident=False (NVMe offload): no master or Adam tensors here (offload/nvme.py holds them in files).
     ZeRO-1/2: parameters stay separate tensors, converted to the compute dtype.
     ZeRO-3: a persistent shard in the compute dtype (the master itself in fp32); parameters are freed.
     """
     dev = b.slots[0].param.device
     home = dev if state_device is None else state_device  # offload: the optimizer state lives on the host
-    master = torch.zeros(b.seg, dtype=torch.float32, device=home, pin_memory=home.type == "cpu" and dev.type == "cuda")
-    for s in b.slots:
-        n, r0 = s.valid_rows(b.shard), b.shard * s.chunk_rows
-        if n:
-            s.rows_view(master)[:n].copy_(s.param.data.reshape(s.shape)[r0: r0 + n])
-    b.adam.master = master
-    b.adam.exp_avg, b.adam.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    master = None
+    if resident:
+        pin = home.type == "cpu" and dev.type == "cuda"
+        master = fill_segment(b, 0, b.seg, torch.empty(b.seg, dtype=torch.float32, device=home, pin_memory=pin))
+        b.adam.master = master
+        b.adam.exp_avg, b.adam.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    if zero in (0, 3):
+        if master is not None and dtype == torch.float32 and home == dev:
+            b.param_flat = master
+        else:
+            b.param_flat = fill_segment(b, 0, b.seg, torch.empty(b.seg, dtype=dtype, device=dev))
     if zero == 0:
-        b.param_flat = master if dtype == torch.float32 and home == dev else master.to(dev, dtype)
         for s in b.slots:
             s.param.data = s.flat(b.param_flat).view(s.param.shape)
         b.grad.full = b.grad.shard = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
@@ -128,7 +145,6 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
         if zero == 1:
             b.grad.full = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
     else:
-        b.param_flat = master if dtype == torch.float32 and home == dev else master.to(dev, dtype)
         for s in b.slots:
             s.param.data = torch.empty(s.param.shape, dtype=dtype, device=dev)
             s.param.data.untyped_storage().resize_(0)

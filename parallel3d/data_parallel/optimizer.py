@@ -39,7 +39,7 @@ from parallel3d import comm
 from parallel3d.data_parallel import state as _state
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
 from parallel3d.data_parallel.build import init_bucket, plan
-from parallel3d.data_parallel.adamw import adamw_, check_offload_optimizer
+from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.comm import start_all_gather, start_all_reduce, start_reduce_scatter, wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
@@ -56,12 +56,16 @@ class DistributedOptimizer:
                  bucket_size_mb: float = 25.0, no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
                  loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
                  min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None,
-                 offload_optimizer: str = "none") -> None:
+                 offload_optimizer: str = "none", offload_params: str = "none", offload_dir: Optional[str] = None,
+                 offload_buffer_mb: float = 64.0) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
-        check_offload_optimizer(offload_optimizer)
-        # offload: fp32 master and Adam state in host memory; the AdamW step runs on the CPU
-        self.state_device = torch.device("cpu") if offload_optimizer == "cpu" else None
+        check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
+        if ctx.device.type == "meta" and (offload_optimizer, offload_params) != ("none", "none"):
+            raise ValueError("the meta-device dry run (launch/plan.py) does not model offload yet: plan without "
+                             "parallel.offload_optimizer / parallel.offload_params")
+        # offload: fp32 master and Adam state in host memory (cpu) or files (nvme); AdamW runs on the CPU
+        self.state_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         self.ctx, self.zero, self.precision = ctx, zero, precision
         self.dtype = compute_dtype(precision)
@@ -82,11 +86,21 @@ class DistributedOptimizer:
         self.buckets = [b for bs in self.seqs for b in bs]
         self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
         self.params = [s.param for b in self.buckets for s in b.slots]
+        self.nvme = self.param_home = None   # offload homes (parallel3d/offload): NVMe Adam state, parameters
+        self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
+        if offload_optimizer == "nvme":       # before init_bucket: ZeRO-3 frees the parameters it reads
+            from parallel3d.offload.nvme import NvmeAdam
+            self.nvme = NvmeAdam.create(self.buckets, ctx, offload_dir, offload_buffer_mb)
         for b in self.buckets:
-            init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device)
+            init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device, resident=self.nvme is None)
+            b.adam.home = self.nvme
         if zero == 3:
             gather = {e: ctx.clone("edp" if e else "dp_cp") for e in (False, True)}
             self.zero3 = Zero3(chains, gather, self.dtype)
+        if offload_params != "none":          # takes each bucket's param_flat off the device
+            from parallel3d.offload.params import ParamOffload
+            self.param_home = ParamOffload.create(self.buckets, offload_params, self.dtype, ctx, offload_dir)
+            self.zero3.fetch = self.param_home.fetch
         self._chains = chains
         self._last = [True] * len(self.modules)  # per chunk: is the running backward the step's last one?
         self._chunk_seqs: dict[int, list[int]] = {}
@@ -254,10 +268,14 @@ class DistributedOptimizer:
         if found:
             return False
         self.step_count += 1
-        for b in self.buckets:
-            host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
-        self.publish_params()
+        if self.nvme is not None:  # streamed: each updated master chunk is published as it is produced
+            self.nvme.step(self.buckets, lr, self.betas, self.eps, self.weight_decay, self.step_count,
+                           self.publish_chunk)
+        else:
+            for b in self.buckets:
+                host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
+                adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
+        self.publish_params(streamed=self.nvme is not None)
         return True
 
     def skip_step(self) -> bool:
@@ -275,17 +293,34 @@ class DistributedOptimizer:
         return self._found_inf
 
     @torch.no_grad()
-    def publish_params(self) -> None:
-        """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2)."""
+    def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor) -> None:
+        """Elements [a, e) of b's updated master -> the parameters' home: the ZeRO-0/3 flat copy, the
+        parameter offload home, or (ZeRO-1/2) the device shard publish_params all-gathers."""
+        if self.param_home is not None:
+            self.param_home.store(b, a, e, values)
+        elif self.zero in (0, 3):
+            b.param_flat[a:e].copy_(values)
+        else:  # the all-gather runs on the device (master may be on the host)
+            if id(b) not in self._shards:
+                self._shards[id(b)] = torch.empty(b.seg, dtype=self.dtype, device=b.slots[0].param.device)
+            self._shards[id(b)][a:e].copy_(values)
+
+    @torch.no_grad()
+    def publish_params(self, streamed: bool = False) -> None:
+        """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2).
+        streamed: the NVMe step already passed every chunk to publish_chunk."""
+        if self.nvme is not None and not streamed:
+            self.nvme.read_master(self.buckets, self.publish_chunk)
+        for b in self.buckets if self.nvme is None else []:
+            if self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
+                self._shards[id(b)] = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
+            elif b.param_flat is not b.adam.master:
+                self.publish_chunk(b, 0, b.seg, b.adam.master)
         if self.zero in (0, 3):
-            for b in self.buckets:
-                if b.param_flat is not b.adam.master:
-                    b.param_flat.copy_(b.adam.master)
             return
         pending = []
         for b in self.buckets:
-            device = b.slots[0].param.device  # the all-gather runs on the device (master may be on the host)
-            shard = b.adam.master.to(device=device, dtype=self.dtype)
+            shard = self._shards.pop(id(b))
             full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
             pending.append((b, full, start_all_gather(full, shard, b.group)))
         for b, full, work in pending:
@@ -311,6 +346,12 @@ class DistributedOptimizer:
         self.step_count = int(d.get("step", 0))
         if self.scaler is not None:
             self.scaler.load(d)
+
+    def close(self) -> None:
+        """Remove the offload files (also done at exit)."""
+        for home in (self.nvme, self.param_home):
+            if home is not None:
+                home.close()
 
     def remove_hooks(self) -> None:
         """Detach from the model (gradient hooks, ZeRO-3 forward hooks)."""

@@ -8,7 +8,8 @@ vocabulary padding rows. Without ZeRO a rank holds the whole TP-local tensor. Ev
 global tensor is returned by exactly one rank in the world (the rule of clip.counts_once: ZeRO-0 only on
 DP x CP / expert-DP rank 0, replicas in meta.replicated only on their group's rank 0), so the shards of
 all ranks tile each tensor exactly, and a checkpoint written under one layout (any tp/pp/dp/zero) can be
-read back under another through `read(name, slices)`. Entries are live views; copy before mutating.
+read back under another through `read(name, slices)`. Entries are live views (under NVMe offload: copies
+read from the files); copy before mutating.
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def _rows(s: Slot, flat: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(()) if s.scalar else t
 
 
+def _state_rows(b: Bucket, s: Slot, kind: str, n: int) -> torch.Tensor:
+    """The held rows of one kind of Adam state (read from the files when they live on NVMe)."""
+    if b.adam.home is None:
+        return _rows(s, getattr(b.adam, kind), n)
+    t = b.adam.home.read_rows(kind, b, s.offset, n * s.row_numel).view((n,) + s.shape[1:])
+    return t.reshape(()) if s.scalar else t
+
+
 def state_tensors(buckets: Sequence[Bucket], ctx: ParallelContext, zero: int) -> dict:
     out = {}
     for b in buckets:
@@ -37,7 +46,7 @@ def state_tensors(buckets: Sequence[Bucket], ctx: ParallelContext, zero: int) ->
                 continue
             slices = s.global_slices(k, n)
             for kind in KINDS:
-                out[f"{kind}/{s.name}"] = (_rows(s, getattr(b.adam, kind), n), s.meta.global_shape, slices)
+                out[f"{kind}/{s.name}"] = (_state_rows(b, s, kind, n), s.meta.global_shape, slices)
     return out
 
 
@@ -53,7 +62,10 @@ def load_state_tensors(buckets: Sequence[Bucket], read: Callable, kinds: tuple[s
             slices = s.global_slices(k, n)
             for kind in kinds:
                 data = read(f"{kind}/{s.name}", slices)
-                s.rows_view(getattr(b.adam, kind))[:n].copy_(data.reshape((n,) + s.shape[1:]))
+                if b.adam.home is not None:
+                    b.adam.home.write_rows(kind, b, s.offset, data)
+                else:
+                    s.rows_view(getattr(b.adam, kind))[:n].copy_(data.reshape((n,) + s.shape[1:]))
 
 
 def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:

@@ -24,7 +24,7 @@ then the unit is gathered but neither freed nor re-hooked.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -77,6 +77,7 @@ class Zero3:
     def __init__(self, chains: list[list[Unit]], groups: dict[bool, Group], dtype: torch.dtype) -> None:
         self.units = [u for chain in chains for u in chain]
         self.groups, self.dtype = groups, dtype
+        self.fetch: Optional[Callable[[Bucket], torch.Tensor]] = None  # offload/params.py: shard -> device
         self.handles = []
         for chain in chains:               # chain = [root, block0, block1, ...]
             root, blocks = chain[0], chain[1:]
@@ -96,8 +97,9 @@ class Zero3:
             return
         pend = []
         for b in unit.buckets:
-            full = torch.empty(b.numel, dtype=self.dtype, device=b.param_flat.device)
-            pend.append((b, full, start_all_gather(full, b.param_flat, self.groups[b.expert])))
+            shard = b.param_flat if self.fetch is None else self.fetch(b)  # the work keeps a fetched copy alive
+            full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
+            pend.append((b, full, start_all_gather(full, shard, self.groups[b.expert])))
         unit.pending = pend
 
     def gather(self, unit: Unit) -> None:

@@ -61,7 +61,10 @@ class ParallelConfig:
     layers_per_stage: Optional[list[int]] = None  # one entry per (virtual) stage; None: even split
     bucket_size_mb: float = 25.0  # gradient-reduction bucket size
     timeout_s: float = 600.0     # collective timeout: a hung peer ends the job with the op named
-    offload_optimizer: str = "none"  # none | cpu: fp32 master + Adam state in host memory, AdamW on the CPU
+    offload_optimizer: str = "none"  # none | cpu | nvme: fp32 master + Adam state in host memory / files, AdamW on the CPU
+    offload_params: str = "none"     # none | cpu | nvme (zero=3): the parameter shard lives off the device between uses
+    offload_dir: Optional[str] = None  # nvme: directory for the per-rank state files (fast local disk)
+    offload_buffer_mb: float = 64.0  # nvme: host buffer pool that every read and write streams through
 
 
 @dataclass

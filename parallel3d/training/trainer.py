@@ -102,7 +102,8 @@ class Trainer:
                                     bucket_size_mb=p.bucket_size_mb, loss_scale=t.loss_scale,
                                     initial_loss_scale=t.initial_loss_scale,
                                     loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
-                                    offload_optimizer=p.offload_optimizer)
+                                    offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
+                                    offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb)
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:

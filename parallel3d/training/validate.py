@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
-from parallel3d.data_parallel.adamw import check_offload_optimizer
+from parallel3d.data_parallel.adamw import check_offload
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.mesh import MeshSpec
@@ -74,7 +74,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
     _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
-    _owned(lambda: check_offload_optimizer(p.offload_optimizer))
+    _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
     _choice(t.precision, "train.precision", tuple(DTYPES))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
     _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
