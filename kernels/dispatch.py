@@ -24,6 +24,7 @@ from kernels.rope import rope_reference
 from kernels.swiglu import swiglu_reference
 
 BACKENDS = ("auto", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
 
 
 def use_triton(backend: str, x: torch.Tensor) -> bool:
@@ -114,13 +115,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                               ignore_index: int = -100, chunk: int = 4096, backend: str = "auto",
+                               ignore_index: int = -100, chunk: Optional[int] = None, backend: str = "auto",
                                vocab_start: int = 0,
                                all_reduce_max: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                                all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                                ) -> torch.Tensor:
-    """Per-token loss (n,) of CE(hidden @ weight.T) computed `chunk` rows at a time (never the full logits).
-    The chunking is used on both paths; `backend` picks the per-chunk CE (Triton kernels or torch).
+    """Per-token loss (n,) of CE(hidden @ weight.T) computed `chunk` rows at a time (never the full logits;
+    None: chunks whose logits are about as large as `hidden`, see head_chunk_rows). The chunking is used on both paths; `backend` picks the per-chunk CE (Triton kernels or torch).
     Vocab-parallel weight shard: pass vocab_start and the TP-group all-reduces (see the kernel module)."""
     return _fused_linear_ce(hidden, weight, target, ignore_index, chunk, use_triton(backend, hidden),
                             vocab_start, all_reduce_max, all_reduce_sum)

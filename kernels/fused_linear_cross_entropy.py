@@ -83,8 +83,17 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return (dhidden, dweight.to(weight.dtype) if need_w else None) + (None,) * 7
 
 
+def head_chunk_rows(rows: int, vocab: int, hidden: int) -> int:
+    """Rows per chunk so that one chunk's logits (chunk, vocab) hold about as many elements as the whole
+    hidden input (rows, hidden): the head's extra memory then stays at the size of an activation it has
+    anyway, whatever the vocabulary. Rounded up to a multiple of 8 rows (tensor-core friendly)."""
+    chunks = max(1, -(-vocab // max(hidden, 1)))
+    per = -(-rows // chunks)
+    return max(8, -(-per // 8) * 8)
+
+
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                               ignore_index: int = -100, chunk: int = 4096,
+                               ignore_index: int = -100, chunk: Optional[int] = None,
                                use_triton: Optional[bool] = None, vocab_start: int = 0,
                                all_reduce_max: Reduce = None, all_reduce_sum: Reduce = None) -> torch.Tensor:
     """Per-token loss (n,) fp32 (fp64 for fp64 inputs) of CE(hidden @ weight.T, target), `chunk` rows at a time.
@@ -98,6 +107,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     target = target.reshape(-1)
     if use_triton is None:
         use_triton = hidden.is_cuda
+    if chunk is None:
+        chunk = head_chunk_rows(hidden.shape[0], weight.shape[0], hidden.shape[1])
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if (all_reduce_max is None) != (all_reduce_sum is None):

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kernels.dispatch import ATTENTION_BACKENDS
+from parallel3d.expert_parallel.experts import IMPLS as EXPERT_IMPLS
+
 
 @dataclass
 class ModelConfig:
@@ -23,6 +26,9 @@ class ModelConfig:
     qk_norm: bool = False              # Qwen3: RMSNorm over each query and key head (weight (head_dim,)) before RoPE
     qkv_bias: bool = False             # Qwen2/2.5: biases on the q, k and v projections (not on o)
     kernels: str = "auto"              # auto | triton | torch (DESIGN.md section 3: model.kernels)
+    fused_head: bool = True            # loss by the chunked fused linear + CE: no full logits in training
+    expert_impl: str = "auto"          # auto | loop | padded | grouped_mm | triton (routed experts' GEMMs)
+    attention: str = "auto"            # auto | triton | sdpa | flash_attn (attention backend)
     # Mixture-of-Experts (num_experts == 0 means dense). Filled in by the MoE issue.
     num_experts: int = 0
     moe_top_k: int = 2
@@ -56,6 +62,10 @@ class ModelConfig:
             raise ValueError(f"model.head_dim={self.attn_head_dim} must be even for RoPE")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"model.kernels must be auto, triton or torch, got {self.kernels!r}")
+        for key, value, choices in (("expert_impl", self.expert_impl, EXPERT_IMPLS),
+                                    ("attention", self.attention, ATTENTION_BACKENDS)):
+            if value not in choices:
+                raise ValueError(f"model.{key} must be one of {', '.join(choices)}, got {value!r}")
         if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"model.moe_top_k={self.moe_top_k} must be in [1, num_experts="
                              f"{self.num_experts}]")

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import dispatch
 from kernels.rope import rope_cos_sin, rope_inv_freq
 from models.config import ModelConfig
+from parallel3d import comm
 from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import init_parameters
@@ -173,6 +174,22 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
 
+    def fused_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of the LM head without the (b*s, V/tp) logits: the fused linear + CE takes the
+        tokens in chunks and recomputes each chunk's logits in backward (kernels.fused_linear_cross_entropy).
+        Under TP each rank holds a vocabulary shard; the per-token max / sum-exp / target logit are combined
+        over the TP group inside it, and d x is this rank's partial sum, all-reduced by enter_tp_region's
+        backward exactly as for the unfused head."""
+        tp = self.ctx.tp
+        weight = self.head_weight()[: self.vocab_real]  # (V_real/tp, h): padding rows take no part
+        reduce_max = reduce_sum = None
+        if tp.size > 1:
+            reduce_max, reduce_sum = (lambda t: comm.all_reduce(t, tp, op="max")), (lambda t: comm.all_reduce(t, tp))
+        losses = dispatch.fused_linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX,
+                                                     backend=self.cfg.kernels, vocab_start=self.vocab_start,
+                                                     all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)  # (b*s,)
+        return losses.sum()
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
         cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d)
@@ -186,6 +203,8 @@ class Llama(nn.Module):
         if not self.post:
             return x
         x = enter_tp_region(self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)
+        if labels is not None and self.cfg.fused_head:
+            return self.fused_loss(x, labels)
         logits = torch.nn.functional.linear(x, self.head_weight())  # (b, s, V/tp) incl. padding
         if labels is None:
             full = gather_from_tp(logits, self.ctx.tp, -1)  # (b, s, V_padded)
