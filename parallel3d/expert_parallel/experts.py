@@ -12,7 +12,11 @@ returns a *partial* output (its ffn slice), summed by the MoE layer's single TP 
 Rows arrive sorted by local expert with host-side counts, so each expert's rows are one contiguous slice:
   "loop"       one pair of GEMMs per local expert on its slice (few experts per rank: cheap, exact)
   "padded"     rows scattered into (E_local, max_count, h), three batched matmuls, gathered back
-  "grouped_mm" torch.nn.functional.grouped_mm (CUDA, SM80+, bf16); never chosen by "auto"
+  "grouped_mm" torch.nn.functional.grouped_mm (one call per projection; CPU and CUDA)
+  "triton"     our Triton grouped GEMM (kernels.grouped_gemm; CUDA, or the interpreter on CPU)
+"auto" (choose_impl): on CUDA grouped_mm for 16-bit weights with 16-byte aligned rows, else the Triton
+kernel; on the CPU grouped_mm for fp32/bf16 (faster than the loop, benchmarks/RESULTS.md), the exact loop
+for fp64.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from kernels import dispatch as kernels
 from parallel3d.comm import Group
 from parallel3d.params import ParamMeta, new_param
 
-IMPLS = ("auto", "loop", "padded", "grouped_mm")
+IMPLS = ("auto", "loop", "padded", "grouped_mm", "triton")
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str) -> torch.Tensor:
@@ -60,13 +64,57 @@ def grouped_swiglu_padded(x: torch.Tensor, counts: Sequence[int], w_gate: torch.
     return out.reshape(num * cap, w_down.shape[1])[slot]  # (N, h)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch's CPU grouped_mm backward rejects the
+    expanded (stride 0) gradients that e.g. a sum() produces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
 def grouped_swiglu_mm(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
                       w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """torch's grouped GEMM (CUDA bf16, dims multiples of 8); offs are the cumulative row counts."""
+    """torch's grouped GEMM; offs are the cumulative row counts."""
     offs = torch.cumsum(torch.tensor(list(counts), device=x.device), 0).to(torch.int32)
-    gate = F.grouped_mm(x, w_gate.transpose(1, 2), offs=offs)  # (N, f)
-    up = F.grouped_mm(x, w_up.transpose(1, 2), offs=offs)  # (N, f)
-    return F.grouped_mm(_swiglu(gate, up, backend), w_down.transpose(1, 2), offs=offs)  # (N, h)
+    gate = _ContiguousGrad.apply(F.grouped_mm(x, w_gate.transpose(1, 2), offs=offs))  # (N, f)
+    up = _ContiguousGrad.apply(F.grouped_mm(x, w_up.transpose(1, 2), offs=offs))  # (N, f)
+    return _ContiguousGrad.apply(F.grouped_mm(_swiglu(gate, up, backend), w_down.transpose(1, 2), offs=offs))
+
+
+def grouped_swiglu_triton(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                          w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Our Triton grouped GEMM (one launch per projection, forward and backward)."""
+    from kernels.grouped_gemm import grouped_mm
+    hid = _swiglu(grouped_mm(x, w_gate, counts), grouped_mm(x, w_up, counts), backend)  # (N, f)
+    return grouped_mm(hid, w_down, counts)  # (N, h)
+
+
+IMPL_FNS = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded, "grouped_mm": grouped_swiglu_mm,
+            "triton": grouped_swiglu_triton}
+
+
+def choose_impl(impl: str, x: torch.Tensor, hidden: int, ffn_local: int) -> str:
+    """The implementation `impl` ("auto" resolved for x's device, dtype and the GEMM shapes)."""
+    if impl != "auto":
+        return impl
+    if x.dtype == torch.float64 or not hasattr(F, "grouped_mm"):
+        return "loop"
+    if x.is_cuda or x.device.type == "meta":
+        aligned = hidden % 8 == 0 and ffn_local % 8 == 0  # grouped_mm wants 16-byte aligned rows
+        return "grouped_mm" if x.dtype in (torch.bfloat16, torch.float16) and aligned else "triton"
+    return "grouped_mm"
+
+
+def grouped_swiglu(impl: str, x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """SwiGLU experts on rows sorted by expert with implementation `impl` (see the module docstring)."""
+    fn = IMPL_FNS[choose_impl(impl, x, w_gate.shape[2], w_gate.shape[1])]
+    return fn(x, counts, w_gate, w_up, w_down, backend)
 
 
 def per_expert_reference(x: torch.Tensor, expert: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -116,8 +164,4 @@ class GroupedExperts(nn.Module):
         if len(counts) != self.local_experts or sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts {list(counts)} do not match {x.shape[0]} rows for "
                              f"{self.local_experts} local experts")
-        impl = self.impl
-        if impl == "auto":
-            impl = "loop"
-        fn = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded, "grouped_mm": grouped_swiglu_mm}[impl]
-        return fn(x, counts, self.gate_proj, self.up_proj, self.down_proj, self.backend)
+        return grouped_swiglu(self.impl, x, counts, self.gate_proj, self.up_proj, self.down_proj, self.backend)
