@@ -40,7 +40,8 @@ ARCH = {80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024),
         100: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024)}
 # tensor-core instructions: Hopper uses wgmma for tiles of >= 64 rows and mma.sync below that
 TC_PATTERN = {80: r"\bmma\.sync", 90: r"\b(wgmma\.mma_async|mma\.sync)", 100: r"\b(wgmma\.mma_async|mma\.sync|tcgen05\.mma)"}
-DOT_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}  # kernels with tl.dot
+DOT_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_grouped_mm_kernel",
+               "_grouped_mm_wgrad_kernel"}  # kernels with tl.dot
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
           torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}
 
@@ -96,6 +97,7 @@ def launches(quick: bool = False) -> list[Launch]:
     """Every launch the launchers make over the dtypes and shape classes they distinguish."""
     from kernels.cross_entropy import cross_entropy_partial_grad, cross_entropy_partial_stats
     from kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from kernels.grouped_gemm import grouped_mm_forward, grouped_mm_weight_grad
     from kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
     from kernels.rope import rope_apply
     from kernels.swiglu import swiglu_backward, swiglu_forward
@@ -124,6 +126,11 @@ def launches(quick: bool = False) -> list[Launch]:
                 with recording(f"{t} d={d} {'causal' if causal else 'full'}", out):
                     o, lse = flash_attention_forward(qq, kk, kk, causal)
                     flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal)
+        x, w, counts = torch.zeros(96, 512, dtype=dt), torch.zeros(4, 256, 512, dtype=dt), [40, 0, 50, 6]
+        with recording(f"{t} experts 4x(256,512)", out):
+            y = grouped_mm_forward(x, w, counts)  # (96, 256)
+            grouped_mm_forward(y, w, counts, transpose_b=False)  # dX
+            grouped_mm_weight_grad(y, x, counts)  # dW
         logits, target = torch.zeros(4, 32000, dtype=dt), torch.zeros(4, dtype=torch.int64)
         with recording(f"{t} vocab/tp=32000", out):
             cross_entropy_partial_stats(logits, target, 0)

@@ -87,7 +87,7 @@ def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M rows, BLOCK_N cols, BLOCK_K): 16-bit tiles sized for tensor cores without spills; fp32 keeps
     exact IEEE products (no tensor cores) in smaller tiles; the interpreter takes the smallest dot shape."""
     if interpreting():
-        return 16, 16, 16
+        return 32, 32, 32  # fewer programs: the interpreter pays per program, not per element
     return (64, 128, 64) if dtype in (torch.bfloat16, torch.float16) else (32, 64, 32)
 
 
