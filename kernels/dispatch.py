@@ -6,7 +6,7 @@ needs TRITON_INTERPRET=1 set before import) or "torch".
 Entries: rms_norm, rms_norm_residual (fused add + norm), rope, swiglu, cross_entropy (per-token, full
 vocab), cross_entropy_partial_stats / cross_entropy_partial_grad / vocab_parallel_cross_entropy (the
 vocab-parallel pieces), fused_linear_cross_entropy (chunked, never the full logits), attention,
-attention_with_lse.
+attention_with_lse (backends: kernels.attention_backend).
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from kernels.attention_backend import (ATTENTION_BACKENDS, SdpaBlockFunction, flash_attn_attention,  # noqa: F401
+                                      sdpa_attention_backward, select_attention)
 from kernels.cross_entropy import (cross_entropy_partial_grad_reference, cross_entropy_partial_stats_reference,
                                    cross_entropy_reference)
 from kernels.flash_attention import attention_reference, sdpa_attention
@@ -24,7 +26,6 @@ from kernels.rope import rope_reference
 from kernels.swiglu import swiglu_reference
 
 BACKENDS = ("auto", "triton", "torch")
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
 
 
 def use_triton(backend: str, x: torch.Tensor) -> bool:
@@ -129,24 +130,34 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
-    """(b, s, hq, d) attention without lse (SDPA on the torch path)."""
+    """(b, s, hq, d) attention without lse. backend: a model.attention value or a model.kernels one
+    (kernels.attention_backend.select_attention chooses)."""
     if q.is_meta:
         return _meta_flash_attention(q, k, v, causal, scale)[0]
-    if use_triton(backend, q):
+    impl = select_attention(backend, q, need_lse=False)
+    if impl == "triton":
         from kernels.flash_attention import flash_attention
         return flash_attention(q, k, v, causal, scale)[0]
-    return sdpa_attention(q, k, v, causal, scale)
+    if impl == "flash_attn":
+        return flash_attn_attention(q, k, v, causal, scale)
+    if impl == "sdpa":
+        return sdpa_attention(q, k, v, causal, scale)
+    return attention_reference(q, k, v, causal, scale)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                        scale: Optional[float] = None, backend: str = "auto"
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (b, sq, hq, d), lse (b, hq, sq) fp32): the block function ring attention merges."""
+    """(out (b, sq, hq, d), lse (b, hq, sq) fp32): the block function ring attention merges. Causal is
+    bottom-right aligned (sk >= sq). Differentiable through out on every backend."""
     if q.is_meta:
         return _meta_flash_attention(q, k, v, causal, scale)
-    if use_triton(backend, q):
+    impl = select_attention(backend, q, need_lse=True)
+    if impl == "triton":
         from kernels.flash_attention import flash_attention
         return flash_attention(q, k, v, causal, scale)
+    if impl == "sdpa":
+        return SdpaBlockFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5 if scale is None else scale)
     return attention_reference(q, k, v, causal, scale)
 
 

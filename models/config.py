@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kernels.dispatch import ATTENTION_BACKENDS
+from kernels.attention_backend import ATTENTION_BACKENDS
 from parallel3d.expert_parallel.experts import IMPLS as EXPERT_IMPLS
 
 

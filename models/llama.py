@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels import dispatch
+from kernels.attention_backend import attention_setting
 from kernels.rope import rope_cos_sin, rope_inv_freq
 from models.config import ModelConfig
 from parallel3d import comm
@@ -47,6 +48,7 @@ class Attention(nn.Module):
             raise ValueError(f"model.num_heads={cfg.num_heads} is not divisible by parallel.tp={tp.size}")
         self.tp, self.sp, self.cp, self.cp_mode, self.backend = tp, sp, ctx.cp, cp_mode, cfg.kernels
         self.recompute_core = recompute_core
+        self.attention = attention_setting(cfg.attention, cfg.kernels)  # model.attention (auto: by model.kernels)
         bias = cfg.qkv_bias
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, tp, sp, enter_region=False, bias=bias)
         self.k_proj = KVParallelLinear(h, cfg.num_kv_heads, d, tp, bias=bias)
@@ -59,7 +61,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.backend)
+        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)

@@ -55,8 +55,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) in acc dtype).
 
-    Goes through `dispatch.attention_with_lse` (Triton flash kernel on CUDA / when forced, the torch
-    reference elsewhere, exact in fp64 for fp64 inputs).
+    Goes through `dispatch.attention_with_lse` (kernels.attention_backend.select_attention: the Triton flash
+    kernel on CUDA / when forced, aten's CPU flash attention on the CPU, the exact reference for fp64).
     """
     out, lse = dispatch.attention_with_lse(q, k, v, causal, scale, backend)
     return out, lse.to(acc_dtype(q.dtype))
@@ -71,9 +71,13 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     out/lse are the merged (final) values of these query rows, see the module docstring.
     """
     dt = acc_dtype(q.dtype)
-    if dispatch.use_triton(backend, q):
+    impl = dispatch.select_attention(backend, q, need_lse=True)
+    if impl == "triton":
         from kernels.flash_attention import flash_attention_backward
         dq, dk, dv = flash_attention_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale)
+        return dq.to(dt), dk.to(dt), dv.to(dt)
+    if impl == "sdpa":
+        dq, dk, dv = dispatch.sdpa_attention_backward(do, q, k, v, out, lse, causal, scale)
         return dq.to(dt), dk.to(dt), dv.to(dt)
     b, sk, hk, d = k.shape
     hq = q.shape[2]

@@ -15,7 +15,7 @@ Rows arrive sorted by local expert with host-side counts, so each expert's rows 
   "grouped_mm" torch.nn.functional.grouped_mm (one call per projection; CPU and CUDA)
   "triton"     our Triton grouped GEMM (kernels.grouped_gemm; CUDA, or the interpreter on CPU)
 "auto" (choose_impl): on CUDA grouped_mm for 16-bit weights with 16-byte aligned rows, else the Triton
-kernel; on the CPU grouped_mm for fp32/bf16 (faster than the loop, benchmarks/RESULTS.md), the exact loop
+kernel (the loop on the meta stand-in); on the CPU grouped_mm for fp32/bf16 (faster than the loop, benchmarks/RESULTS.md), the exact loop
 for fp64.
 """
 from __future__ import annotations
@@ -104,9 +104,11 @@ def choose_impl(impl: str, x: torch.Tensor, hidden: int, ffn_local: int) -> str:
         return impl
     if x.dtype == torch.float64 or not hasattr(F, "grouped_mm"):
         return "loop"
-    if x.is_cuda or x.device.type == "meta":
+    if x.is_cuda or x.device.type == "meta":  # meta: the dry run's stand-in for CUDA
         aligned = hidden % 8 == 0 and ffn_local % 8 == 0  # grouped_mm wants 16-byte aligned rows
-        return "grouped_mm" if x.dtype in (torch.bfloat16, torch.float16) and aligned else "triton"
+        if x.dtype in (torch.bfloat16, torch.float16) and aligned:  # (and bf16: CUDA's and meta's rule)
+            return "grouped_mm"
+        return "triton" if x.is_cuda else "loop"
     return "grouped_mm"
 
 

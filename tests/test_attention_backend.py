@@ -1,0 +1,99 @@
+"""model.attention: the backend selector, every available backend against the exact fp64 reference
+(forward, backward, the lse the CP blocks merge), the block backward from a merged (out, lse), and the
+model through the Trainer with each backend (world 1 and cp=2 ring)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.attention_backend import select_attention
+from kernels.flash_attention import attention_reference
+from parallel3d.context_parallel.blocks import block_backward
+
+
+def test_selector_on_this_cpu():
+    f32, f64 = torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8, dtype=torch.float64)
+    assert select_attention("auto", f32, need_lse=True) == "sdpa"
+    assert select_attention("auto", f64, need_lse=True) == "reference"  # exact for tests
+    assert select_attention("torch", f32, need_lse=True) == "sdpa"
+    assert select_attention("sdpa", f32, need_lse=False) == "sdpa"
+    assert select_attention("triton", f32, need_lse=True) == "triton"  # TRITON_INTERPRET=1 (conftest)
+    assert select_attention("auto", torch.zeros(1, 8, 2, 8, device="meta"), need_lse=True) == "sdpa"
+    with pytest.raises(ValueError, match="flash_attn needs"):
+        select_attention("flash_attn", f32, need_lse=False)
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        select_attention("xformers", f32, need_lse=False)
+
+
+def _qkv(sq, sk, hq=4, hk=2, d=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, s, h, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+            for s, h in ((sq, hq), (sk, hk), (sk, hk))]
+
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("sq,sk,causal", [(24, 24, True), (8, 24, True), (13, 29, False), (16, 40, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_with_lse_matches_fp64_reference(backend, sq, sk, causal, dtype):
+    if backend == "triton" and dtype == torch.bfloat16 and sq != 24:
+        pytest.skip("the interpreted Triton kernel is covered by test_kernels_flash_attention")
+    q, k, v = _qkv(sq, sk, dtype=dtype)
+    out, lse = dispatch.attention_with_lse(q, k, v, causal, None, backend)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = attention_reference(q64, k64, v64, causal)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+    lse_tol = TOL[torch.float32] if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)  # 16-bit q k^T
+    torch.testing.assert_close(lse.double(), ref_lse, **lse_tol)
+    do = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), do.to(dtype)), torch.autograd.grad(ref, (q64, k64, v64), do)):
+        torch.testing.assert_close(a.double(), b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "torch", "auto"])
+def test_plain_attention_backends(backend):
+    q, k, v = _qkv(20, 20)
+    ref = attention_reference(*(t.detach().double() for t in (q, k, v)), True)[0]
+    torch.testing.assert_close(dispatch.attention(q, k, v, True, None, backend).double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_block_backward_from_merged_lse():
+    """Two key blocks of one attention: each block's backward from the *merged* out/lse (what ring CP does)
+    adds up to the full gradient, with the sdpa blocks as with the exact reference."""
+    q, k, v = _qkv(16, 48, dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, True)
+    do = torch.randn_like(out)
+    full = torch.autograd.grad(out, (q, k, v), do)
+    scale = 16 ** -0.5
+    parts = {}
+    for backend in ("sdpa", "reference"):
+        first = block_backward(do, q, k[:, :20], v[:, :20], out, lse, False, scale, backend)  # keys all visible
+        second = block_backward(do, q, k[:, 20:], v[:, 20:], out, lse, True, scale, backend)  # bottom-right
+        parts[backend] = (first[0] + second[0], torch.cat([first[1], second[1]], 1), torch.cat([first[2], second[2]], 1))
+        for a, b in zip(parts[backend], full):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _run(worker, overrides, steps):
+    from test_trainer_regressions import run
+    return run(worker, overrides, steps)
+
+
+def test_trainer_parity_across_backends():
+    """The model through the Trainer: the Triton kernel (interpreted) gives the sdpa run's loss and weights
+    (each is checked against the exact fp64 reference above; auto is sdpa on this CPU)."""
+    from test_trainer_regressions import assert_parity, run
+    small = ["train.seq_len=16", "train.global_batch_size=2"]
+    ref = run(None, [*small, "model.attention=sdpa"], 2)
+    assert_parity([run(None, [*small, "model.attention=triton"], 2)], ref)
+
+
+def test_trainer_cp2_ring_sdpa_blocks(worlds):
+    """cp=2 ring with the sdpa blocks (CPU default) == world size 1."""
+    from test_trainer_regressions import assert_parity, run
+    layout = ["parallel.cp=2", "parallel.cp_mode=ring", "model.attention=sdpa"]
+    ref = run(None, layout[2:], 3)
+    assert_parity(worlds.run(2, run, layout, 3), ref)
