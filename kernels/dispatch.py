@@ -140,6 +140,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return flash_attention(q, k, v, causal, scale)[0]
     if impl == "flash_attn":
         return flash_attn_attention(q, k, v, causal, scale)
+    if impl == "sdpa" and not q.is_cuda:  # aten's CPU flash op: GQA native (SDPA's enable_gqa is its slow math path)
+        return SdpaBlockFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5 if scale is None else scale)[0]
     if impl == "sdpa":
         return sdpa_attention(q, k, v, causal, scale)
     return attention_reference(q, k, v, causal, scale)[0]
