@@ -1,5 +1,8 @@
 """Pick an implementation per op: Triton on CUDA, the torch reference elsewhere.
 
+The Triton paths go through the `torch.library` custom ops of kernels.ops (fake implementations: they pass
+through FakeTensorMode, the meta device and torch.compile without graph breaks).
+
 backend: "auto" (Triton when the tensor is on CUDA and Triton imports), "triton" (forced; on CPU this
 needs TRITON_INTERPRET=1 set before import) or "torch".
 
@@ -43,8 +46,8 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
     if use_triton(backend, x):
-        from kernels.rmsnorm import rmsnorm
-        return rmsnorm(x, weight, eps)
+        from kernels import ops
+        return ops.rmsnorm(x, weight, eps)
     return rmsnorm_reference(x, weight, eps)
 
 
@@ -52,23 +55,23 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual): new_residual = x + residual, normed = rms_norm(new_residual)."""
     if use_triton(backend, x):
-        from kernels.rmsnorm import rmsnorm_residual
-        return rmsnorm_residual(x, residual, weight, eps)
+        from kernels import ops
+        return ops.rmsnorm_residual(x, residual, weight, eps)
     return rmsnorm_residual_reference(x, residual, weight, eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
          ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(backend, q):
-        from kernels.rope import rope as rope_triton
-        return rope_triton(q, k, cos, sin)
+        from kernels import ops
+        return ops.rope(q, k, cos, sin)
     return rope_reference(q, k, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if use_triton(backend, gate):
-        from kernels.swiglu import swiglu as swiglu_triton
-        return swiglu_triton(gate, up)
+        from kernels import ops
+        return ops.swiglu(gate, up)
     return swiglu_reference(gate, up)
 
 
@@ -136,8 +139,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return _meta_flash_attention(q, k, v, causal, scale)[0]
     impl = select_attention(backend, q, need_lse=False)
     if impl == "triton":
-        from kernels.flash_attention import flash_attention
-        return flash_attention(q, k, v, causal, scale)[0]
+        from kernels import ops
+        return ops.flash_attention(q, k, v, causal, scale)[0]
     if impl == "flash_attn":
         return flash_attn_attention(q, k, v, causal, scale)
     if impl == "sdpa" and not q.is_cuda:  # aten's CPU flash op: GQA native (SDPA's enable_gqa is its slow math path)
@@ -156,8 +159,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return _meta_flash_attention(q, k, v, causal, scale)
     impl = select_attention(backend, q, need_lse=True)
     if impl == "triton":
-        from kernels.flash_attention import flash_attention
-        return flash_attention(q, k, v, causal, scale)
+        from kernels import ops
+        return ops.flash_attention(q, k, v, causal, scale)
     if impl == "sdpa":
         return SdpaBlockFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5 if scale is None else scale)
     return attention_reference(q, k, v, causal, scale)
