@@ -87,7 +87,7 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
 
     def build(layer_ids: list[int], pre: bool, post: bool):
         return model_cls(cfg.model, ctx, layers=layer_ids, pre=pre, post=post, sequence_parallel=p.sp,
-                         cp_mode=p.cp_mode, recompute=recompute)
+                         cp_mode=p.cp_mode, recompute=recompute, compile_blocks=cfg.train.compile)
     return build
 
 

@@ -126,7 +126,7 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layers: Optional[Sequence[int]] = None,
                  pre: bool = True, post: bool = True, sequence_parallel: bool = False, cp_mode: str = "ring",
-                 recompute: str = "none") -> None:
+                 recompute: str = "none", compile_blocks: bool = False) -> None:
         super().__init__()
         cfg.validate()
         if recompute not in ("none", "full", "selective"):
@@ -139,6 +139,9 @@ class Llama(nn.Module):
         if pre:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp)
         self.layers = nn.ModuleDict({str(i): self.make_block(i, cp_mode, recompute) for i in layer_ids})
+        if compile_blocks:  # train.compile: each block in place (names, PP stages and checkpointing unchanged)
+            for block in self.layers.values():
+                block.compile()
         if post:
             self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, self.sp, cfg.kernels)
             self.vocab_start, self.vocab_real, _ = vocab_shard(cfg.vocab_size, tp.size, tp.rank)

@@ -41,11 +41,11 @@ class MoETransformer(Llama):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layers: Optional[Sequence[int]] = None,
                  pre: bool = True, post: bool = True, sequence_parallel: bool = False, cp_mode: str = "ring",
-                 recompute: str = "none", expert_impl: Optional[str] = None) -> None:
+                 recompute: str = "none", expert_impl: Optional[str] = None, compile_blocks: bool = False) -> None:
         if cfg.num_experts < 1:
             raise ValueError("MoETransformer needs model.num_experts > 0 (use Llama for dense models)")
         self.expert_impl = cfg.expert_impl if expert_impl is None else expert_impl  # model.expert_impl
-        super().__init__(cfg, ctx, layers, pre, post, sequence_parallel, cp_mode, recompute)
+        super().__init__(cfg, ctx, layers, pre, post, sequence_parallel, cp_mode, recompute, compile_blocks)
 
     def make_block(self, index: int, cp_mode: str, recompute: str) -> Block:
         cfg = self.cfg

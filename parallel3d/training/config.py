@@ -88,6 +88,8 @@ class TrainConfig:
     grad_clip: float = 1.0       # 0: no clipping
     activation_checkpointing: str = "none"  # none | full | selective
     activation_offload: bool = False  # saved activations to host memory during forward (offload/activations.py)
+    compile: bool = False        # torch.compile each transformer block (per block: PP and checkpointing keep working)
+    fp8: str = "none"            # none | tensorwise | rowwise: linear-layer matmuls in float8 (bf16 precision)
     eval_interval: int = 0       # 0: no periodic evaluation
     eval_steps: int = 10
     nan_policy: str = "skip"     # skip: drop the step and go on | stop: raise
