@@ -13,6 +13,7 @@ from torch import nn
 
 from kernels import dispatch
 from parallel3d.comm import Group
+from parallel3d.tensor_parallel import fp8
 from parallel3d.params import ParamMeta, full_slices, new_param, shard_slices
 from parallel3d.tensor_parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                                                  reduce_scatter_to_sp)
@@ -60,11 +61,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:  # split like the output rows (zeros at init, as nn.Linear biases in Hugging Face models)
             self.bias = new_param((local,), ParamMeta((out_features,), slices[:1], init="zeros"))
+        self.fp8 = "none"  # train.fp8 recipe (tensor_parallel.fp8.convert_to_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sp)  # (b, s, in)
-        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        y = fp8.linear(x, self.weight, self.bias, self.fp8, "column", self.group)  # (b, s, out/tp)
         return gather_from_tp(y, self.group, -1) if self.gather_output else y
 
 
@@ -86,9 +88,10 @@ class RowParallelLinear(nn.Module):
         meta = ParamMeta((out_features, in_features),
                          shard_slices((out_features, in_features), 1, group.rank, group.size), std=std)
         self.weight = new_param((out_features, in_features // group.size), meta)
+        self.fp8 = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out) partial sum
+        y = fp8.linear(x, self.weight, None, self.fp8, "row", self.group)  # (b, s, out) partial sum
         if not self.reduce:
             return y
         return reduce_scatter_to_sp(y, self.group) if self.sp else reduce_from_tp(y, self.group)
@@ -117,7 +120,7 @@ class KVParallelLinear(nn.Module):
         super().__init__()
         tp = group.size
         shape = (kv_heads * head_dim, in_features)
-        self.head_dim = head_dim
+        self.head_dim, self.group, self.fp8 = head_dim, group, "none"
         if kv_heads % tp == 0:
             self.row_range = None
             meta = ParamMeta(shape, shard_slices(shape, 0, group.rank, tp), std=std)
@@ -136,10 +139,11 @@ class KVParallelLinear(nn.Module):
                                                                     grad_reduce=w.grad_reduce, replicated=w.replicated))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_range is None:
-            return F.linear(x, self.weight, self.bias)  # (b, s, local_kv_heads * head_dim)
-        lo, hi = self.row_range
-        return F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])  # (b, s, head_dim)
+        if self.row_range is None:  # (b, s, local_kv_heads * head_dim)
+            return fp8.linear(x, self.weight, self.bias, self.fp8, "column", self.group)
+        lo, hi = self.row_range  # replicated heads: fp8 scales of this rank ("local")
+        return fp8.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi], self.fp8,
+                          "local", self.group)  # (b, s, head_dim)
 
 
 class VocabParallelEmbedding(nn.Module):

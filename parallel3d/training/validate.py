@@ -14,6 +14,7 @@ from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
 from parallel3d.data_parallel.adamw import check_offload
 from parallel3d.data_parallel.precision import DTYPES
+from parallel3d.tensor_parallel.fp8 import check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
@@ -76,6 +77,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
     _choice(t.precision, "train.precision", tuple(DTYPES))
+    _owned(lambda: check_fp8(t.fp8, t.precision))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
     _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
     _choice(t.lr_schedule, "train.lr_schedule", ("cosine", "linear", "constant"))

@@ -1,0 +1,140 @@
+"""FP8 linear layers (train.fp8=tensorwise|rowwise, with train.precision=bf16): the matmuls of the
+column-, row- and KV-parallel layers run in float8 through `torch._scaled_mm` with current (dynamic)
+scaling; parameters stay bf16, the fp32 master weights and the optimizer are untouched.
+
+    y  = x @ W^T      x: e4m3, W: e4m3                                  forward
+    dx = dy @ W       dy: e5m2 (tensorwise) / e4m3 (rowwise), W: e4m3    backward, input gradient
+    dW = dy^T @ x     dy as above, x: e4m3                               backward, weight gradient
+
+A tensor is quantised as t8 = saturate(t * s), s = fp8_max / amax, and the product is rescaled by the
+inverse scales (scale_a, scale_b of _scaled_mm). The recipes (TorchTitan/torchao's names):
+  tensorwise   one scale per tensor; gradients in e5m2 (range over precision)
+  rowwise      one scale per row of each operand along the contraction dimension (axiswise), e4m3
+               everywhere; more accurate, each GEMM re-quantises its operands along its own axis
+
+Tensor parallelism. Scales are computed on this rank's shards; where the amax would differ from the
+unsharded tensor's, it is all-reduced (MAX) over the TP group, so every element is quantised exactly as in
+the world-size-1 run (layout-independent numerics up to summation order):
+  tensorwise  every TP-sharded operand: the weight always; x of a row-parallel layer (split along in);
+              dy of a column-parallel layer (split along out)
+  rowwise     only where the contraction dimension is split: x and W of a row-parallel layer (forward);
+              dy and W of a column-parallel layer (dx); never for dW (tokens are not TP-split)
+Under sequence parallelism x is all-gathered before the column-parallel matmul, so it is whole.
+The LM head (and the fused head) and the MoE expert GEMMs stay in bf16; replicated KV projections
+(tp > num_kv_heads) scale on their own rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from parallel3d import comm
+from parallel3d.comm import Group
+
+RECIPES = ("none", "tensorwise", "rowwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def check_fp8(recipe: str, precision: str) -> None:
+    """train.fp8 needs bf16 training (the fp8 GEMMs write bf16)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"train.fp8 must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    if recipe != "none" and precision != "bf16":
+        raise ValueError(f"train.fp8={recipe} needs train.precision=bf16 (got {precision})")
+
+
+def _amax(t: torch.Tensor, dim: Optional[int], group: Optional[Group]) -> torch.Tensor:
+    """fp32 amax of |t|: whole tensor (dim None) or along `dim` (kept), MAX-reduced over `group` if given."""
+    a = t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)
+    a = a.float()
+    return comm.all_reduce(a, group, op="max") if group is not None else a
+
+
+def quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t8 in `dtype`, inverse scale fp32 shaped like amax): t8 = saturate(t * fp8_max / amax)."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / amax.clamp_min(1e-12)
+    t8 = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return t8, scale.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def _mm(a8: torch.Tensor, a_inv: torch.Tensor, b8: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype
+        ) -> torch.Tensor:
+    """(M, K) @ (K, N) in fp8; a row-major, b column-major; inverse scales scalar or (M, 1) / (1, N)."""
+    def dense(s: torch.Tensor) -> torch.Tensor:  # (k, 1) views of (1, k) keep a stride _scaled_mm rejects
+        return s if s.dim() == 0 else s.flatten().view(s.shape)
+    return torch._scaled_mm(a8.contiguous(), _col_major(b8), scale_a=dense(a_inv), scale_b=dense(b_inv),
+                            out_dtype=out_dtype)
+
+
+class Fp8Linear(torch.autograd.Function):
+    """y = x @ W^T with fp8 operands; kind "column" | "row" | "local" says which operands are TP-sharded
+    (local: none reduced); see the module docstring for the scales and reductions."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, kind: str, group: Optional[Group]
+                ) -> torch.Tensor:
+        tp = group if group is not None and group.size > 1 and kind != "local" else None
+        row, col = (tp if kind == "row" else None), (tp if kind == "column" else None)
+        x2 = x.reshape(-1, x.shape[-1])  # (n, in)
+        if recipe == "tensorwise":
+            x8, x_inv = quantize(x2, _amax(x2, None, row), E4M3)
+            w8, w_inv = quantize(weight, _amax(weight, None, tp), E4M3)  # (out, in)
+            y = _mm(x8, x_inv, w8.t(), w_inv, x.dtype)  # (n, out)
+        else:
+            x8, x_inv = quantize(x2, _amax(x2, 1, row), E4M3)  # scales (n, 1)
+            w8, w_inv = quantize(weight, _amax(weight, 1, row), E4M3)  # scales (out, 1)
+            y = _mm(x8, x_inv, w8.t(), w_inv.t(), x.dtype)  # (n, out)
+        ctx.save_for_backward(x2, weight)
+        ctx.args = (recipe, row, col, tp, x.shape)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    # dx = dy @ W contracts over out; dW = dy^T @ x contracts over the n tokens.
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        recipe, row, col, tp, x_shape = ctx.args
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (n, out)
+        if recipe == "tensorwise":
+            g8, g_inv = quantize(dy2, _amax(dy2, None, col), E5M2)
+            w8, w_inv = quantize(weight, _amax(weight, None, tp), E4M3)
+            x8, x_inv = quantize(x2, _amax(x2, None, row), E4M3)
+            dx = _mm(g8, g_inv, w8, w_inv, dy.dtype)  # (n, in)
+            dw = _mm(g8.t(), g_inv, x8, x_inv, weight.dtype)  # (out, in)
+        else:
+            g8, g_inv = quantize(dy2, _amax(dy2, 1, col), E4M3)  # (n, 1): rows over out
+            w8, w_inv = quantize(weight, _amax(weight, 0, col), E4M3)  # (1, in): columns over out
+            dx = _mm(g8, g_inv, w8, w_inv, dy.dtype)  # (n, in)
+            gt8, gt_inv = quantize(dy2, _amax(dy2, 0, None), E4M3)  # (1, out): columns over n
+            x8, x_inv = quantize(x2, _amax(x2, 0, None), E4M3)  # (1, in)
+            dw = _mm(gt8.t(), gt_inv.t(), x8, x_inv, weight.dtype)  # (out, in)
+        return dx.view(x_shape), dw, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, recipe: str = "none",
+           kind: str = "local", group: Optional[Group] = None) -> torch.Tensor:
+    """F.linear, or its fp8 version when recipe is tensorwise / rowwise (the bias is added in bf16)."""
+    if recipe == "none":
+        return F.linear(x, weight, bias)
+    y = Fp8Linear.apply(x, weight, recipe, kind, group)
+    return y if bias is None else y + bias
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
+    """Switch every column-, row- and KV-parallel linear of `model` to `recipe` (the LM head excepted);
+    returns how many layers were switched."""
+    from parallel3d.tensor_parallel.layers import ColumnParallelLinear, KVParallelLinear, RowParallelLinear
+
+    check_fp8(recipe, "bf16")
+    n = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear)) and name != "lm_head":
+            module.fp8 = recipe
+            n += 1
+    return n
