@@ -78,18 +78,28 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dlogits = grad_fn(logits, target[sl], vocab_start, lse[sl], dloss[sl], ignore_index)  # (c, v_local)
             if need_h:
                 dhidden[sl] = dlogits @ weight  # (c, h)
-            if need_w:
-                dweight += (dlogits.t() @ hidden[sl]).to(dweight.dtype)  # (v_local, h), matmul in input dtype
+            if need_w:  # (v_local, h) += dlogits^T (v_local, c) @ hidden (c, h)
+                if dweight.dtype == weight.dtype:  # fp32 / fp64: in place, no temporary
+                    dweight.addmm_(dlogits.t(), hidden[sl])
+                elif use_triton:  # 16-bit on the GPU: tensor-core product (a (v, h) temporary), added in fp32
+                    dweight.add_(dlogits.t() @ hidden[sl])
+                else:  # 16-bit elsewhere: fp32 product straight into the accumulator ((c, v) fp32 temporary)
+                    dweight.addmm_(dlogits.t().float(), hidden[sl].float())
         return (dhidden, dweight.to(weight.dtype) if need_w else None) + (None,) * 7
 
 
+MIN_CHUNK_ROWS = 256  # below this the per-chunk (v, h) d weight accumulation costs more than the matmuls
+
+
 def head_chunk_rows(rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk so that one chunk's logits (chunk, vocab) hold about as many elements as the whole
-    hidden input (rows, hidden): the head's extra memory then stays at the size of an activation it has
-    anyway, whatever the vocabulary. Rounded up to a multiple of 8 rows (tensor-core friendly)."""
+    """Rows per chunk: enough chunks that one chunk's logits (chunk, vocab) hold about as many elements as
+    the hidden input (rows, hidden), so the head's extra memory stays at the size of an activation it has
+    anyway, but at least MIN_CHUNK_ROWS: every chunk adds its d weight into the (vocab, hidden)
+    accumulator, a pass over vocab * hidden that only pays off against a matmul of enough rows.
+    A multiple of 8 (tensor-core friendly)."""
     chunks = max(1, -(-vocab // max(hidden, 1)))
-    per = -(-rows // chunks)
-    return max(8, -(-per // 8) * 8)
+    per = max(-(-rows // chunks), MIN_CHUNK_ROWS)
+    return -(-per // 8) * 8
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -186,7 +186,9 @@ class Llama(nn.Module):
         over the TP group inside it, and d x is this rank's partial sum, all-reduced by enter_tp_region's
         backward exactly as for the unfused head."""
         tp = self.ctx.tp
-        weight = self.head_weight()[: self.vocab_real]  # (V_real/tp, h): padding rows take no part
+        weight = self.head_weight()  # (V/tp, h) incl. padding rows, which take no part in the loss:
+        if self.vocab_real < weight.shape[0]:
+            weight = weight[: self.vocab_real]  # (V_real/tp, h)
         reduce_max = reduce_sum = None
         if tp.size > 1:
             reduce_max, reduce_sum = (lambda t: comm.all_reduce(t, tp, op="max")), (lambda t: comm.all_reduce(t, tp))
