@@ -15,8 +15,8 @@ Rows arrive sorted by local expert with host-side counts, so each expert's rows 
   "grouped_mm" torch.nn.functional.grouped_mm (one call per projection; CPU and CUDA)
   "triton"     our Triton grouped GEMM (kernels.grouped_gemm; CUDA, or the interpreter on CPU)
 "auto" (choose_impl): on CUDA grouped_mm for 16-bit weights with 16-byte aligned rows, else the Triton
-kernel (the loop on the meta stand-in); on the CPU grouped_mm for fp32/bf16 (faster than the loop, benchmarks/RESULTS.md), the exact loop
-for fp64.
+kernel (the loop on the meta stand-in); on the CPU the loop (grouped_mm is no faster there and slower for
+many small experts: benchmarks/experts.py, RESULTS.md).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def choose_impl(impl: str, x: torch.Tensor, hidden: int, ffn_local: int) -> str:
         if x.dtype in (torch.bfloat16, torch.float16) and aligned:  # (and bf16: CUDA's and meta's rule)
             return "grouped_mm"
         return "triton" if x.is_cuda else "loop"
-    return "grouped_mm"
+    return "loop"
 
 
 def grouped_swiglu(impl: str, x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
