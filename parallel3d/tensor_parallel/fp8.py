@@ -21,7 +21,8 @@ the world-size-1 run (layout-independent numerics up to summation order):
               dy and W of a column-parallel layer (dx); never for dW (tokens are not TP-split)
 Under sequence parallelism x is all-gathered before the column-parallel matmul, so it is whole.
 The LM head (and the fused head) and the MoE expert GEMMs stay in bf16; replicated KV projections
-(tp > num_kv_heads) scale on their own rank.
+(tp > num_kv_heads) scale on their own rank. Layers are switched by
+parallel3d.tensor_parallel.layers.convert_to_fp8.
 """
 from __future__ import annotations
 
@@ -124,17 +125,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return F.linear(x, weight, bias)
     y = Fp8Linear.apply(x, weight, recipe, kind, group)
     return y if bias is None else y + bias
-
-
-def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
-    """Switch every column-, row- and KV-parallel linear of `model` to `recipe` (the LM head excepted);
-    returns how many layers were switched."""
-    from parallel3d.tensor_parallel.layers import ColumnParallelLinear, KVParallelLinear, RowParallelLinear
-
-    check_fp8(recipe, "bf16")
-    n = 0
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear)) and name != "lm_head":
-            module.fp8 = recipe
-            n += 1
-    return n

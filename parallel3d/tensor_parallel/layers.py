@@ -192,3 +192,15 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(residual + x), residual + x) in one fused pass (Triton on CUDA, the torch twin elsewhere)."""
         return dispatch.rms_norm_residual(x, residual, self.weight, self.eps, self.backend)
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
+    """Switch every column-, row- and KV-parallel linear of `model` to `recipe` (the LM head excepted);
+    returns how many layers were switched."""
+    fp8.check_fp8(recipe, "bf16")
+    n = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear)) and name != "lm_head":
+            module.fp8 = recipe
+            n += 1
+    return n
