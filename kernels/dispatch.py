@@ -125,7 +125,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                                ) -> torch.Tensor:
     """Per-token loss (n,) of CE(hidden @ weight.T) computed `chunk` rows at a time (never the full logits;
-    None: chunks whose logits are about as large as `hidden`, see head_chunk_rows). The chunking is used on both paths; `backend` picks the per-chunk CE (Triton kernels or torch).
+    None: kernels.fused_linear_cross_entropy.head_chunk_rows). The chunking is used on both paths;
+    `backend` picks the per-chunk CE (Triton kernels or torch).
     Vocab-parallel weight shard: pass vocab_start and the TP-group all-reduces (see the kernel module)."""
     return _fused_linear_ce(hidden, weight, target, ignore_index, chunk, use_triton(backend, hidden),
                             vocab_start, all_reduce_max, all_reduce_sum)

@@ -72,7 +72,8 @@ def test_block_backward_from_merged_lse():
     for backend in ("sdpa", "reference"):
         first = block_backward(do, q, k[:, :20], v[:, :20], out, lse, False, scale, backend)  # keys all visible
         second = block_backward(do, q, k[:, 20:], v[:, 20:], out, lse, True, scale, backend)  # bottom-right
-        parts[backend] = (first[0] + second[0], torch.cat([first[1], second[1]], 1), torch.cat([first[2], second[2]], 1))
+        parts[backend] = (first[0] + second[0], torch.cat([first[1], second[1]], 1),
+                          torch.cat([first[2], second[2]], 1))
         for a, b in zip(parts[backend], full):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
