@@ -46,7 +46,7 @@ def _time_sdpa(w, shape: dict, iters: int) -> float:
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    q, k, v = (t.transpose(1, 2) for t in _inputs(shape, shape["seq"]))  # (b, h, s, d)
+    q, k, v = (t.transpose(1, 2).contiguous() for t in _inputs(shape, shape["seq"]))  # (b, h, s, d)
     rep = shape["hq"] // shape["hk"]
     times = []
     for i in range(iters + 2):
