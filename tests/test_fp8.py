@@ -87,3 +87,13 @@ def test_fp8_tensor_parallel_follows_world_size_one(worlds):
     for losses, _ in worlds.run(2, _train, layout, 3):
         for g, e in zip(losses, ref):
             assert abs(g - e) <= 2e-3 * abs(e), f"tp=2 fp8 loss {g} vs world size 1 {e}"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_on_the_meta_stand_in(recipe):
+    """The dry run's device: shapes and dtypes flow through forward and backward without values."""
+    x = torch.empty(2, 8, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(16, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    y = linear(x, w, None, recipe)
+    y.backward(torch.empty_like(y))
+    assert (y.shape, x.grad.shape, w.grad.shape) == ((2, 8, 16), x.shape, w.shape)

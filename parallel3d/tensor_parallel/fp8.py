@@ -92,15 +92,16 @@ class Fp8Linear(torch.autograd.Function):
             x8, x_inv = quantize(x2, _amax(x2, 1, row), E4M3)  # scales (n, 1)
             w8, w_inv = quantize(weight, _amax(weight, 1, row), E4M3)  # scales (out, 1)
             y = _mm(x8, x_inv, w8.t(), w_inv.t(), x.dtype)  # (n, out)
-        ctx.save_for_backward(x2, weight)
+        ctx.save_for_backward(x, weight)  # x itself: a saved view (x2) trips torch.compile's autograd capture
         ctx.args = (recipe, row, col, tp, x.shape)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     # dx = dy @ W contracts over out; dW = dy^T @ x contracts over the n tokens.
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         recipe, row, col, tp, x_shape = ctx.args
+        x2 = x.reshape(-1, x.shape[-1])  # (n, in)
         dy2 = dy.reshape(-1, dy.shape[-1])  # (n, out)
         if recipe == "tensorwise":
             g8, g_inv = quantize(dy2, _amax(dy2, None, col), E5M2)
