@@ -44,6 +44,10 @@ def _table(result: Plan, gpu, world: int) -> str:
     lines.append(f"  pipeline {b['pipeline_s']:.3f} s + outside the pipeline (grad sync tail, optimizer) "
                  f"{b['outside_actions_s']:.3f} s; per microbatch: compute {b['compute_per_microbatch_s']:.4f} s, "
                  f"blocking comm {b['blocking_comm_per_microbatch_s']:.4f} s")
+    off = b.get("offload") or {}
+    if off.get("host_bytes") or off.get("exposed_s"):
+        lines.append(f"  offload: {off['host_bytes'] / GiB:.2f} GiB in host memory, {off['exposed_s']:.3f} s per step "
+                     f"of PCIe / host AdamW / NVMe time not hidden (parallel3d/planner/offload.py)")
     lines.append("  share of the step: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in b["shares"].items()))
     for kernel, d in sorted(b.get("derated_kernels", {}).items()):
         lines.append(f"  kernel {kernel}: {d['warps_per_sm']} warps per SM (theoretical occupancy, "

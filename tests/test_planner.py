@@ -185,3 +185,21 @@ def test_kernel_occupancy_derates_the_roofline(monkeypatch):
     assert factor == 0.5
     assert op_time(1e12, 0, 989e12, H100, factor) == pytest.approx(2 * op_time(1e12, 0, 989e12, H100))
     assert kernels.occupancy_factor("H100-SXM5-80GB", "mm", "torch.bfloat16", 128, True) is None
+
+
+def test_plan_moves_offloaded_state_off_the_device():
+    """parallel.offload_optimizer / offload_params: the device peak drops by exactly the measured optimizer
+    state and ZeRO-3 shard, and the step pays PCIe and host-AdamW time for it."""
+    base = ["parallel.zero=3", "parallel.tp=1", "train.precision=bf16", *SMALL]
+    plain = plan(make_config(base, 2), _stage_builder, H100, 8)
+    both = plan(make_config([*base, "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"], 2),
+                _stage_builder, H100, 8)
+    assert plain.memory["optimizer"] > 0 and both.memory["optimizer"] == 0
+    n_params = _count_params(make_config(base, 2))
+    shard = plain.memory["params"] - both.memory["params"]
+    assert abs(shard - 2 * n_params / 2) <= 0.05 * n_params     # the bf16 ZeRO-3 shard of 2 ranks
+    moved = plain.memory["optimizer"] + shard
+    assert plain.memory["peak"] - both.memory["peak"] == moved
+    assert both.breakdown["offload"]["host_bytes"] == moved
+    assert both.step_time_s > plain.step_time_s
+    assert both.layout["offload_optimizer"] == "cpu" and both.layout["offload_params"] == "cpu"

@@ -62,8 +62,8 @@ class DistributedOptimizer:
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
         if ctx.device.type == "meta" and (offload_optimizer, offload_params) != ("none", "none"):
-            raise ValueError("the meta-device dry run (launch/plan.py) does not model offload yet: plan without "
-                             "parallel.offload_optimizer / parallel.offload_params")
+            raise ValueError("offload needs host memory, which the meta-device stand-in has no values for: the "
+                             "planner dry-runs the device step without it (parallel3d/planner/offload.py)")
         # offload: fp32 master and Adam state in host memory (cpu) or files (nvme); AdamW runs on the CPU
         self.state_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)

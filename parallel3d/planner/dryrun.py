@@ -82,6 +82,7 @@ class RoleRun:
     comm_bytes_in_actions: dict = field(default_factory=dict)  # the part of comm_bytes moved inside actions
     flops: float = 0.0
     derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
+    param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -116,7 +117,12 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         ctx.stats.listener = None
     peak, split = tracker.peak()
     live = tracker.live()
-    return _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu)
+    result = _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu)
+    if trainer.optimizer.zero == 3:
+        shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
+                  if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
+        result.param_shard_bytes = sum(st.nbytes() for st in shards)
+    return result
 
 
 def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:

@@ -26,6 +26,7 @@ from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed
 from parallel3d.planner.hardware import GPU
+from parallel3d.planner.offload import apply_offload, without_offload
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
 
@@ -56,7 +57,8 @@ def layout_of(cfg: ExperimentConfig) -> dict:
     p, t = cfg.parallel, cfg.train
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp, "zero": p.zero, "sp": p.sp,
             "schedule": p.schedule, "virtual_stages": p.virtual_stages, "micro_batch_size": t.micro_batch_size,
-            "activation_checkpointing": t.activation_checkpointing}
+            "activation_checkpointing": t.activation_checkpointing,
+            "offload_optimizer": p.offload_optimizer, "offload_params": p.offload_params}
 
 
 def _chunks(cfg: ExperimentConfig) -> int:
@@ -108,7 +110,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
          device: str = "meta") -> Plan:
     """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes."""
     p, t = cfg.parallel, cfg.train
-    run_cfg = _reduced(cfg)
+    run_cfg = _reduced(without_offload(cfg))  # the stand-in cannot copy to the host: offload.py
     by_pp = role_ranks(cfg)
     runs: dict[int, RoleRun] = {}
     for rank in sorted(set(by_pp.values())):
@@ -138,8 +140,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         return run.outside.time_s + exposed(run.grad_sync_s, last_backward)
 
     outside = max(tail(run) for run in stage_run.values())
-    step = timeline.makespan + outside
-
+    offload: dict = {}
     roles, worst = [], None
     for r in range(p.pp):
         run = stage_run[r]
@@ -149,13 +150,20 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         extra = memory["activations"] * (full / max(ran, 1) - 1)
         memory["activations"] = int(memory["activations"] + extra)
         memory["peak"] = int(memory["peak"] + extra)
+        memory, moved = apply_offload(cfg, memory, run.model_state, run.param_shard_bytes, gpu)
+        compute = sum(c.compute_s for c in run.actions.values()) * m
+        moved["exposed_s"] = moved["offload_s"] + exposed(moved["param_fetch_s"] * m, compute)
+        if not offload or moved["exposed_s"] > offload["exposed_s"]:
+            offload = moved
         roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full})
         if worst is None or memory["peak"] > worst[0]["peak"]:
             worst = (memory, run)
     memory, worst_run = worst
+    outside += offload["exposed_s"]
+    step = timeline.makespan + outside
     tokens = t.global_batch_size * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens
-    breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside,
+    breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside, "offload": offload,
                  "shares": _shares(stage_run, schedule, timeline, outside, step),
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
