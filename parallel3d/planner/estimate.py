@@ -134,6 +134,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         return run.p2p_s.get(action.kind.name, 0.0)
 
     timeline = simulate(schedule, costs=cost, lazy_sends=True)
+    run_schedule = build_schedule(p.schedule, p.pp, m_run, v)
     def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
         last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
                              if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
@@ -145,7 +146,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     for r in range(p.pp):
         run = stage_run[r]
         full = peak_in_flight(schedule[r], until_weight=keeps_weights)
-        ran = peak_in_flight(build_schedule(p.schedule, p.pp, m_run, v)[r], until_weight=keeps_weights)
+        # the run stands for stage r but ran as stage run.pp_rank: scale by what that stage kept in flight
+        ran = peak_in_flight(run_schedule[run.pp_rank], until_weight=keeps_weights)
         memory = dict(run.memory)
         extra = memory["activations"] * (full / max(ran, 1) - 1)
         memory["activations"] = int(memory["activations"] + extra)
