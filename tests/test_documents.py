@@ -46,10 +46,10 @@ def test_triton_varlen_kernel_matches_reference(causal):
     """Forward (out, lse) and backward of the Triton kernel with document ids, odd lengths, GQA,
     q/k of different lengths and id ranges (ring blocks), against the dense masked reference."""
     torch.manual_seed(0)
-    b, s, hq, hk, d = 2, 45, 4, 2, 12
+    b, s, hq, hk, d = 1, 37, 2, 1, 8
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hk, hk))
     doc = _docs(b, s, 0.12, 1)
-    for qs, ks in ((slice(0, s), slice(0, s)), (slice(20, 45), slice(0, 30))):
+    for qs, ks in ((slice(0, s), slice(0, s)), (slice(17, 37), slice(0, 25))):
         args = (q[:, qs], k[:, ks], v[:, ks], causal)
         out, lse = flash_attention(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
         ref, ref_lse = attention_reference(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
@@ -82,7 +82,7 @@ def test_blockwise_sdpa_matches_reference():
 
 
 def _model(kernels: str) -> Llama:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                       ffn_hidden_size=64, max_seq_len=32, kernels=kernels)
     model = Llama(cfg, ParallelContext.single())
     torch.manual_seed(7)
