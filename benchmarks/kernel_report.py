@@ -124,6 +124,10 @@ def launches(quick: bool = False) -> list[Launch]:
                 with recording(f"{t} d={d} {'causal' if causal else 'full'}", out):
                     o, lse = flash_attention_forward(qq, kk, kk, causal)
                     flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal)
+                doc = torch.zeros(1, 64, dtype=torch.int32)  # packed documents (document-masked varlen)
+                with recording(f"{t} d={d} {'causal' if causal else 'full'} docs", out):
+                    flash_attention_forward(qq, kk, kk, causal, q_doc=doc, k_doc=doc)
+                    flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal, q_doc=doc, k_doc=doc)
         logits, target = torch.zeros(4, 32000, dtype=dt), torch.zeros(4, dtype=torch.int64)
         with recording(f"{t} vocab/tp=32000", out):
             cross_entropy_partial_stats(logits, target, 0)

@@ -6,7 +6,7 @@ needs TRITON_INTERPRET=1 set before import) or "torch".
 Entries: rms_norm, rms_norm_residual (fused add + norm), rope, swiglu, cross_entropy (per-token, full
 vocab), cross_entropy_partial_stats / cross_entropy_partial_grad / vocab_parallel_cross_entropy (the
 vocab-parallel pieces), fused_linear_cross_entropy (chunked, never the full logits), attention,
-attention_with_lse.
+attention_with_lse (both with optional per-token document ids: packed-document / varlen attention).
 """
 from __future__ import annotations
 
@@ -127,10 +127,27 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
-    """(b, s, hq, d) attention without lse (SDPA on the torch path)."""
+              scale: Optional[float] = None, backend: str = "auto", doc_ids: Optional[torch.Tensor] = None,
+              doc_ids_host: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(b, s, hq, d) attention without lse (SDPA on the torch path).
+
+    doc_ids (b, s): packed documents, causal only (kernels.varlen_attention): Triton kernel with document
+    ids; flash-attn's varlen entry on CUDA (16-bit) when installed and backend is auto; else block-wise
+    SDPA. doc_ids_host: a host copy (block plan / cu_seqlens without reading the device). On `meta` (the
+    dry run) document masking changes no shape: the plain kernel's memory and work are an upper bound."""
     if q.is_meta:
         return _meta_flash_attention(q, k, v, causal, scale)[0]
+    if doc_ids is not None:
+        from kernels import varlen_attention as varlen
+        if not causal:
+            raise ValueError("document-masked attention is causal")
+        host = doc_ids.cpu() if doc_ids_host is None else doc_ids_host
+        if backend == "auto" and varlen.flash_attn_available(q):  # pragma: no cover - CUDA + flash-attn
+            return varlen.flash_attn_varlen(q, k, v, host, scale)
+        if use_triton(backend, q):
+            from kernels.flash_attention import flash_attention
+            return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=doc_ids)[0]
+        return varlen.varlen_sdpa(q, k, v, doc_ids, varlen.query_blocks(host), scale)
     if use_triton(backend, q):
         from kernels.flash_attention import flash_attention
         return flash_attention(q, k, v, causal, scale)[0]
@@ -138,15 +155,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                       scale: Optional[float] = None, backend: str = "auto"
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (b, sq, hq, d), lse (b, hq, sq) fp32): the block function ring attention merges."""
+                       scale: Optional[float] = None, backend: str = "auto", doc_ids: Optional[torch.Tensor] = None,
+                       k_doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, sq, hq, d), lse (b, hq, sq) fp32): the block function ring attention merges.
+    doc_ids (b, sq) / k_doc_ids (b, sk, default doc_ids): a query sees only keys of its own document."""
     if q.is_meta:
         return _meta_flash_attention(q, k, v, causal, scale)
     if use_triton(backend, q):
         from kernels.flash_attention import flash_attention
-        return flash_attention(q, k, v, causal, scale)
-    return attention_reference(q, k, v, causal, scale)
+        return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
+    return attention_reference(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
 
 
 def _meta_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

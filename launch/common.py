@@ -57,6 +57,10 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
     cfg = resolve_and_validate(cfg, world)
     if cfg.data.path is not None and not os.path.isfile(cfg.data.path):
         raise DataError(f"data.path {cfg.data.path} does not exist")
+    from parallel3d.training.data_sources import token_paths
+    for path in token_paths(cfg.data):
+        if not os.path.isfile(path):
+            raise DataError(f"data.paths: token file {path} does not exist")
     if cfg.checkpoint.load_dir is not None and not os.path.isdir(cfg.checkpoint.load_dir):
         raise CheckpointError(f"checkpoint.load_dir {cfg.checkpoint.load_dir} does not exist")
     return cfg

@@ -57,10 +57,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
             self.k_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.backend)
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.backend,
+                                          documents=documents)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
+        """documents: packed-document ids (parallel3d.context_parallel.Documents) or None (plain causal)."""
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
@@ -70,9 +72,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # per head: normalised over d, before RoPE
         q, k = dispatch.rope(q, k, cos, sin, self.backend)
         if self.recompute_core and torch.is_grad_enabled():
-            o = checkpoint(self._core, q, k, v, use_reentrant=False)
+            o = checkpoint(self._core, q, k, v, documents, use_reentrant=False)
         else:
-            o = self._core(q, k, v)  # (b, s, nh/tp, d)
+            o = self._core(q, k, v, documents)  # (b, s, nh/tp, d)
         return self.o_proj(o.reshape(b, s, -1))  # (b, s, h) or (b, s/tp, h) with sp
 
 
@@ -104,8 +106,8 @@ class Block(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx, sp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), cos, sin)  # (b, s, h) or (b, s/tp, h) with sp
+                position_ids: Optional[torch.Tensor] = None, documents=None) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), cos, sin, documents)  # (b, s, h) or (b, s/tp, h) with sp
         normed, x = self.mlp_norm.add_and_norm(h, x)  # fused: x <- x + h, normed = rmsnorm(x)
         return x + self.mlp(normed, position_ids)
 
@@ -115,7 +117,10 @@ class Llama(nn.Module):
 
     forward(x, position_ids, labels=None):
       x: token ids (b, s) on the stage with `pre`, else the previous stage's hidden states.
-      position_ids: (s,) positions of this rank's tokens (context parallelism gives non-contiguous ones).
+      position_ids: (s,) positions of this rank's tokens (context parallelism gives non-contiguous ones),
+      or (b, s) per row (positions restarting at each packed document).
+      documents: packed-document ids of the whole sequence (parallel3d.context_parallel.Documents) for
+      document-masked attention, or None.
       returns: the summed token loss (fp32 scalar) when `post` and labels are given (ignore_index=-100
       targets excluded; the trainer divides by the global token count); full-vocabulary logits (b, s, V)
       when `post` without labels; otherwise the hidden states for the next stage.
@@ -173,16 +178,17 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                documents=None) -> torch.Tensor:
+        cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d) or (b, s, d)
+        extra = {} if documents is None else {"documents": documents}  # custom blocks may not take it
         if self.pre:
             x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
         for block in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, **extra)
             else:
-                x = block(x, cos, sin, position_ids)
+                x = block(x, cos, sin, position_ids, **extra)
         if not self.post:
             return x
         x = enter_tp_region(self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)

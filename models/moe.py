@@ -63,13 +63,13 @@ class MoETransformer(Llama):
         """Global layer index -> MoE layer, for the layers of this stage."""
         return {int(i): blk.mlp for i, blk in self.layers.items() if isinstance(blk.mlp, MoELayer)}
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                documents=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As Llama.forward. The stage's MoE balancing terms join the loss on the stage with the head; a
         stage without it returns (hidden, aux) while training, for the pipeline runtime to report and
         back-propagate (parallel3d.pipeline.stage.PipelineStage)."""
         layers = self.moe_layers()
-        out = super().forward(x, position_ids, labels)
+        out = super().forward(x, position_ids, labels, documents)
         terms = [t for t in (layer.pop_aux_loss() for layer in layers.values()) if t is not None]
         if not terms:
             return out

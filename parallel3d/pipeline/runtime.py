@@ -200,7 +200,8 @@ class _Executor:
         if stage > 0 and self.train:
             x.requires_grad_()  # a leaf: its .grad is the gradient to send back
         labels = batch["labels"] if stage == self.last else None
-        out = self.chunks[c](x, batch["position_ids"], labels)
+        docs = batch.get("documents")  # packed-document ids, only when masking (older chunks lack the kwarg)
+        out = self.chunks[c](x, batch["position_ids"], labels, **({} if docs is None else {"documents": docs}))
         aux = None
         if isinstance(out, tuple):  # (activation, auxiliary objective term): see PipelineStage
             out, aux = out

@@ -102,6 +102,10 @@ class DataConfig:
     path: Optional[str] = None       # 1-D .npy token file; None: the trainer's built-in synthetic demo data
     eval_path: Optional[str] = None
     tokenizer: Optional[str] = None  # Hugging Face tokenizer.json used by prepare_data (informational)
+    paths: Any = None                # mixture: [[0.7, a.npy], [0.3, b.npy]] or "a.npy:0.7,b.npy:0.3" (data.py)
+    document_masking: bool = False   # attend only within each packed document (EOS ends a document)
+    eos_id: Optional[int] = None     # None: from the token file's sidecar (prepare_data.py); needed for documents
+    reset_positions: Optional[bool] = None  # positions restart at each document; None: = document_masking
 
 
 @dataclass

@@ -26,6 +26,7 @@ from parallel3d.pipeline.timeline import to_rows
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.training.config import ExperimentConfig, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
+from parallel3d.training.data_sources import MixtureDataset, MixtureSampler
 from parallel3d.training.lr_schedule import lr_at
 
 BuildStage = Callable[[list[int], bool, bool], nn.Module]
@@ -50,20 +51,33 @@ def make_dataset(cfg: ExperimentConfig, path: Optional[str], seed_offset: int = 
     return TokenDataset(path, seq, vocab_size=cfg.model.vocab_size)
 
 
-def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict:
-    """(b, s+1) token windows -> this rank's ids, labels and positions (its CP shard of the sequence)."""
+def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext, eos_id: Optional[int] = None,
+                     mask_documents: bool = False, reset_positions: bool = False) -> dict:
+    """(b, s+1) token windows -> this rank's ids, labels and positions (its CP shard of the sequence).
+
+    Packed documents (context_parallel/documents.py; eos_id needed): mask_documents adds "documents", the
+    per-token document ids of the whole window (every CP rank gets all of them: the ring reads other
+    ranks' ids for its key blocks); reset_positions makes position_ids (b, s/cp) restart at each document."""
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     s = ids.shape[1]
-    positions = torch.arange(s)
+    positions = torch.arange(s)  # (s,)
+    out = {}
+    if mask_documents or reset_positions:
+        from parallel3d.context_parallel.documents import Documents, document_ids, document_positions
+        doc = document_ids(ids, eos_id)  # (b, s), on the host
+        if reset_positions:
+            positions = document_positions(doc)  # (b, s)
+        if mask_documents:
+            out["documents"] = Documents.from_host(doc, ctx.device)
     if ctx.cp.size > 1:
         from parallel3d.context_parallel.sharding import cp_chunk_indices, shard_sequence
         ids = shard_sequence(ids, ctx.cp.size, ctx.cp.rank, dim=1)
         labels = shard_sequence(labels, ctx.cp.size, ctx.cp.rank, dim=1)
-        positions = cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank)
+        positions = positions.index_select(-1, cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank))
     device = ctx.device
     targets = int((labels != IGNORE_INDEX).sum())  # counted on the host, before the copy: no device sync
     return {"ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device),
-            "targets": targets}
+            "targets": targets, **out}
 
 
 class Trainer:
@@ -83,8 +97,12 @@ class Trainer:
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.optimizer = self._build_optimizer() if train else None
-        self.dataset = make_dataset(cfg, cfg.data.path)
-        self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
+        if cfg.data.paths is not None:  # weighted mixture of token files (data_sources.py)
+            self.dataset = MixtureDataset.from_spec(cfg.data.paths, cfg.train.seq_len, cfg.model.vocab_size)
+            self.sampler = MixtureSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
+        else:
+            self.dataset = make_dataset(cfg, cfg.data.path)
+            self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
         self.activation_offload = ActivationOffload() if cfg.train.activation_offload else None
         self.schedules = ScheduleCache()  # each (schedule, p, m, v) built and verified once
@@ -110,7 +128,12 @@ class Trainer:
         t = self.cfg.train
         rows = self.sampler.local_batch(step, self.ctx.coords.dp, self.ctx.spec.dp, t.num_microbatches,
                                         t.micro_batch_size)
-        return [split_microbatch(mb, self.ctx) for mb in rows]
+        return [split_microbatch(mb, self.ctx, **self.document_args()) for mb in rows]
+
+    def document_args(self) -> dict:
+        """split_microbatch's packed-document arguments from the data config (validate resolved them)."""
+        d = self.cfg.data
+        return {"eos_id": d.eos_id, "mask_documents": d.document_masking, "reset_positions": bool(d.reset_positions)}
 
     def _records_timeline(self) -> bool:
         log, steps = self.cfg.log, self.cfg.train.steps
@@ -186,7 +209,7 @@ class Trainer:
         for step in range(steps):
             rows = sampler.local_batch(step, ctx.coords.dp, ctx.spec.dp, cfg.train.num_microbatches,
                                        cfg.train.micro_batch_size)
-            mbs = [split_microbatch(mb, ctx) for mb in rows]
+            mbs = [split_microbatch(mb, ctx, **self.document_args()) for mb in rows]
             count += self._global_token_count(mbs)
             total += run_pipeline_forward(ctx, self.chunks, mbs).float()
         for chunk in self.chunks:

@@ -21,6 +21,7 @@ from parallel3d.pipeline.schedules import SCHEDULE_NAMES
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
 from parallel3d.training.config import ConfigError, ExperimentConfig
+from parallel3d.training.data_sources import resolve_documents
 
 
 def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
@@ -152,6 +153,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         raise ConfigError(f"pipeline split (model.num_layers={m.num_layers}, parallel.pp={p.pp}, "
                           f"parallel.virtual_stages={p.virtual_stages}, parallel.layers_per_stage="
                           f"{p.layers_per_stage}): {e}") from None
+
+    # --- data: mixture spec, packed documents (eos id from the token files' metadata when not given)
+    _owned(lambda: resolve_documents(cfg.data, m.vocab_size))
 
     # --- checkpoints and logging
     for name in ("interval", "keep"):
