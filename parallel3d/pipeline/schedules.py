@@ -5,10 +5,15 @@ the verifier (``verify.py``) proves a schedule well formed, the simulator (``sim
 into a timeline, and the runtime executes it. This module docstring is the contract between them.
 
 Stages. With ``p`` ranks and ``v`` model chunks per rank there are ``S = v * p`` global stages.
-Chunk ``c`` on rank ``r`` is global stage ``s = c * p + r`` (Megatron's interleaved layout)::
+Which rank holds which stage is the schedule's *placement* (``placement.py``): chunk ``c`` on rank
+``r`` is stage ``c * p + r`` (``loop``, Megatron's interleaved layout, used by the schedules in this
+file), or, for ZB-V and DualPipe-V (``vshape.py``), stage ``r`` and ``2p - 1 - r`` (``v``)::
 
-    p=2, v=2:   rank 0 holds stages 0, 2      rank 1 holds stages 1, 3
-                stage 0 -> 1 -> 2 -> 3  (activations hop 0 -> 1 -> 0 -> 1)
+    loop, p=2, v=2:   rank 0 holds stages 0, 2      rank 1 holds stages 1, 3
+    v,    p=2:        rank 0 holds stages 0, 3      rank 1 holds stages 1, 2
+
+A schedule on another placement than ``loop`` is a :class:`placement.Schedule` (a list that carries
+its placement), which the verifier, simulator and runtime read.
 
 Every action names the *local* chunk it serves, so a runtime on rank ``r`` indexes its own
 list of model chunks with ``action.chunk`` and never needs global stage arithmetic:
@@ -54,6 +59,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+from .placement import stage_of  # noqa: F401  (re-exported: the loop placement's arithmetic)
 
 
 class ScheduleError(ValueError):
@@ -120,11 +127,6 @@ class Action:
         if self.peer is not None:
             text += (">" if self.kind.is_send else "<") + str(self.peer)
         return text
-
-
-def stage_of(rank: int, chunk: int, p: int) -> int:
-    """Global stage index of local ``chunk`` on ``rank`` (``chunk * p + rank``)."""
-    return chunk * p + rank
 
 
 def _check_pm(p: int, m: int) -> None:
@@ -299,18 +301,27 @@ def zb_h1(p: int, m: int) -> list[list[Action]]:
     return _lower(p, p, programs)
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 # schedules whose backward runs as an input-gradient pass and a later weight-gradient pass
-SPLIT_BACKWARD = frozenset({"zb-h1"})
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipe-v"})
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Schedule by config name (``parallel.schedule``): gpipe, 1f1b, interleaved, zb-h1."""
-    key = name.lower().replace("_", "-")
+    """Schedule by config name (``parallel.schedule``): gpipe, 1f1b, interleaved, zb-h1, zb-v,
+    dualpipe-v. ``v`` is the number of chunks per rank (``placement.chunks_per_rank``): the
+    V-shaped schedules need ``v=2`` and return a ``placement.Schedule`` on the V placement."""
+    from .placement import V_SCHEDULES, schedule_key
+    key = schedule_key(name)
     if key == "interleaved":
         return interleaved_1f1b(p, m, v)
     if key not in SCHEDULE_NAMES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULE_NAMES}")
+    if key in V_SCHEDULES:
+        if v != 2:
+            raise ValueError(f"schedule {name!r} runs two model chunks per rank placed in a V; got "
+                             f"v={v} chunks (placement.chunks_per_rank gives 2)")
+        from .vshape import dualpipe_v, zb_v
+        return {"zb-v": zb_v, "dualpipe-v": dualpipe_v}[key](p, m)
     if v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank; got v={v} "
                          "(use 'interleaved' for virtual stages)")
