@@ -1,0 +1,90 @@
+"""ZB-V and DualPipe-V through the real Trainer + DistributedOptimizer: parity with world size 1.
+
+Each case trains 3 steps (gradient clipping on, so the global norm must count the tied embedding once)
+and compares with the world-size-1 run of the same config: losses and grad norms rel 1e-5 per step,
+weights after the AdamW steps rtol 1e-4 (atol 1e-5; tests/parity.py), and the evaluation loss. With the
+V placement the embedding and the tied head both live on pipeline rank 0 (stages 0 and 2p-1), so their
+gradients are summed on that rank instead of over the embedding group.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_helpers import build_trainer, context_for, make_config
+from parity import WEIGHT_ATOL, assemble, assert_close_dicts, local_slices
+
+PARITY = ["train.lr=3e-3", "train.eps=1e-4", "train.warmup_steps=0", "train.lr_schedule=constant",
+          "train.grad_clip=0.05"]
+MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32", "model.aux_loss_coef=0.5",
+       "model.z_loss_coef=0.1"]
+STEPS = 3
+
+
+def run(worker, overrides) -> dict:
+    torch.set_num_threads(1)
+    cfg = make_config([*PARITY, *overrides], 1 if worker is None else worker.world_size)
+    trainer = build_trainer(cfg, context_for(cfg, worker))
+    records = [trainer.train_step() for _ in range(STEPS)]
+    weights = {}
+    for chunk in trainer.chunks:
+        weights.update(local_slices(chunk, "data"))
+    eval_loss, _ = trainer.evaluate(trainer.dataset, 1)
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "weights": weights, "eval": eval_loss, "stages": trainer.stage_ids}
+
+
+def assert_parity(got: list[dict], ref: dict) -> None:
+    for rank in got:  # loss and norm are all-reduced: every rank reports them
+        assert rank["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert rank["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert rank["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+    assert ref["norms"][0] > 0.05, "clipping must be active for the norm to matter"
+    weights, expected = assemble([x["weights"] for x in got]), assemble([ref["weights"]])
+    if "lm_head.weight" in weights and "lm_head.weight" not in expected:  # the tied copy of the head
+        weights["embed.weight (tied copy)"] = weights.pop("lm_head.weight")
+        expected["embed.weight (tied copy)"] = expected["embed.weight"]
+    assert_close_dicts(weights, expected, rtol=1e-4, atol=WEIGHT_ATOL, what="weights")
+
+
+CASES = [  # (world, layout, model and batch)
+    (2, ["parallel.pp=2", "parallel.schedule=zb-v"], ["model.tie_embeddings=true", "model.num_layers=4"]),
+    (2, ["parallel.pp=2", "parallel.schedule=dualpipe-v"], ["model.num_layers=3", *MOE]),
+    (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.schedule=dualpipe-v"],
+     ["model.tie_embeddings=true", "model.num_layers=4", "train.global_batch_size=8"]),
+    (4, ["parallel.pp=4", "parallel.schedule=zb-v"],
+     ["model.tie_embeddings=true", "model.num_layers=6", "train.global_batch_size=8"]),
+    (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.schedule=zb-v"],
+     ["model.tie_embeddings=true", "model.num_layers=4", *MOE]),
+]
+
+
+@pytest.mark.parametrize("world,layout,model", CASES, ids=lambda x: x if isinstance(x, int) else "-".join(
+    o.split("=")[1] for o in x if o.startswith(("parallel.", "model.tie", "model.num_experts"))))
+def test_v_schedules_match_world_size_1(worlds, world, layout, model):
+    ref = run(None, model)
+    got = worlds.run(world, run, [*layout, *model])
+    pp = int(next(o for o in layout if o.startswith("parallel.pp=")).split("=")[1])
+    assert got[0]["stages"] == [0, 2 * pp - 1]  # rank 0 holds both ends of the V
+    assert_parity(got, ref)
+
+
+@pytest.mark.parametrize("world,overrides,match", [
+    (1, ["parallel.schedule=zb-v"], r"schedule=zb-v needs parallel.pp >= 2"),
+    (2, ["parallel.pp=2", "parallel.schedule=dualpipe-v", "train.global_batch_size=3"],
+     r"schedule=dualpipe-v needs at least 2\*pp = 4 microbatches per step .*got 3"),
+    (2, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=3"],
+     r"schedule=zb-v places exactly two model chunks on each pipeline rank"),
+    (4, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=3", "train.global_batch_size=8"], r"schedule=zb-v: ZeRO-3 .*split"),
+    (4, ["parallel.pp=2", "parallel.schedule=dualpipe-v", "parallel.zero=3", "train.global_batch_size=8"], r"schedule=dualpipe-v: ZeRO-3"),
+    (2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.num_layers=1"], r"pipeline split .*2 chunk\(s\) per rank"),
+])
+def test_v_schedule_requirements_are_one_config_error(world, overrides, match):
+    from parallel3d.training.config import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        make_config(overrides, world)
+
+
+def test_v_schedule_accepts_virtual_stages_2():
+    cfg = make_config(["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2"], 2)
+    assert cfg.parallel.schedule == "zb-v"
