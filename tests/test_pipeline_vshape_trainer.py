@@ -88,3 +88,21 @@ def test_v_schedule_requirements_are_one_config_error(world, overrides, match):
 def test_v_schedule_accepts_virtual_stages_2():
     cfg = make_config(["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2"], 2)
     assert cfg.parallel.schedule == "zb-v"
+
+
+def test_dry_run_on_meta_matches_a_real_v_step(worlds):
+    """The fake-device stand-in for CUDA (DESIGN.md 5) runs the V step on every rank, and its comm_bytes equal
+    the real gloo step's: the local tie on rank 0 moves nothing, the embedding group is not used."""
+    from test_fake_device import _real_step_bytes
+    from parallel3d.mesh import MeshSpec, ParallelContext
+
+    overrides = ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "parallel.schedule=zb-v",
+                 "model.tie_embeddings=true", "model.num_layers=4", "train.global_batch_size=8"]
+    real = worlds.run(4, _real_step_bytes, overrides)
+    cfg = make_config(overrides, 4)
+    p = cfg.parallel
+    for rank in range(4):
+        ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+        simulated = build_trainer(cfg, ctx).train_step()["comm_bytes"]
+        assert simulated == real[rank] and simulated, (rank, simulated, real[rank])
+        assert not any(k.startswith("embedding.") for k in simulated)
