@@ -106,3 +106,21 @@ def test_dry_run_on_meta_matches_a_real_v_step(worlds):
         simulated = build_trainer(cfg, ctx).train_step()["comm_bytes"]
         assert simulated == real[rank] and simulated, (rank, simulated, real[rank])
         assert not any(k.startswith("embedding.") for k in simulated)
+
+
+def test_checkpoint_of_a_v_run_resumes_under_other_layouts(worlds, tmp_path):
+    """A checkpoint saved under zb-v (tied embedding and head both on pipeline rank 0, dp=2, ZeRO-1) holds every
+    tensor exactly once and resumes exactly under the same layout and under 1F1B with tp=2."""
+    from ckpt_helpers import train
+    from test_checkpoint import _assert_close, _assert_tiled
+
+    model = ["model.tie_embeddings=true", "model.num_layers=4", "train.global_batch_size=8"]
+    saved = ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.schedule=zb-v"]
+    ref = train(None, model, 4)
+    root = str(tmp_path / "ckpt")
+    full = worlds.run(4, train, model + saved, 4, root, (2,))[0]
+    _assert_close(full, ref, 1e-5, "zb-v run vs world size 1")
+    _assert_tiled(f"{root}/step_{2:08d}")
+    assert worlds.run(4, train, model + saved, 4, None, (), root)[0] == full[2:]
+    got = worlds.run(4, train, model + ["parallel.pp=2", "parallel.tp=2"], 4, None, (), root)[0]
+    _assert_close(got, ref[2:], 1e-4, "zb-v checkpoint resumed under 1f1b tp=2 pp=2")

@@ -56,77 +56,11 @@ With ``p == 1`` (or for stage pairs on the same rank) there is no communication 
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .placement import stage_of  # noqa: F401  (re-exported: the loop placement's arithmetic)
-
-
-class ScheduleError(ValueError):
-    """A schedule is malformed: a message names the rank, the action and what is missing."""
-
-
-class ActionKind(enum.Enum):
-    """What an action does. The value is the short code used by :func:`format_schedule`."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    BACKWARD_INPUT = "I"
-    BACKWARD_WEIGHT = "W"
-    SEND_ACT = "sa"
-    RECV_ACT = "ra"
-    SEND_GRAD = "sg"
-    RECV_GRAD = "rg"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in _COMPUTE
-
-    @property
-    def is_comm(self) -> bool:
-        return not self.is_compute
-
-    @property
-    def is_send(self) -> bool:
-        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
-
-    @property
-    def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
-
-
-_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD,
-                      ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank: ``kind`` on ``microbatch`` for local ``chunk``; ``peer`` for comm."""
-
-    kind: ActionKind
-    microbatch: int
-    chunk: int = 0
-    peer: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.microbatch < 0 or self.chunk < 0:
-            raise ValueError(f"negative microbatch/chunk in {self.kind.name}")
-        if self.kind.is_comm and self.peer is None:
-            raise ValueError(f"{self.kind.name} needs a peer rank")
-        if self.kind.is_compute and self.peer is not None:
-            raise ValueError(f"{self.kind.name} is a compute action and takes no peer")
-
-    def __str__(self) -> str:
-        peer = "" if self.peer is None else f", peer={self.peer}"
-        return f"{self.kind.name}(mb={self.microbatch}, chunk={self.chunk}{peer})"
-
-    def short(self, with_chunk: bool = False) -> str:
-        """Compact form: ``F3``, ``I3``, ``W3`` (``F3c1`` with chunks), ``sa3>1``, ``rg3<2``."""
-        text = f"{self.kind.value}{self.microbatch}" + (f"c{self.chunk}" if with_chunk else "")
-        if self.peer is not None:
-            text += (">" if self.kind.is_send else "<") + str(self.peer)
-        return text
+from .actions import Action, ActionKind, ScheduleError  # noqa: F401  (re-exported)
+from .placement import V_SCHEDULES, schedule_key, stage_of  # noqa: F401  (stage_of re-exported)
+from .vshape import dualpipe_v, zb_v
 
 
 def _check_pm(p: int, m: int) -> None:
@@ -310,7 +244,6 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Schedule by config name (``parallel.schedule``): gpipe, 1f1b, interleaved, zb-h1, zb-v,
     dualpipe-v. ``v`` is the number of chunks per rank (``placement.chunks_per_rank``): the
     V-shaped schedules need ``v=2`` and return a ``placement.Schedule`` on the V placement."""
-    from .placement import V_SCHEDULES, schedule_key
     key = schedule_key(name)
     if key == "interleaved":
         return interleaved_1f1b(p, m, v)
@@ -320,7 +253,6 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
         if v != 2:
             raise ValueError(f"schedule {name!r} runs two model chunks per rank placed in a V; got "
                              f"v={v} chunks (placement.chunks_per_rank gives 2)")
-        from .vshape import dualpipe_v, zb_v
         return {"zb-v": zb_v, "dualpipe-v": dualpipe_v}[key](p, m)
     if v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank; got v={v} "

@@ -16,11 +16,12 @@ order (the verifier checks both anyway).
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import Sequence
 
 from .placement import Schedule, locate, stage_of
-from .schedules import Action, ActionKind, ScheduleError
+from .actions import Action, ActionKind, ScheduleError
 
 K = ActionKind
 _Op = tuple[ActionKind, int, int]              # (kind, global stage, microbatch)
@@ -70,21 +71,27 @@ def _timed(p: int, orders: Sequence[Sequence[_Op]]) -> list[list[tuple[int, int]
     return out
 
 
-def _gap(spans: list[tuple[int, int]], t: float) -> int | None:
-    """Index i of the gap before compute i (len(spans): after the last) containing time t."""
-    lo = float("-inf")
-    for i, (start, end) in enumerate(spans + [(float("inf"), float("inf"))]):
-        if lo <= t <= start:
-            return i
-        if t < start:
-            return None
-        lo = end
-    return None
+class _Gaps:
+    """The idle gaps of one rank's timeline: gap ``i`` lies before compute ``i`` (``len``: after the last)."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.starts = [a for a, _ in spans]
+        self.ends = [b for _, b in spans]
+        self.points = sorted(set(self.starts) | set(self.ends))
+
+    def at(self, t: float) -> int | None:
+        """The gap containing time ``t``, or None while a compute runs across ``t``."""
+        i = bisect.bisect_left(self.starts, t)    # the first compute starting at or after t
+        return i if i == 0 or self.ends[i - 1] <= t else None
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        return self.points[bisect.bisect_left(self.points, lo):bisect.bisect_right(self.points, hi)]
 
 
 def _lower_timed(p: int, orders: Sequence[Sequence[_Op]]) -> Schedule:
     """Compute orders -> action lists with time-aligned communication groups (module docstring)."""
     spans = _timed(p, orders)
+    gaps = [_Gaps(sp) for sp in spans]
     last = 2 * p - 1
     made: dict[tuple[str, int, int], float] = {}       # (channel, producer stage, mb) -> ready time
     for r, order in enumerate(orders):
@@ -106,22 +113,21 @@ def _lower_timed(p: int, orders: Sequence[Sequence[_Op]]) -> Schedule:
             if src == r:
                 continue  # the turn of the V: same rank, no message
             ready = made[(channel, src_stage, mb)]
-            candidates = sorted({start, ready} | {t for rk in (src, r) for a, b in spans[rk]
-                                                  for t in (a, b) if ready <= t <= start},
-                                reverse=True)
-            when = next((t for t in candidates if _gap(spans[src], t) is not None
-                         and _gap(spans[r], t) is not None), None)
+            candidates = sorted({start, ready, *gaps[src].points_in(ready, start),
+                                 *gaps[r].points_in(ready, start)}, reverse=True)
+            when = next((t for t in candidates if gaps[src].at(t) is not None
+                         and gaps[r].at(t) is not None), None)
             if when is not None:
                 send_at = recv_at = when
             else:  # a full backward (2 units) spans every common point: send at the sender's
-                send_at = next(t for t in candidates if _gap(spans[src], t) is not None)  # last gap
+                send_at = next(t for t in candidates if gaps[src].at(t) is not None)  # last gap
                 recv_at = start
             key = (send_at, src, r, channel, src_stage, mb)
             sender = (K.SEND_ACT if channel == "act" else K.SEND_GRAD,
                       locate(src_stage, p, "v")[1], r)
             receiver = (K.RECV_ACT if channel == "act" else K.RECV_GRAD, locate(s, p, "v")[1], src)
-            groups[src].setdefault(_gap(spans[src], send_at), []).append((key, sender, mb))
-            groups[r].setdefault(_gap(spans[r], recv_at), []).append((key, receiver, mb))
+            groups[src].setdefault(gaps[src].at(send_at), []).append((key, sender, mb))
+            groups[r].setdefault(gaps[r].at(recv_at), []).append((key, receiver, mb))
     out = Schedule(placement="v")
     for r, order in enumerate(orders):
         acts: list[Action] = []
