@@ -391,6 +391,7 @@ class DistributedOptimizer:
         """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
         return _state.state_by_category(self.buckets, self.params)
 
+
 def _local_ties(buckets: list[Bucket]) -> list[tuple[tuple[Bucket, Slot], tuple[Bucket, Slot]]]:
     """Tied copies (meta.tied_to, reduced over the embedding group) whose source is on this rank as well:
     the V pipeline placement puts the first and the last stage on one rank. Their gradients are summed
