@@ -108,3 +108,10 @@ def test_dualpipe_v_pairs_forward_with_backward_of_another_microbatch():
         pairs = [(x, y) for x, y in zip(compute, compute[1:]) if x.kind is K.FORWARD and y.kind is K.BACKWARD]
         assert len(pairs) >= 2 * (m - 2 * p + 1)
         assert all(x.chunk != y.chunk and x.microbatch != y.microbatch for x, y in pairs)
+
+
+def test_docstring_example_is_the_schedule():
+    from parallel3d.pipeline import format_schedule, zb_v
+    rows = format_schedule(zb_v(2, 4), comm=False).splitlines()
+    for row in rows:
+        assert row[:60].rsplit(" ", 1)[0] in zb_v.__doc__

@@ -151,10 +151,10 @@ def zb_v(p: int, m: int) -> Schedule:
     steady phase repeats ``F0 I0 W0 F1 I1 W1``; the cool-down runs the remaining input passes first
     (what the other ranks wait for) and fills the end with the postponed weight passes. Every rank
     holds at most ``2p`` chunk activations (``p`` stages' worth: 1F1B's peak on rank 0). p=2, m=4,
-    F=I=W=1 (``c1`` = chunk 1)::
+    compute order (``c1`` = chunk 1; ``format_schedule(zb_v(2, 4), comm=False)``)::
 
-        rank 0: F0 F1 F2 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 F3 I0 W0 F2c1 I2c1 ...
-        rank 1: .  F0 F0c1 F1 F1c1 I0c1 W0c1 I0 W0 ...
+        rank 0: F0c0 F1c0 F2c0 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 F3c0 I0c0 W0c0 F2c1 I2c1 W2c1 I1c0 ...
+        rank 1: F0c0 F0c1 F1c0 F1c1 I0c1 W0c1 F2c0 I0c0 W0c0 F2c1 I1c1 W1c1 F3c0 I1c0 W1c0 F3c1 ...
     """
     _check_pm_v("zb-v", p, m)
     f, i, w = K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
