@@ -124,3 +124,47 @@ def test_checkpoint_of_a_v_run_resumes_under_other_layouts(worlds, tmp_path):
     assert worlds.run(4, train, model + saved, 4, None, (), root)[0] == full[2:]
     got = worlds.run(4, train, model + ["parallel.pp=2", "parallel.tp=2"], 4, None, (), root)[0]
     _assert_close(got, ref[2:], 1e-4, "zb-v checkpoint resumed under 1f1b tp=2 pp=2")
+
+
+def _runtime_memory_worker(w):
+    from models.config import ModelConfig
+    from models.llama import Llama
+    from parallel3d.mesh import MeshSpec
+    from parallel3d.pipeline import partition_layers, placement_of, stage_ids
+    from parallel3d.pipeline.runtime import PipelineStats, run_pipeline_step
+
+    torch.set_num_threads(1)
+    ctx = w.context(MeshSpec(pp=w.world_size))
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, num_layers=8)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (8, 1, 17), generator=g)
+    mbs = [{"ids": t[:, :-1], "labels": t[:, 1:], "position_ids": torch.arange(16)} for t in tokens]
+    out = {}
+    for name, v in (("1f1b", 1), ("zb-v", 2), ("dualpipe-v", 2)):
+        stages = partition_layers(8, ctx.spec.pp, v)
+        chunks = []
+        for s in stage_ids(ctx.coords.pp, ctx.spec.pp, v, placement_of(name)):
+            chunks.append(Llama(cfg, ctx, layers=stages[s], pre=s == 0, post=s == ctx.spec.pp * v - 1))
+            chunks[-1].init_weights(3)
+        stats = PipelineStats()
+        loss = run_pipeline_step(ctx, chunks, name, mbs, loss_scale=1.0, backward=lambda x: x.backward(),
+                                 stats=stats)
+        out[name] = (stats.peak_live, float(loss))
+    return out
+
+
+def test_runtime_holds_what_the_v_schedules_promise(worlds):
+    """The runtime's live (microbatch, chunk) activations peak where the schedule says (kept until the weight
+    pass): ZB-V at 2p half-stage chunks = 1F1B's p stages, DualPipe-V one chunk more; same loss as 1F1B."""
+    from parallel3d.pipeline import build_schedule, peak_in_flight
+
+    p = 4
+    results = worlds.run(p, _runtime_memory_worker)
+    for name in ("zb-v", "dualpipe-v"):
+        promised = [peak_in_flight(s, until_weight=True) for s in build_schedule(name, p, 8, 2)]
+        assert [r[name][0] for r in results] == promised
+    assert results[0]["zb-v"][0] == 2 * results[0]["1f1b"][0] == 2 * p
+    assert results[0]["dualpipe-v"][0] == 2 * p + 1
+    # the loss sits on the rank of the last stage: rank p-1 for 1F1B, rank 0 for the V
+    assert results[0]["zb-v"][1] == pytest.approx(results[-1]["1f1b"][1], rel=1e-6)
+    assert results[0]["dualpipe-v"][1] == pytest.approx(results[-1]["1f1b"][1], rel=1e-6)
