@@ -38,6 +38,6 @@ def test_v_schedules_from_the_command_line(tmp_path, reference, layout):
     schedule = build_schedule(name, 2, 8 // (2 if "parallel.dp=2" in layout else 1), 2)
     for rank in range(2):  # the measured step ran the V schedule's compute actions, in order
         want = [(a.kind.name, a.microbatch, a.chunk) for a in schedule[rank] if a.kind.is_compute]
-        got = [(k, mb, c) for r, k, mb, c, *_ in measured if r == rank and k in ("FORWARD", "BACKWARD",
-                                                                                 "BACKWARD_INPUT", "BACKWARD_WEIGHT")]
+        compute = ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
+        got = [(k, mb, c) for r, k, mb, c, *_ in measured if r == rank and k in compute]
         assert got == want

@@ -75,9 +75,12 @@ def test_v_schedules_match_world_size_1(worlds, world, layout, model):
      r"schedule=dualpipe-v needs at least 2\*pp = 4 microbatches per step .*got 3"),
     (2, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=3"],
      r"schedule=zb-v places exactly two model chunks on each pipeline rank"),
-    (4, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=3", "train.global_batch_size=8"], r"schedule=zb-v: ZeRO-3 .*split"),
-    (4, ["parallel.pp=2", "parallel.schedule=dualpipe-v", "parallel.zero=3", "train.global_batch_size=8"], r"schedule=dualpipe-v: ZeRO-3"),
-    (2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.num_layers=1"], r"pipeline split .*2 chunk\(s\) per rank"),
+    (4, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=3", "train.global_batch_size=8"],
+     r"schedule=zb-v: ZeRO-3 .*split"),
+    (4, ["parallel.pp=2", "parallel.schedule=dualpipe-v", "parallel.zero=3", "train.global_batch_size=8"],
+     r"schedule=dualpipe-v: ZeRO-3"),
+    (2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.num_layers=1"],
+     r"pipeline split .*2 chunk\(s\) per rank"),
 ])
 def test_v_schedule_requirements_are_one_config_error(world, overrides, match):
     from parallel3d.training.config import ConfigError
