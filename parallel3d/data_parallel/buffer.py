@@ -44,6 +44,7 @@ class Slot:
     decay: bool = True
     real_rows: int = 0       # rows without vocabulary padding (meta.local_real_shape[0])
     scalar: bool = False     # the parameter is 0-d
+    local_copy: bool = False  # a tied copy whose source is on this rank too (V pipeline placement)
 
     @property
     def meta(self) -> ParamMeta:

@@ -26,6 +26,8 @@ from parallel3d.mesh import ParallelContext
 
 def counts_once(b: Bucket, s: Slot, ctx: ParallelContext, zero: int) -> bool:
     """Whether this rank is the one that counts (and checkpoints) its held rows of `s`."""
+    if s.local_copy:  # its source on this same rank counts (and checkpoints) the shared rows
+        return False
     if zero == 0 and b.group.rank != 0:
         return False
     for name in s.meta.replicated:

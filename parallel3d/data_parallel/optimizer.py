@@ -109,6 +109,7 @@ class DistributedOptimizer:
         self._touched: set[int] = set()      # chunks whose gradients arrived during the running backward
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(b, s))
                        for b in self.buckets for s in b.slots]
+        self._local_ties = _local_ties(self.buckets)
 
     # ---- backward ----------------------------------------------------------------------------------
     def _grad_hook(self, b: Bucket, s: Slot):
@@ -224,11 +225,18 @@ class DistributedOptimizer:
         self._synced = True
 
     def _reduce_extra_groups(self) -> None:
-        """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each."""
+        """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each.
+        A tied pair held by this one rank (the V placement's embedding and head) is summed here instead."""
         views: dict[str, list[torch.Tensor]] = {}
+        for (b, source), (cb, copy) in self._local_ties:
+            total = source.flat(b.grad.shard).add_(copy.flat(cb.grad.shard))
+            copy.flat(cb.grad.shard).copy_(total)
+        tied = {id(s) for pair in self._local_ties for _, s in pair}
         for b in self.buckets:
             for s in b.slots:
                 for name in s.meta.grad_reduce:
+                    if name == "embedding" and id(s) in tied:
+                        continue
                     g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
                     if g is not None and g.size > 1:
                         views.setdefault(name, []).append(s.flat(b.grad.shard))
@@ -382,3 +390,17 @@ class DistributedOptimizer:
     def state_by_category(self) -> dict[str, list[torch.Tensor]]:
         """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
         return _state.state_by_category(self.buckets, self.params)
+
+
+def _local_ties(buckets: list[Bucket]) -> list[tuple[tuple[Bucket, Slot], tuple[Bucket, Slot]]]:
+    """Tied copies (meta.tied_to, reduced over the embedding group) whose source is on this rank as well:
+    the V pipeline placement puts the first and the last stage on one rank. Their gradients are summed
+    locally, and the copy is marked so that norms and checkpoints count the shared rows once."""
+    by_name = {s.name: (b, s) for b in buckets for s in b.slots if "embedding" in s.meta.grad_reduce}
+    ties = []
+    for b, s in by_name.values():
+        source = by_name.get(s.meta.tied_to) if s.meta.tied_to else None
+        if source is not None:
+            s.local_copy = True
+            ties.append((source, (b, s)))
+    return ties

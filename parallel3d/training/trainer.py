@@ -21,6 +21,7 @@ from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 from parallel3d.offload import ActivationOffload
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.placement import chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.runtime import Record, ScheduleCache, run_pipeline_forward, run_pipeline_step
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
@@ -86,11 +87,11 @@ class Trainer:
         """train=False (evaluation) builds no optimizer: no fp32 master weights or Adam state."""
         self.cfg, self.ctx = cfg, ctx
         p = cfg.parallel
-        v = p.virtual_stages if p.schedule == "interleaved" else 1
+        v = chunks_per_rank(p.schedule, p.virtual_stages)
         stages = partition_layers(cfg.model.num_layers, p.pp, v, p.layers_per_stage)
-        pp_rank = ctx.coords.pp
-        # chunk c of pipeline rank r is global (virtual) stage c * pp + r
-        self.stage_ids = [c * p.pp + pp_rank for c in range(v)]
+        # which global stage each local chunk is: the schedule's placement (pipeline/placement.py)
+        self.placement = placement_of(p.schedule)
+        self.stage_ids = stage_ids(ctx.coords.pp, p.pp, v, self.placement)
         last = p.pp * v - 1
         with torch.device(ctx.device):  # parameters are created where they live (no host copy first)
             self.chunks = [build_stage(stages[s], s == 0, s == last) for s in self.stage_ids]
@@ -211,7 +212,7 @@ class Trainer:
                                        cfg.train.micro_batch_size)
             mbs = [split_microbatch(mb, ctx, **self.document_args()) for mb in rows]
             count += self._global_token_count(mbs)
-            total += run_pipeline_forward(ctx, self.chunks, mbs).float()
+            total += run_pipeline_forward(ctx, self.chunks, mbs, placement=self.placement).float()
         for chunk in self.chunks:
             chunk.train()
         comm.all_reduce(total, ctx.dp_cp)

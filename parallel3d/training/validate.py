@@ -17,7 +17,8 @@ from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES
+from parallel3d.pipeline.placement import check_schedule_config
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
 from parallel3d.training.config import ConfigError, ExperimentConfig
@@ -128,30 +129,16 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
              f"(micro_batch_size*dp) = {nmb}; leave it 0 to derive it")
     t.num_microbatches = nmb
 
-    # --- pipeline
-    if p.schedule == "interleaved":
-        _require(p.virtual_stages >= 2,
-                 f"schedule=interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
-        _require(p.pp >= 2, f"schedule=interleaved needs parallel.pp >= 2, got pp={p.pp}")
-        _require(nmb % p.pp == 0,
-                 f"schedule=interleaved needs the number of microbatches ({nmb}) divisible by "
-                 f"parallel.pp={p.pp}")
-    else:
-        _require(p.virtual_stages == 1,
-                 f"parallel.virtual_stages={p.virtual_stages} needs schedule=interleaved "
-                 f"(got schedule={p.schedule})")
+    # --- pipeline (each schedule's requirements, the partition and the V placement: parallel3d.pipeline)
+    v = _owned(lambda: check_schedule_config(p.schedule, p.pp, p.virtual_stages, nmb))
     if p.pp > 1 and p.zero == 3:
         from parallel3d.data_parallel.zero3 import check_split_backward
-        from parallel3d.pipeline.schedules import SPLIT_BACKWARD
-        try:
-            check_split_backward(p.schedule in SPLIT_BACKWARD)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        _owned(lambda: check_split_backward(p.schedule in SPLIT_BACKWARD), f"schedule={p.schedule}: ")
     try:  # the partition owns what a stage may hold (empty first/last stages are fine)
-        partition_layers(m.num_layers, p.pp, p.virtual_stages, p.layers_per_stage)
+        partition_layers(m.num_layers, p.pp, v, p.layers_per_stage)
     except ValueError as e:
         raise ConfigError(f"pipeline split (model.num_layers={m.num_layers}, parallel.pp={p.pp}, "
-                          f"parallel.virtual_stages={p.virtual_stages}, parallel.layers_per_stage="
+                          f"{v} chunk(s) per rank, parallel.layers_per_stage="
                           f"{p.layers_per_stage}): {e}") from None
 
     # --- data: mixture spec, packed documents (eos id from the token files' metadata when not given)
