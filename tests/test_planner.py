@@ -203,3 +203,12 @@ def test_plan_moves_offloaded_state_off_the_device():
     assert both.breakdown["offload"]["host_bytes"] == moved
     assert both.step_time_s > plain.step_time_s
     assert both.layout["offload_optimizer"] == "cpu" and both.layout["offload_params"] == "cpu"
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v", "interleaved"])
+def test_plan_runs_the_multi_chunk_schedules(schedule):
+    v = "parallel.virtual_stages=2"
+    cfg = make_config(["parallel.pp=2", "parallel.tp=1", f"parallel.schedule={schedule}", v, *SMALL], 2)
+    result = plan(cfg, _stage_builder, H100, 8)
+    assert result.fits and result.step_time_s > 0 and len(result.roles) == 2
+    assert result.layout["schedule"] == schedule

@@ -21,6 +21,7 @@ from typing import Optional
 
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, ActionKind, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
@@ -62,7 +63,7 @@ def layout_of(cfg: ExperimentConfig) -> dict:
 
 
 def _chunks(cfg: ExperimentConfig) -> int:
-    return cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
+    return chunks_per_rank(cfg.parallel.schedule, cfg.parallel.virtual_stages)
 
 
 def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
@@ -75,7 +76,7 @@ def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
     signature_rank: dict = {}
     out = {}
     for r in range(p.pp):
-        ids = [c * p.pp + r for c in range(v)]
+        ids = stage_ids(r, p.pp, v, placement_of(p.schedule))
         sig = tuple((len(stages[s]), s == 0, s == last) for s in ids)
         out[r] = signature_rank.setdefault(sig, spec.rank(pp=r))
     return out
@@ -88,7 +89,8 @@ def run_microbatches(name: str, p: int, m: int, v: int) -> int:
     keeps = name in SPLIT_BACKWARD
     full = [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, m, v)]
     step = p if name == "interleaved" else 1
-    for trial in range(step, m, step):
+    start = 2 * p if name in V_SCHEDULES else step  # the V schedules need 2p microbatches
+    for trial in range(start, m, step):
         if [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, trial, v)] == full:
             return trial
     return min(m, 2 * p * v)

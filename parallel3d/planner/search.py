@@ -3,7 +3,8 @@
 Enumeration (pure arithmetic; validation is the config's own, `resolve_and_validate`): tp over divisors of
 the world up to one node and dividing the heads; cp in 1, 2, 4, 8; pp dividing what is left (at most one
 stage per layer); ep over divisors of dp * cp that divide the experts; zero 0-3; schedules 1f1b,
-interleaved with 2 chunks and zb-h1 when pp > 1 (gpipe is dominated by 1f1b: same bubble, more memory);
+interleaved with 2 chunks, zb-h1, zb-v and dualpipe-v when pp > 1 (gpipe is dominated by 1f1b: same
+bubble, more memory);
 micro-batch sizes 1, 2, 4 dividing the per-rank batch; activation checkpointing none, selective, full.
 
 Each candidate is dry-run in full (estimate.plan), which takes seconds to a minute for large presets, so
@@ -24,7 +25,7 @@ from parallel3d.training.config import ConfigError, ExperimentConfig
 from parallel3d.training.metrics import active_params, flops_per_token, param_counts, total_params
 from parallel3d.training.validate import resolve_and_validate
 
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -82,6 +83,8 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     ideal = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / (
         world * gpu.peak_flops["bf16"] * gpu.matmul_efficiency)
     bubble = (p.pp - 1) / (t.num_microbatches + p.pp - 1) / (p.virtual_stages if p.schedule == "interleaved" else 1)
+    if p.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
+        bubble /= 3 if p.schedule == "zb-h1" else 6  # DESIGN.md 4: ZB-H1 about a third; ZB-V (p-1)/(6m+p-1)
     penalty = (1.33 if t.activation_checkpointing == "full" else 1.0) * (1.3 if p.tp > gpus_per_node else 1.0)
     penalty *= 1.0 + 0.02 * p.zero + 0.05 * (p.cp - 1) + (0.1 if active_params(m) and p.ep < 1 else 0)
     return fits, ideal * penalty / (1 - bubble)
