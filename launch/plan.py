@@ -33,7 +33,7 @@ GiB = 2 ** 30
 
 def _table(result: Plan, gpu, world: int) -> str:
     lay = result.layout
-    lines = [f"layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
+    lines = ["layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
              "memory of the worst rank (GiB): " + "  ".join(
                  f"{k} {result.memory[k] / GiB:.2f}" for k in MEMORY_KEYS),
              f"fits: {'yes' if result.fits else 'NO'} (peak vs the GPU's memory less "

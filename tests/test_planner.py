@@ -47,7 +47,6 @@ def _real_memory(w, overrides):
 
 def _stage_builder(cfg, ctx):
     def build(layers, pre, post):
-        from ckpt_helpers import build_trainer  # noqa: F401  (same classes as build_trainer)
         from models.llama import Llama
         from models.moe import MoETransformer
         cls = MoETransformer if cfg.model.num_experts else Llama

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Optional
 
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
-from parallel3d.pipeline.schedules import SPLIT_BACKWARD, ActionKind, build_schedule
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed
