@@ -20,7 +20,8 @@ already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradien
     3     reduce-scatter; params gathered     1/N                     1/N                 1/N
           around each unit's fwd and bwd (zero3.py)
 
-Buckets, shard layout and why it is rank-major: buffer.py, build.py. Norm and clipping: clip.py; AdamW: adamw.py.
+Buckets, shard layout and why it is rank-major: buffer.py, build.py. Gradient hooks and each bucket's
+reduction (HSDP, compression, qgZ): sync.py. Norm and clipping: clip.py; AdamW: adamw.py.
 Checkpoint state, gradient views and memory accounting: state.py. The optimizer only assumes its
 `modules` list (the model chunks on this rank): it works under any TP/PP/CP/EP layout whose parameters
 carry `meta`. Construct it after the weights are final (initialised or loaded): it copies them into its
@@ -35,22 +36,21 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from parallel3d import comm
 from parallel3d.data_parallel import state as _state
-from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
+from parallel3d.data_parallel.buffer import Bucket, Slot, copy_rows_out
 from parallel3d.data_parallel.build import init_bucket, plan
 from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.data_parallel.compression import Compressor, check_compression
-from parallel3d.comm import start_all_gather, start_all_reduce, wait_work
+from parallel3d.comm import start_all_gather, wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
-from parallel3d.data_parallel.quantize import check_zeropp, quantized_reduce_scatter
-from parallel3d.data_parallel.reduce import start_reduce_scatter
+from parallel3d.data_parallel.quantize import check_zeropp
+from parallel3d.data_parallel.sync import BucketReduction
 from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
 from parallel3d.mesh import ParallelContext, check_hpz
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(BucketReduction):
     """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
     and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads)."""
 
@@ -126,93 +126,6 @@ class DistributedOptimizer:
                        for b in self.buckets for s in b.slots]
         self._local_ties = _local_ties(self.buckets)
 
-    # ---- backward ----------------------------------------------------------------------------------
-    def _grad_hook(self, b: Bucket, s: Slot):
-        def hook(p: torch.Tensor) -> None:
-            g, p.grad = p.grad, None
-            if g is None:
-                return
-            if b.grad.launched:
-                raise RuntimeError(f"gradient of {s.name} arrived after its bucket was reduced: call "
-                                   f"set_last_microbatch(False) before every microbatch but the last")
-            with torch.no_grad():
-                if b.grad.full is None:
-                    b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=g.device)
-                add_rows(b.grad.full, b.seg, b.nshard, s, g)
-            if b.unit is not None:
-                self.zero3.on_grad(b.unit)
-            if not self._touched:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._touched.add(b.chunk)
-            if self._last[b.chunk]:
-                b.grad.count += 1
-                if b.grad.count == len(b.slots):
-                    b.grad.ready = True
-                    self._launch_ready(b.seq)
-        return hook
-
-    def _end_of_backward(self) -> None:
-        """Runs when the backward pass ends: parameters that got no gradient in it will not get one, so
-        launch the rest of the chunk's buckets now (ranks agree on when, unlike bucket readiness), and
-        under ZeRO-3 free units that stayed gathered because some parameter had no gradient."""
-        touched, self._touched = sorted(self._touched), set()
-        for chunk in touched:
-            if self.zero3 is not None:
-                for unit in self._chains[chunk]:
-                    if unit.gathered or unit.pending is not None:
-                        self.zero3.free(unit)
-            if self._last[chunk]:
-                for seq in self._chunk_seqs.get(chunk, []):
-                    for b in self.seqs[seq][self._next[seq]:]:
-                        b.grad.ready = True
-                    self._launch_ready(seq)
-
-    def _launch_ready(self, seq: int) -> None:
-        bs = self.seqs[seq]
-        while self._next[seq] < len(bs) and bs[self._next[seq]].grad.ready:
-            self._launch(bs[self._next[seq]])
-            self._next[seq] += 1
-
-    def _launch(self, b: Bucket) -> None:
-        if b.grad.full is None:   # no gradient reached this bucket on this rank (unused parameters)
-            b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.slots[0].param.device)
-        if self.compressor is not None and self.compressor.active(self.step_count):
-            self.compressor.reduce(b)   # synchronous: b.grad.full holds the (approximate) sum
-            b.grad.out = b.grad.full[b.shard * b.seg: (b.shard + 1) * b.seg]   # ZeRO-1: the held segment
-        elif self.zero == 0:
-            b.grad.work = start_all_reduce(b.grad.full, b.group)
-        elif self.qgz_block:            # qgZ (synchronous all-to-all of int8 blocks)
-            b.grad.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad.full.device)
-            quantized_reduce_scatter(b.grad.out, b.grad.full, b.group, self.qgz_block)
-        else:
-            b.grad.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad.full.device)
-            b.grad.work = start_reduce_scatter(b.grad.out, b.grad.full, b.group, self.ctx.backend == "gloo")
-        b.grad.launched = True
-        self._inflight.append(b)
-        while self._inflight and (self._inflight[0].grad.work is None or self._inflight[0].grad.work.is_completed()):
-            self._finalize(self._inflight.popleft())   # frees ZeRO-2/3 full buffers early
-
-    def _finalize(self, b: Bucket) -> None:
-        if b.grad.replicating:     # HSDP second hop done: the segment is the sum over all of DP
-            wait_work(b.grad.work, b.replica, "all_reduce")
-            b.grad.replicating = False
-        else:
-            wait_work(b.grad.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
-            if b.replica is not None and b.replica.size > 1:
-                # HSDP: sum the shard group's segment across the replicas (same segment on each), then
-                # come back here once that is done; each group's collectives keep bucket order
-                b.grad.work, b.grad.replicating = start_all_reduce(b.grad.out, b.replica), True
-                self._inflight.append(b)
-                return
-        b.grad.work = None
-        if self.zero == 1:
-            seg = b.grad.full[b.shard * b.seg: (b.shard + 1) * b.seg]
-            seg.copy_(b.grad.out)
-            b.grad.shard = seg
-        elif self.zero >= 2:
-            b.grad.shard, b.grad.full = b.grad.out, None
-        b.grad.out = None
-
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -255,28 +168,6 @@ class DistributedOptimizer:
         if self.zero3 is not None:
             self.zero3.free_all()
         self._synced = True
-
-    def _reduce_extra_groups(self) -> None:
-        """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each.
-        A tied pair held by this one rank (the V placement's embedding and head) is summed here instead."""
-        views: dict[str, list[torch.Tensor]] = {}
-        for (b, source), (cb, copy) in self._local_ties:
-            total = source.flat(b.grad.shard).add_(copy.flat(cb.grad.shard))
-            copy.flat(cb.grad.shard).copy_(total)
-        tied = {id(s) for pair in self._local_ties for _, s in pair}
-        for b in self.buckets:
-            for s in b.slots:
-                for name in s.meta.grad_reduce:
-                    if name == "embedding" and id(s) in tied:
-                        continue
-                    g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
-                    if g is not None and g.size > 1:
-                        views.setdefault(name, []).append(s.flat(b.grad.shard))
-        for name in sorted(views):
-            flat = torch.cat(views[name])
-            comm.all_reduce(flat, getattr(self.ctx, name))
-            for v, part in zip(views[name], flat.split([v.numel() for v in views[name]])):
-                v.copy_(part)
 
     def _prepare(self) -> None:
         if self._prepared:
