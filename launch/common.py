@@ -78,7 +78,8 @@ def build_context(cfg: ExperimentConfig) -> ParallelContext:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     p = cfg.parallel
     init_distributed(timeout_s=p.timeout_s)
-    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), timeout_s=p.timeout_s)
+    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
+                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), timeout_s=p.timeout_s)
 
 
 def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):

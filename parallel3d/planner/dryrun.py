@@ -87,7 +87,8 @@ class RoleRun:
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
     p = cfg.parallel
-    return ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, device)
+    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    return ParallelContext.simulated(spec, rank, device)
 
 
 def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
@@ -103,7 +104,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     events: list[tuple[float, str, str, float, int]] = []
 
     def on_collective(group: str, op: str, nbytes: int) -> None:
-        g = groups[group]
+        g = groups[group] if group in groups else groups[group.rsplit("_", 1)[0]]  # "<group>_compressed"
         alpha, beta = link(g.ranks, gpus_per_node, gpu)
         events.append((time.perf_counter(), group, op, collective_time(op, nbytes, g.size, alpha, beta), nbytes))
 

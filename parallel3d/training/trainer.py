@@ -122,7 +122,12 @@ class Trainer:
                                     initial_loss_scale=t.initial_loss_scale,
                                     loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
                                     offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
-                                    offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb)
+                                    offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb,
+                                    grad_compression=p.grad_compression,
+                                    powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
+                                    compression_start_step=p.compression_start_step,
+                                    quantized_weights=p.zero_quantized_weights, hpz=p.zero_hpz,
+                                    quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block)
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:

@@ -13,9 +13,11 @@ from typing import Any, Optional, Sequence
 from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
 from parallel3d.data_parallel.adamw import check_offload
+from parallel3d.data_parallel.compression import check_compression
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.expert_parallel.experts import check_expert_split
-from parallel3d.mesh import MeshSpec
+from parallel3d.data_parallel.quantize import check_zeropp
+from parallel3d.mesh import MeshSpec, check_hpz
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import check_schedule_config
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
@@ -90,7 +92,15 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2); the mesh owns the rules
     if p.ep > 1:
         _require(m.num_experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
-    p.dp = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp)).dp
+    spec = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp, p.dp_shard,
+                                             p.gpus_per_node))
+    p.dp = spec.dp   # dp_shard stays as given (0: all of dp), so a saved config stays portable
+    _owned(lambda: check_compression(p.grad_compression, p.zero, p.powersgd_rank, p.topk_ratio,
+                                     p.compression_start_step, spec.hsdp, t.precision))
+    _owned(lambda: check_zeropp(p.zero, p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients,
+                                p.quant_block))
+    if p.zero_hpz:
+        _owned(lambda: check_hpz(spec))
 
     # --- attention heads under TP / Ulysses CP
     heads, kv = m.num_heads, m.num_kv_heads
