@@ -29,6 +29,10 @@ LAYOUTS = {
     "tp2-sp-zero1": ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1"],
     "pp2-zero2": ["parallel.pp=2", "parallel.zero=2", "parallel.tp=1"],
     "dp2-zero3": ["parallel.zero=3", "parallel.tp=1"],
+    "zero3-qwz-qgz": ["parallel.zero=3", "parallel.tp=1", "parallel.zero_quantized_weights=true",
+                      "parallel.zero_quantized_gradients=true"],
+    "zero1-powersgd": ["parallel.zero=1", "parallel.tp=1", "parallel.grad_compression=powersgd",
+                       "parallel.compression_start_step=0"],
 }
 SMALL = ["model.hidden_size=64", "model.num_kv_heads=4", "model.ffn_hidden_size=128", "train.seq_len=64", "model.num_layers=4",
          "train.global_batch_size=8"]
@@ -39,7 +43,8 @@ def _real_memory(w, overrides):
     torch.set_num_threads(1)
     cfg = make_config(overrides, w.world_size)
     p = cfg.parallel
-    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)))
+    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
+                                                    dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)))
     out, tracker = tracked_step(trainer, "cpu")
     peak, split = tracker.peak()
     return peak, split, tracker.live(), out["comm_bytes"]

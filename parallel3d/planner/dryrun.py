@@ -37,15 +37,20 @@ BuildStage = Callable[[list[int], bool, bool], nn.Module]
 StageBuilder = Callable[[ExperimentConfig, ParallelContext], BuildStage]
 
 # collectives that run beside compute: ring-attention p2p, ZeRO-3 prefetch gathers, DP bucket reductions
-OVERLAPPED_GROUPS = ("cp", "dp_cp", "edp", "dp")
-DP_GROUPS = ("dp_cp", "edp", "dp")
-REDUCTIONS = ("reduce_scatter", "all_reduce")
+DP_GROUPS = ("dp_cp", "edp", "dp", "dp_shard", "edp_shard", "dp_rep", "dp_node", "edp_node")
+OVERLAPPED_GROUPS = ("cp",) + DP_GROUPS
+REDUCTIONS = ("reduce_scatter", "all_reduce", "all_to_all")  # qgZ and gloo's reduce-scatter: all-to-all
+
+
+def base_group(group: str) -> str:
+    """Compressed traffic is recorded as "<group>_compressed" (data_parallel/compression.py)."""
+    return group[: -len("_compressed")] if group.endswith("_compressed") else group
 
 
 def is_grad_sync(group: str, op: str) -> bool:
     """Gradient reductions over data-parallel groups: once per step (launched during the last
     microbatch's backward, bucket by bucket), whatever the number of microbatches."""
-    return group in DP_GROUPS and op in REDUCTIONS
+    return base_group(group) in DP_GROUPS and op in REDUCTIONS
 
 
 class DryRunError(RuntimeError):
@@ -104,7 +109,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     events: list[tuple[float, str, str, float, int]] = []
 
     def on_collective(group: str, op: str, nbytes: int) -> None:
-        g = groups[group] if group in groups else groups[group.rsplit("_", 1)[0]]  # "<group>_compressed"
+        g = groups[base_group(group)]
         alpha, beta = link(g.ranks, gpus_per_node, gpu)
         events.append((time.perf_counter(), group, op, collective_time(op, nbytes, g.size, alpha, beta), nbytes))
 
@@ -187,7 +192,7 @@ def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU
             continue
         if c is not outside:
             inside[f"{group}.{op}"] += nbytes
-        if group in OVERLAPPED_GROUPS and c is not outside:
+        if base_group(group) in OVERLAPPED_GROUPS and c is not outside:
             c.overlapped_comm_s += seconds
         else:
             c.blocking_comm_s += seconds
