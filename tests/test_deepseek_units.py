@@ -185,3 +185,25 @@ def test_multi_token_prediction_loss_is_the_reports_formula():
     got = model(ids, pos, labels)
     assert abs(got.item() - expected.item()) <= 1e-5 * expected.item()
     assert got.item() - main.item() > 1.0  # the MTP terms are there
+
+
+def test_mla_with_packed_documents_equals_each_document_alone():
+    """Document-masked MLA (+ DeepSeek MoE) over packed windows == every document run alone."""
+    from models.moe import MoETransformer
+    from parallel3d.context_parallel.documents import Documents, document_ids, document_positions
+    from parity import enlarge_weights
+    from doc_helpers import per_document_loss_sum
+    from test_documents import EDGE_WINDOWS, EOS
+
+    cfg = make_config([*DEEPSEEK, "model.vocab_size=64", "model.num_layers=2"], 1).model
+    torch.manual_seed(7)
+    model = enlarge_weights(MoETransformer(cfg, ParallelContext.single()))
+    windows = torch.tensor(list(EDGE_WINDOWS.values()))  # (4, 17)
+    ids, labels = windows[:, :-1], windows[:, 1:]
+    doc = document_ids(ids, EOS)
+    with torch.no_grad():
+        got = float(model(ids, document_positions(doc), labels, documents=Documents.from_host(doc)))
+        plain = float(model(ids, torch.arange(16), labels))
+    want, _ = per_document_loss_sum(model, windows, EOS)
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert abs(plain - want) > 1e-3 * abs(want)  # crossing documents matters (100x the tolerance)
