@@ -18,7 +18,8 @@ from parallel3d.checkpoint import hf as hf_io
 from parallel3d.checkpoint.hf import StateDictAdapter
 from parallel3d.checkpoint.store import CheckpointError, CheckpointReader
 
-# DeepSeek and Qwen first: Llama and Mixtral accept any dense / MoE model and would drop MLA, QK-norm weights and biases.
+# DeepSeek and Qwen first: Llama and Mixtral accept any dense / MoE model and would drop MLA, QK-norm weights
+# and biases.
 ADAPTERS: list[StateDictAdapter] = [DeepseekV3Adapter(), Qwen3MoeAdapter(), Qwen3Adapter(), Qwen2Adapter(),
                                     MixtralAdapter(), LlamaAdapter()]
 

@@ -90,7 +90,8 @@ class MoETransformer(Llama):
                   labels: torch.Tensor, documents=None) -> torch.Tensor:
         """lambda / D * sum_k (summed CE of predicting t_{i+k+1}); see models/mtp.py."""
         if self.pre or self.cfg.tie_embeddings:
-            table, start, real = self.embed.weight if self.pre else self.lm_head.weight, self.vocab_start, self.vocab_real
+            table = self.embed.weight if self.pre else self.lm_head.weight
+            start, real = self.vocab_start, self.vocab_real
         else:
             table, start, real = self.mtp_embed.weight, self.mtp_embed.start, self.mtp_embed.real_rows
         total = hidden.new_zeros((), dtype=torch.float32)

@@ -45,7 +45,8 @@ def test_group_limited_routing_matches_transformers_gate():
 
 
 def test_sequence_balance_loss_is_the_reports_formula():
-    """L = sum_i f_i P_i per sequence, f_i = E/(k T) * #tokens routed to i, P_i = mean over tokens of s_i / sum_j s_j."""
+    """L = sum_i f_i P_i per sequence, f_i = E/(k T) * #tokens routed to i,
+    P_i = mean over tokens of s_i / sum_j s_j."""
     torch.manual_seed(1)
     b, s, e, k = 3, 7, 6, 2
     scores = torch.rand(b * s, e)

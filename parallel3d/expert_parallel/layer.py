@@ -6,10 +6,11 @@ the SP all-gather), every TP rank routes the same tokens identically and runs it
 expert (routed and shared), and the partial outputs are summed by one all-reduce (or SP reduce-scatter).
 The all-to-all runs inside each EP group, whose ranks share the TP rank.
 
-Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) are computed from *global* statistics: per-expert
-counts, probability sums, squared log-partition sums and the token count are all-reduced over DP x CP
-(every rank of a stage holding different tokens; EP is a subset), so every layout gets the world-size-1
-value of the same global micro-batch. The all-reduce passes gradients through unchanged (each rank
+Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) are
+computed from *global* statistics: per-expert counts, probability sums, squared log-partition sums and the
+token count are all-reduced over DP x CP (every rank of a stage holding different tokens; EP is a subset),
+so every layout gets the world-size-1 value of the same global micro-batch (the sequence-wise loss sums each
+sequence over CP first, see MoELayer._sequence_aux). The all-reduce passes gradients through unchanged (each rank
 back-propagates the global loss through its own tokens; the DP gradient sum completes it).
 
 `pop_aux_loss()` returns this layer's term in *summed-loss units*: its value is T * A / n_dpcp per rank

@@ -31,7 +31,8 @@ def _mlp_params(hidden: int, ffn: int) -> int:
 def _mla_attention_params(m: TransformerShape) -> int:
     """One MLA layer: W_qa + q norm + W_qb (or W_q), W_kva + kv norm + W_kvb, W_o (models/mla.py)."""
     h, n, rq, rkv = m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank
-    d_qk, d_rope, d_nope, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    d_rope, d_nope, d_v = m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    d_qk = d_nope + d_rope
     q = h * rq + rq + rq * n * d_qk if rq else h * n * d_qk
     kv = h * (rkv + d_rope) + rkv + rkv * n * (d_nope + d_v)
     return q + kv + n * d_v * h
