@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import dispatch
 from kernels.rope import rope_cos_sin, rope_inv_freq
 from models.config import ModelConfig
+from models.mla import MLAttention, mla_rope
 from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import init_parameters
@@ -101,7 +102,8 @@ class Block(nn.Module):
                  mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
-        self.attn = Attention(cfg, ctx, sp, cp_mode, recompute_core=recompute == "selective")
+        attention = MLAttention if cfg.attention_type == "mla" else Attention  # model.attention_type
+        self.attn = attention(cfg, ctx, sp, cp_mode, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx, sp)
 
@@ -153,8 +155,9 @@ class Llama(nn.Module):
             for p in self._tied_params():
                 p.meta.grad_reduce += ("embedding",)
                 p.meta.replicated += ("embedding",)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+        inv_freq = (mla_rope(cfg)[0] if cfg.attention_type == "mla"
+                    else rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:
         """The residual stream between pipeline stages (parallel3d.pipeline.stage.PipelineStage)."""
@@ -180,6 +183,12 @@ class Llama(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 documents=None) -> torch.Tensor:
+        x, _, _ = self.trunk(x, position_ids, documents)
+        return self.output(x, labels) if self.post else x
+
+    def trunk(self, x: torch.Tensor, position_ids: torch.Tensor, documents=None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Embedding (first stage) and this stage's blocks -> (hidden states, rope cos, rope sin)."""
         cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d) or (b, s, d)
         extra = {} if documents is None else {"documents": documents}  # custom blocks may not take it
         if self.pre:
@@ -189,9 +198,11 @@ class Llama(nn.Module):
                 x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, **extra)
             else:
                 x = block(x, cos, sin, position_ids, **extra)
-        if not self.post:
-            return x
-        x = enter_tp_region(self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)
+        return x, cos, sin
+
+    def output(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, normed: bool = False) -> torch.Tensor:
+        """Final norm (unless `normed`) and LM head: full logits, or the summed token loss."""
+        x = enter_tp_region(x if normed else self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)
         logits = torch.nn.functional.linear(x, self.head_weight())  # (b, s, V/tp) incl. padding
         if labels is None:
             full = gather_from_tp(logits, self.ctx.tp, -1)  # (b, s, V_padded)

@@ -26,7 +26,8 @@ from parallel3d.params import load_global_slice
 # Model fields that change parameter shapes or names: they must match the checkpoint's.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "tie_embeddings", "num_experts", "moe_ffn_hidden_size", "num_shared_experts", "first_k_dense",
-                "head_dim", "qk_norm", "qkv_bias")
+                "head_dim", "qk_norm", "qkv_bias", "attention_type", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass

@@ -73,20 +73,22 @@ def context_parallel_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, mode: str = "ring",
-                               causal: bool = True, backend: str = "auto", documents: Optional[Documents] = None
+                               causal: bool = True, backend: str = "auto", documents: Optional[Documents] = None,
+                               scale: Optional[float] = None
                                ) -> torch.Tensor:
     """q (b, s/cp, hq, d), k/v (b, s/cp, hk, d) local shards (load-balanced layout) -> out (b, s/cp, hq, d).
 
     mode: "ring" | "allgather" | "ulysses" (ValueError otherwise). With cp == 1: local attention.
     documents: per-token document ids of the whole sequence (b, s) (documents.py), or None.
+    scale: softmax scale (default d ** -0.5; MLA passes its own, see models/mla.py).
     """
     _check(q, k, v, group, mode)
     _check_documents(q, group, documents)
     if group.size == 1:
         if documents is not None:
-            return dispatch.attention(q, k, v, causal=causal, backend=backend, doc_ids=documents.ids,
+            return dispatch.attention(q, k, v, causal=causal, scale=scale, backend=backend, doc_ids=documents.ids,
                                       doc_ids_host=documents.host)
-        return dispatch.attention(q, k, v, causal=causal, backend=backend)
+        return dispatch.attention(q, k, v, causal=causal, scale=scale, backend=backend)
     if mode == "ulysses":
-        return ulysses_attention(q, k, v, group, causal, None, backend, with_lse=False, documents=documents)[0]
-    return context_parallel_attention_with_lse(q, k, v, group, mode, causal, backend, documents=documents)[0]
+        return ulysses_attention(q, k, v, group, causal, scale, backend, with_lse=False, documents=documents)[0]
+    return context_parallel_attention_with_lse(q, k, v, group, mode, causal, backend, scale, documents=documents)[0]
