@@ -307,6 +307,8 @@ def _config(d: int, dtype: torch.dtype, block_m: Optional[int], block_n: Optiona
         warps, stages = (4 if d <= 64 else 8), (3 if d <= 64 else 2)
     if dtype in (torch.float32, torch.float64) and not interpreting():
         bm, bn = max(bm // 2, 16), max(bn // 2, 16)
+        if backward:  # fp32 dK/dV kept 32-560 B on the stack at 255 registers: narrower key tiles, 8 warps
+            bn, warps = (16 if d > 64 else bn), 8
     return (next_pow2(block_m) if block_m else bm), (next_pow2(block_n) if block_n else bn), warps, stages
 
 
