@@ -20,4 +20,5 @@ bench: install
 # Long checks outside CI: every option combination (hours on 2 cores) and a clean-exit stress test.
 sweep: install
 	$(PYTHON) -m pytest -q tests/test_sweep.py --full-sweep
+	$(PYTHON) -m pytest -q tests/test_convergence.py --full-sweep
 	$(PYTHON) tests/stress_clean_exit.py --runs 40

@@ -1,7 +1,16 @@
-"""Data-parallel benchmark: our DistributedOptimizer (ZeRO 0-3) vs PyTorch DDP and FSDP2 `fully_shard`.
+"""Data-parallel benchmark: our DistributedOptimizer (ZeRO 0-3, HSDP, compression, ZeRO++) vs PyTorch DDP
+and FSDP2 `fully_shard`.
 
     python benchmarks/data_parallel.py [--world 2] [--hidden 256] [--layers 4] [--vocab 4096] [--seq 64]
-                                       [--batch 2] [--steps 5] [--precision fp32] [--markdown]
+                                       [--batch 2] [--steps 5] [--rounds 1] [--precision fp32] [--markdown]
+                                       [--impls ddp,ours-zero1,...]
+
+Implementations: ddp, fsdp2, ours-zero{0,1,2,3}, and ours-zero<z>-<mode> with mode one of hsdp (dp_shard =
+world/2), powersgd (rank 4), topk (ratio 0.01), qwz, hpz (gpus_per_node = world/2), qgz, zeropp (all
+three); compression starts at step 0 here. `comm MB/step` is this rank's bytes in one step, from the comm
+layer's accounting (DDP/FSDP2: their logical volumes, all-reduce P, all-gathers 2P + reduce-scatter P).
+--rounds R runs the whole list R times (a fresh world each time) and keeps each implementation's fastest
+median: on a shared machine that is the least disturbed measurement.
 
 Same Llama model, same per-rank batch, AdamW, one microbatch per step. For each implementation it reports
 the median step time (forward + backward + gradient sync + optimizer step) over `--steps` timed steps
@@ -32,6 +41,15 @@ from parallel3d.mesh import MeshSpec, ParallelContext  # noqa: E402
 from parallel3d.testing import World  # noqa: E402
 
 IMPLS = ["ddp", "ours-zero0", "ours-zero1", "ours-zero2", "fsdp2", "ours-zero3"]
+MODES = {  # extra DistributedOptimizer arguments per mode (ZeRO++: with quant_block 256)
+    "powersgd": dict(grad_compression="powersgd", powersgd_rank=4, compression_start_step=0),
+    "topk": dict(grad_compression="topk", topk_ratio=0.01, compression_start_step=0),
+    "qwz": dict(quantized_weights=True),
+    "hpz": dict(hpz=True),
+    "qgz": dict(quantized_gradients=True),
+    "zeropp": dict(quantized_weights=True, hpz=True, quantized_gradients=True),
+    "hsdp": {},
+}
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -55,12 +73,17 @@ def _run(w, impl: str, a: dict) -> dict:
                       ffn_hidden_size=a["hidden"] * 8 // 3 // 8 * 8, kernels="torch")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a["precision"]]
     ours = impl.startswith("ours")
-    ctx = w.context(MeshSpec(dp=w.world_size)) if ours else ParallelContext.single(w.device)
+    zero, _, mode = impl[len("ours-zero"):].partition("-") if ours else ("0", "", "")
+    half = max(1, w.world_size // 2)
+    spec = MeshSpec(dp=w.world_size, dp_shard=half if mode == "hsdp" else 0,
+                    gpus_per_node=half if mode in ("hpz", "zeropp") else 8)
+    ctx = w.context(spec) if ours else ParallelContext.single(w.device)
     model = Llama(cfg, ctx).to(w.device)
     model.init_weights(1)
     n_params = sum(p.numel() for p in model.parameters())
     if ours:
-        opt = DistributedOptimizer([model], ctx, zero=int(impl[-1]), precision=a["precision"], lr=1e-3)
+        opt = DistributedOptimizer([model], ctx, zero=int(zero), precision=a["precision"], lr=1e-3,
+                                   **MODES[mode] if mode else {})
     else:
         model = model.to(dtype)
         if impl == "ddp":
@@ -82,6 +105,8 @@ def _run(w, impl: str, a: dict) -> dict:
     for step in range(2 + a["steps"]):
         if cuda:
             torch.cuda.synchronize()
+        if ours:
+            ctx.stats.reset()
         t0 = time.perf_counter()
         if ours:
             opt.zero_grad()
@@ -108,7 +133,13 @@ def _run(w, impl: str, a: dict) -> dict:
                          "optimizer": sum(_bytes(t) for s in opt.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor) and t.dim() > 0)}
     peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss() - rss0
-    return {"ms": statistics.median(times) * 1e3, "state": sum(state.values()), "peak": peak, "n": n_params}
+    bytes_per_param = torch.finfo(dtype).bits // 8
+    if ours:  # the last step's bytes, scalars (norm, skip flag) included
+        comm = sum(ctx.stats.bytes.values())
+    else:     # logical volumes (comm.py's convention): DDP all-reduce P; FSDP2 gathers 2P, reduce-scatters P
+        comm = n_params * bytes_per_param * (1 if impl == "ddp" else 3)
+    return {"ms": statistics.median(times) * 1e3, "state": sum(state.values()), "peak": peak, "n": n_params,
+            "comm": comm}
 
 
 def main() -> None:
@@ -120,6 +151,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--markdown", action="store_true")
@@ -127,23 +159,26 @@ def main() -> None:
     a = vars(args)
     backend = "nccl" if torch.cuda.device_count() >= args.world else "gloo"
     rows = {}
-    for impl in args.impls.split(","):
-        world = World(args.world, backend)
-        try:
-            res = world.run(_run, (impl, a), {}, timeout=900)
-        except Exception as e:  # report and go on: one failing built-in should not hide the others
-            print(f"{impl}: skipped ({str(e).splitlines()[0]})")
-            continue
-        finally:
-            world.close()
-        rows[impl] = {"ms": max(r["ms"] for r in res), "state": res[0]["state"], "peak": max(r["peak"] for r in res),
-                      "n": res[0]["n"]}
-    pair = {"ours-zero0": "ddp", "ours-zero1": "ddp", "ours-zero2": "ddp", "ours-zero3": "fsdp2"}
+    for _ in range(args.rounds):
+        for impl in args.impls.split(","):
+            world = World(args.world, backend)
+            try:
+                res = world.run(_run, (impl, a), {}, timeout=900)
+            except Exception as e:  # report and go on: one failing built-in should not hide the others
+                print(f"{impl}: skipped ({str(e).splitlines()[0]})")
+                continue
+            finally:
+                world.close()
+            row = {"ms": max(r["ms"] for r in res), "state": res[0]["state"], "peak": max(r["peak"] for r in res),
+                   "n": res[0]["n"], "comm": max(r["comm"] for r in res)}
+            if impl not in rows or row["ms"] < rows[impl]["ms"]:
+                rows[impl] = row
+    pair = {impl: "fsdp2" if impl.startswith("ours-zero3") else "ddp" for impl in rows if impl.startswith("ours")}
     n = next(iter(rows.values()))["n"] if rows else 0
     print(f"\n{backend}, world {args.world}, {n / 1e6:.2f}M params, {args.precision}, batch {args.batch}x{args.seq} "
           f"per rank, torch {torch.__version__}")
     sep = "|" if args.markdown else " "
-    head = ["impl", "step ms", "state MB/rank", "peak MB/rank", "vs", "time ratio", "state ratio"]
+    head = ["impl", "step ms", "comm MB/step", "state MB/rank", "peak MB/rank", "vs", "time ratio", "state ratio"]
     print(sep.join(f"{h:>14}" for h in head))
     if args.markdown:
         print("|".join(["---:"] * len(head)))
@@ -151,7 +186,7 @@ def main() -> None:
         ref = rows.get(pair.get(impl, ""), None)
         ratio = f"{ref['ms'] / r['ms']:.2f}" if ref else "-"
         sratio = f"{ref['state'] / r['state']:.2f}" if ref else "-"
-        print(sep.join(f"{x:>14}" for x in [impl, f"{r['ms']:.1f}", f"{r['state'] / 2**20:.1f}",
+        print(sep.join(f"{x:>14}" for x in [impl, f"{r['ms']:.1f}", f"{r['comm'] / 2**20:.2f}", f"{r['state'] / 2**20:.1f}",
                                              f"{r['peak'] / 2**20:.1f}", pair.get(impl, "-"), ratio, sratio]))
 
 

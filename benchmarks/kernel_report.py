@@ -126,6 +126,10 @@ def launches(quick: bool = False) -> list[Launch]:
                 with recording(f"{t} d={d} {'causal' if causal else 'full'}", out):
                     o, lse = flash_attention_forward(qq, kk, kk, causal)
                     flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal)
+                doc = torch.zeros(1, 64, dtype=torch.int32)  # packed documents (document-masked varlen)
+                with recording(f"{t} d={d} {'causal' if causal else 'full'} docs", out):
+                    flash_attention_forward(qq, kk, kk, causal, q_doc=doc, k_doc=doc)
+                    flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal, q_doc=doc, k_doc=doc)
         x, w, counts = torch.zeros(96, 512, dtype=dt), torch.zeros(4, 256, 512, dtype=dt), [40, 0, 50, 6]
         with recording(f"{t} experts 4x(256,512)", out):
             y = grouped_mm_forward(x, w, counts)  # (96, 256)

@@ -1,20 +1,27 @@
-"""Pipeline step time vs torch.distributed.pipelining, and measured vs simulated bubble.
+"""Pipeline step time vs torch.distributed.pipelining, and measured vs simulated bubble, per schedule.
 
     python benchmarks/pipeline.py [--pps 2 4] [--microbatches 8] [--layers 8] [--hidden 64]
                                   [--seq 64] [--micro-batch 2] [--iters 5] [--out pipeline.png]
+                                  [--schedules 1f1b zb-h1 zb-v dualpipe-v] [--simulate-only]
 
-For each pipeline size the same tiny Llama is split evenly into stages (embedding and head add no
-extra layers) and one training step of ``m`` microbatches runs under 1F1B twice: with our runtime
-(``run_pipeline_step``) and with ``torch.distributed.pipelining`` (``PipelineStage`` +
-``Schedule1F1B``, each stage wrapped as a plain module of one tensor argument), taking turns in
-every iteration so both see the same machine load. The table prints the median step time (slowest
-rank) of ours (sends finished lazily, the default), ours with every send waited where it is posted
-("strict", the verifier's model), pipelining's, and the ratio ours / pipelining.
+First a pure table: every schedule's simulated bubble with equal per-chunk costs (F = I = W = 1,
+B = 2; a chunk of a two-chunk schedule holds half a stage, so the fractions compare directly) and
+its peak activations in stages (1F1B: p on rank 0), with the runtime's lazy sends.
+
+Then, for each schedule and pipeline size, the same tiny Llama is split evenly into stages
+(embedding and head add no extra layers; two chunks per rank for the V schedules, placed as
+``placement.py`` says) and one training step of ``m`` microbatches runs with our runtime
+(``run_pipeline_step``) and, where torch has the schedule (1F1B, GPipe, ZB-V as
+``ScheduleZBVZeroBubble``, DualPipe-V as ``ScheduleDualPipeV``), with ``torch.distributed.pipelining``
+(``PipelineStage`` per chunk, each wrapped as a plain module of one tensor argument), taking turns
+in every iteration so both see the same machine load. The table prints the median step time
+(slowest rank) of ours (sends finished lazily, the default), ours with every send waited where it
+is posted ("strict", the verifier's model), pipelining's, and the ratio ours / pipelining.
 
 Bubble: one of our steps is recorded (``record=``) into a measured ``Timeline``; the simulator
 replays the same schedule with the measured average cost of each (rank, action kind) and free
 communication. The gap between the two is communication and scheduling overhead the simulator
-does not model. ``--out`` writes the simulated and measured Gantt charts of the largest pp side by
+does not model. ``--out`` writes the simulated and measured Gantt charts of the last run side by
 side. Runs on gloo CPU with one thread per rank: with fewer cores than ranks, ranks share cores
 and both runtimes pay for it alike. Timings are never asserted anywhere.
 """
@@ -32,26 +39,29 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 
-def _model_parts(w, shape: dict):
-    """This rank's stage of the shared Llama (even split) and the step's microbatches."""
+def _model_parts(w, shape: dict, schedule: str):
+    """This rank's chunks of the shared Llama (even split, the schedule's placement) and the step's
+    microbatches."""
     from models.config import ModelConfig
     from models.llama import Llama
     from parallel3d.mesh import MeshSpec
-    from parallel3d.pipeline import partition_layers
+    from parallel3d.pipeline import chunks_per_rank, partition_layers, placement_of, stage_ids
 
     ctx = w.context(MeshSpec(pp=w.world_size))
     cfg = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_heads=4,
                       num_kv_heads=2, ffn_hidden_size=4 * shape["hidden"],
                       num_layers=shape["layers"], kernels="torch")
-    pp, r = ctx.spec.pp, ctx.coords.pp
-    stages = partition_layers(cfg.num_layers, pp, embedding_cost=0, head_cost=0)
-    chunk = Llama(cfg, ctx, layers=stages[r], pre=r == 0, post=r == pp - 1)
-    chunk.init_weights(0)
+    pp, v = ctx.spec.pp, chunks_per_rank(schedule, 2)
+    stages = partition_layers(cfg.num_layers, pp, v, embedding_cost=0, head_cost=0)
+    chunks = []
+    for s in stage_ids(ctx.coords.pp, pp, v, placement_of(schedule)):
+        chunks.append(Llama(cfg, ctx, layers=stages[s], pre=s == 0, post=s == pp * v - 1))
+        chunks[-1].init_weights(0)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (shape["m"], shape["b"], shape["seq"] + 1), generator=g)
     mbs = [{"ids": t[:, :-1], "labels": t[:, 1:], "position_ids": torch.arange(shape["seq"])}
            for t in tokens]
-    return ctx, chunk, mbs
+    return ctx, chunks, mbs
 
 
 def _timed(ctx, fns: dict, iters: int) -> dict[str, list[float]]:
@@ -84,51 +94,59 @@ class _Stage(nn.Module):
         return self.chunk(x, self.positions)
 
 
-def _theirs(ctx, chunk: nn.Module, mbs: list[dict], schedule: str):
-    """A step function running torch.distributed.pipelining on the same stage and data."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+THEIRS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb-v": "ScheduleZBVZeroBubble",
+          "dualpipe-v": "ScheduleDualPipeV"}
+
+
+def _theirs(ctx, chunks: list[nn.Module], mbs: list[dict], schedule: str):
+    """A step function running torch.distributed.pipelining on the same chunks and data."""
+    import torch.distributed.pipelining as pipelining
+    from parallel3d.pipeline import placement_of, stage_ids
 
     pp, r, m = ctx.spec.pp, ctx.coords.pp, len(mbs)
+    n = pp * len(chunks)
     tokens = sum(mb["labels"].numel() for mb in mbs)
-    stage = PipelineStage(_Stage(chunk, mbs[0]["position_ids"]), r, pp, ctx.device,
-                          group=ctx.pp.pg)
+    ids_of = stage_ids(r, pp, len(chunks), placement_of(schedule))
+    stages = [pipelining.PipelineStage(_Stage(c, mbs[0]["position_ids"]), s, n, ctx.device,
+                                       group=ctx.pp.pg) for c, s in zip(chunks, ids_of)]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # (b, s, V), (b, s)
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                            reduction="sum") / tokens
 
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    sched = cls(stage, m, loss_fn=loss_fn, scale_grads=False)
+    cls = getattr(pipelining, THEIRS[schedule])
+    sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=loss_fn, scale_grads=False)
     ids = torch.cat([mb["ids"] for mb in mbs])        # (m*b, s): pipelining splits dim 0
     labels = torch.cat([mb["labels"] for mb in mbs])
+    first, last = 0 in ids_of, n - 1 in ids_of
 
     def step() -> None:
-        chunk.zero_grad(set_to_none=True)
-        if r == 0:
-            sched.step(ids)
-        elif r == pp - 1:
-            sched.step(target=labels, return_outputs=False)
-        else:
-            sched.step()
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        args = (ids,) if first else ()
+        kwargs = dict(target=labels, return_outputs=False) if last else {}
+        sched.step(*args, **kwargs)
     return step
 
 
 def _bench(w, shape: dict, schedule: str, iters: int) -> dict:
     from parallel3d.pipeline.runtime import ScheduleCache, run_pipeline_step
 
-    ctx, chunk, mbs = _model_parts(w, shape)
-    _, their_chunk, _ = _model_parts(w, shape)
+    ctx, chunks, mbs = _model_parts(w, shape, schedule)
     cache = ScheduleCache()
     tokens = sum(mb["labels"].numel() for mb in mbs)
 
     def ours(lazy_sends: bool = True, record=None):
-        chunk.zero_grad(set_to_none=True)
-        run_pipeline_step(ctx, [chunk], schedule, mbs, loss_scale=1.0 / tokens,
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        run_pipeline_step(ctx, chunks, schedule, mbs, loss_scale=1.0 / tokens,
                           backward=lambda loss: loss.backward(), record=record, schedules=cache,
                           lazy_sends=lazy_sends)
 
-    times = _timed(ctx, {"ours": ours, "strict": lambda: ours(False),
-                         "theirs": _theirs(ctx, their_chunk, mbs, schedule)}, iters)
+    fns = {"ours": ours, "strict": lambda: ours(False)}
+    if schedule in THEIRS:
+        fns["theirs"] = _theirs(ctx, _model_parts(w, shape, schedule)[1], mbs, schedule)
+    times = _timed(ctx, fns, iters)
     record: list = []
     ours(record=record)
     return {"times": times, "record": record}
@@ -140,12 +158,38 @@ def _step_time(per_rank: list[dict], name: str) -> float:
 
 
 def _bubbles(per_rank: list[dict], schedule: str, p: int, m: int):
-    from parallel3d.pipeline import build_schedule
+    from parallel3d.pipeline import build_schedule, chunks_per_rank
     from parallel3d.pipeline.timeline import mean_costs, measured_and_simulated
 
     records = [rec for r in per_rank for rec in r["record"]]
-    measured, simulated = measured_and_simulated(records, build_schedule(schedule, p, m))
+    sched = build_schedule(schedule, p, m, chunks_per_rank(schedule, 2))
+    measured, simulated = measured_and_simulated(records, sched)
     return measured, simulated, mean_costs(records)
+
+
+def simulated_table(pps: list[int], m: int) -> None:
+    """Every schedule's bubble with equal per-chunk costs, and its peak activations in stages."""
+    from fractions import Fraction
+
+    from parallel3d.pipeline import (SCHEDULE_NAMES, ActionKind as K, build_schedule, chunks_per_rank,
+                                     peak_in_flight, simulate)
+
+    unit = {K.FORWARD: 1, K.BACKWARD: 2, K.BACKWARD_INPUT: 1, K.BACKWARD_WEIGHT: 1}
+    print(f"simulated, m={m}, F=I=W=1 B=2 per chunk, lazy sends: bubble / peak activations (stages)")
+    print(f"{'schedule':>12} " + " ".join(f"{f'pp={p}':>16}" for p in pps))
+    for name in SCHEDULE_NAMES:
+        v = chunks_per_rank(name, 2)
+        cells = []
+        for p in pps:
+            try:
+                sched = build_schedule(name, p, m, v)
+            except ValueError:
+                cells.append(f"{'-':>16}")
+                continue
+            bubble = simulate(sched, unit, lazy_sends=True).bubble_fraction
+            peak = Fraction(max(peak_in_flight(s) for s in sched), v)
+            cells.append(f"{float(bubble):>9.1%} / {float(peak):<4g}")
+        print(f"{name:>12} " + " ".join(cells))
 
 
 def main() -> None:
@@ -159,41 +203,48 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    ap.add_argument("--out", default=None, help="side-by-side Gantt PNG (largest pp)")
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1", "zb-v", "dualpipe-v"],
+                    choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
+    ap.add_argument("--simulate-only", action="store_true", help="only the simulated table")
+    ap.add_argument("--out", default=None, help="side-by-side Gantt PNG (last run)")
     args = ap.parse_args()
+    simulated_table(args.pps, args.microbatches)
+    if args.simulate_only:
+        return
     from parallel3d.pipeline import ActionKind as K, plot_side_by_side
     from parallel3d.testing import WorldPool
 
     shape = dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, seq=args.seq,
                  b=args.micro_batch, m=args.microbatches)
-    print(f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq} "
-          f"micro_batch={args.micro_batch} m={args.microbatches} {args.schedule}, gloo CPU, "
+    print(f"\nLlama hidden={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq} "
+          f"micro_batch={args.micro_batch} m={args.microbatches}, gloo CPU, "
           f"{os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'pp':>3} {'ours ms':>8} {'strict ms':>10} {'pipelining ms':>14} {'ratio':>6} "
-          f"{'bubble meas.':>13} {'bubble sim.':>12} {'(p-1)/(m+p-1)':>14}  F/B ms per rank")
+    print(f"{'schedule':>11} {'pp':>3} {'ours ms':>8} {'strict ms':>10} {'pipelining ms':>14} "
+          f"{'ratio':>6} {'bubble meas.':>13} {'bubble sim.':>12}  F/B/I/W ms per rank (those run)")
     pool = WorldPool(backend="gloo")
     last = None
     try:
-        for p in args.pps:
-            res = pool.run(p, _bench, shape, args.schedule, args.iters, timeout=900)
-            t_ours, t_strict, t_theirs = (_step_time(res, k) for k in ("ours", "strict", "theirs"))
-            measured, simulated, avg = _bubbles(res, args.schedule, p, args.microbatches)
-            ideal = (p - 1) / (args.microbatches + p - 1)
-            costs = " ".join(f"{avg[(r, K.FORWARD)] * 1e3:.1f}/{avg[(r, K.BACKWARD)] * 1e3:.1f}"
-                             for r in range(p))
-            print(f"{p:>3} {t_ours * 1e3:>8.1f} {t_strict * 1e3:>10.1f} {t_theirs * 1e3:>14.1f} "
-                  f"{t_ours / t_theirs:>6.2f} "
-                  f"{float(measured.bubble_fraction):>13.1%} {float(simulated.bubble_fraction):>12.1%}"
-                  f" {ideal:>14.1%}  {costs}")
-            last = (p, measured, simulated)
+        for schedule in args.schedules:
+            for p in args.pps:
+                res = pool.run(p, _bench, shape, schedule, args.iters, timeout=900)
+                t_ours, t_strict = _step_time(res, "ours"), _step_time(res, "strict")
+                theirs = _step_time(res, "theirs") if schedule in THEIRS else float("nan")
+                measured, simulated, avg = _bubbles(res, schedule, p, args.microbatches)
+                costs = " ".join("/".join(f"{avg[(r, k)] * 1e3:.1f}" for k in (K.FORWARD, K.BACKWARD,
+                                          K.BACKWARD_INPUT, K.BACKWARD_WEIGHT) if (r, k) in avg)
+                                 for r in range(p))
+                print(f"{schedule:>11} {p:>3} {t_ours * 1e3:>8.1f} {t_strict * 1e3:>10.1f} "
+                      f"{theirs * 1e3:>14.1f} {t_ours / theirs:>6.2f} "
+                      f"{float(measured.bubble_fraction):>13.1%} "
+                      f"{float(simulated.bubble_fraction):>12.1%}  {costs}", flush=True)
+                last = (schedule, p, measured, simulated)
     finally:
         pool.close()
     if args.out and last:
-        p, measured, simulated = last
+        schedule, p, measured, simulated = last
         path = plot_side_by_side(simulated, measured, args.out,
-                                 (f"simulated {args.schedule} p={p} (measured action costs)",
-                                  f"measured {args.schedule} p={p}, gloo CPU (seconds)"))
+                                 (f"simulated {schedule} p={p} (measured action costs)",
+                                  f"measured {schedule} p={p}, gloo CPU (seconds)"))
         print(f"wrote {path}")
 
 

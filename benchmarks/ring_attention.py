@@ -8,6 +8,10 @@ ms per rank (slowest rank, median over iterations) and the ratio to that ideal (
 causal work is quadratic, so a naive contiguous split would be far worse for the last rank).
 Runs on gloo CPU by default (one thread per rank): on a machine with fewer cores than ranks the ranks
 share cores and the ratios include that contention. Timings are never asserted anywhere.
+
+Packed documents (--doc-len L, default 64): the ring with document masking over one document spanning
+the sequence vs documents of L tokens at the same sequence length; with short documents the ring skips
+the blocks no local query can see (the skipped share is printed from Documents.counters).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch  # noqa: E402
 MODES = ("ring", "allgather", "ulysses")
 
 
-def _time_fwd_bwd(q, k, v, group, mode: str, iters: int, backend: str) -> float:
+def _time_fwd_bwd(q, k, v, group, mode: str, iters: int, backend: str, documents=None) -> float:
     """Median seconds of one forward + backward."""
     from parallel3d import comm
     from parallel3d.context_parallel import context_parallel_attention_with_lse
@@ -33,7 +37,7 @@ def _time_fwd_bwd(q, k, v, group, mode: str, iters: int, backend: str) -> float:
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         comm.barrier(group)
         t0 = time.perf_counter()
-        out, _ = context_parallel_attention_with_lse(qq, kk, vv, group, mode, True, backend)
+        out, _ = context_parallel_attention_with_lse(qq, kk, vv, group, mode, True, backend, documents=documents)
         out.sum().backward()
         if i >= 2:
             times.append(time.perf_counter() - t0)
@@ -75,6 +79,19 @@ def _bench_rank(w, shape: dict, modes: tuple, iters: int, backend: str) -> dict:
     return {m: _time_fwd_bwd(q, k, v, ctx.cp, m, iters, backend) for m in modes}
 
 
+def _bench_documents(w, shape: dict, doc_len: int, iters: int, backend: str) -> dict:
+    """Ring fwd+bwd seconds with document masking: documents of doc_len tokens (0: one document)."""
+    from parallel3d.context_parallel import Documents, shard_sequence
+    from parallel3d.mesh import MeshSpec
+
+    ctx = w.context(MeshSpec(cp=w.world_size))
+    q, k, v = (shard_sequence(t, w.world_size, ctx.cp.rank) for t in _inputs(shape, shape["seq"]))
+    pos = torch.arange(shape["seq"]).expand(shape["b"], -1)
+    docs = Documents.from_host(pos // doc_len if doc_len else torch.zeros_like(pos))
+    t = _time_fwd_bwd(q, k, v, ctx.cp, "ring", iters, backend, documents=docs)
+    return {"s": t, **docs.counters}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=1024)
@@ -85,6 +102,7 @@ def main() -> None:
     ap.add_argument("--cps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="auto | torch | sdpa | triton (block attention backend)")
+    ap.add_argument("--doc-len", type=int, default=64, help="tokens per document in the packed-document rows")
     args = ap.parse_args()
     from parallel3d.testing import WorldPool
 
@@ -101,6 +119,18 @@ def main() -> None:
             for m in MODES:
                 t = max(r[m] for r in per_rank)  # the slowest rank sets the step time
                 print(f"{cp:>3} {m:>10} {t * 1e3:>9.1f} {single / cp * 1e3:>9.1f} {t / (single / cp):>6.2f}")
+        print(f"ring with document masking: one {args.seq}-token document vs documents of {args.doc_len} tokens")
+        print(f"{'cp':>3} {'docs':>10} {'ms/rank':>9} {'blocks skipped':>15} {'vs one doc':>10}")
+        for cp in args.cps:
+            rows = {}
+            for doc_len in (0, args.doc_len):
+                per_rank = pool.run(cp, _bench_documents, shape, doc_len, args.iters, args.backend, timeout=600)
+                t = max(r["s"] for r in per_rank)
+                skipped = sum(r["ring_blocks_skipped"] for r in per_rank)
+                planned = sum(r["ring_blocks"] for r in per_rank)
+                rows[doc_len] = t
+                label = "one" if doc_len == 0 else f"{args.seq // doc_len}x{doc_len}"
+                print(f"{cp:>3} {label:>10} {t * 1e3:>9.1f} {f'{skipped}/{planned}':>15} {t / rows[0]:>10.2f}")
     finally:
         pool.close()
 

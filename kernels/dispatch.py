@@ -9,7 +9,8 @@ needs TRITON_INTERPRET=1 set before import) or "torch".
 Entries: rms_norm, rms_norm_residual (fused add + norm), rope, swiglu, cross_entropy (per-token, full
 vocab), cross_entropy_partial_stats / cross_entropy_partial_grad / vocab_parallel_cross_entropy (the
 vocab-parallel pieces), fused_linear_cross_entropy (chunked, never the full logits), attention,
-attention_with_lse (backends: kernels.attention_backend).
+attention_with_lse (both with optional per-token document ids: packed-document / varlen attention;
+backends: kernels.attention_backend).
 """
 from __future__ import annotations
 
@@ -133,12 +134,30 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+              scale: Optional[float] = None, backend: str = "auto", doc_ids: Optional[torch.Tensor] = None,
+              doc_ids_host: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(b, s, hq, d) attention without lse. backend: a model.attention value or a model.kernels one
-    (kernels.attention_backend.select_attention chooses)."""
+    (kernels.attention_backend.select_attention chooses).
+
+    doc_ids (b, s): packed documents, causal only (kernels.varlen_attention): Triton kernel with document
+    ids; flash-attn's varlen entry on CUDA (16-bit) when installed and backend is auto / flash_attn; else
+    block-wise SDPA. doc_ids_host: a host copy (block plan / cu_seqlens without reading the device). On
+    `meta` (the dry run) document masking changes no shape: the plain kernel's memory and work are an upper
+    bound."""
     if q.is_meta:
         return _meta_flash_attention(q, k, v, causal, scale)[0]
     impl = select_attention(backend, q, need_lse=False)
+    if doc_ids is not None:
+        from kernels import varlen_attention as varlen
+        if not causal:
+            raise ValueError("document-masked attention is causal")
+        host = doc_ids.cpu() if doc_ids_host is None else doc_ids_host
+        if backend in ("auto", "flash_attn") and varlen.flash_attn_available(q):  # pragma: no cover - CUDA
+            return varlen.flash_attn_varlen(q, k, v, host, scale)
+        if impl == "triton":
+            from kernels.flash_attention import flash_attention
+            return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=doc_ids)[0]
+        return varlen.varlen_sdpa(q, k, v, doc_ids, varlen.query_blocks(host), scale)
     if impl == "triton":
         from kernels import ops
         return ops.flash_attention(q, k, v, causal, scale)[0]
@@ -152,13 +171,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                       scale: Optional[float] = None, backend: str = "auto"
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: Optional[float] = None, backend: str = "auto", doc_ids: Optional[torch.Tensor] = None,
+                       k_doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, sq, hq, d), lse (b, hq, sq) fp32): the block function ring attention merges. Causal is
-    bottom-right aligned (sk >= sq). Differentiable through out on every backend."""
+    bottom-right aligned (sk >= sq). Differentiable through out on every backend.
+    doc_ids (b, sq) / k_doc_ids (b, sk, default doc_ids): a query sees only keys of its own document
+    (the Triton kernel, else the exact reference)."""
     if q.is_meta:
         return _meta_flash_attention(q, k, v, causal, scale)
     impl = select_attention(backend, q, need_lse=True)
+    if doc_ids is not None:
+        if impl == "triton":
+            from kernels.flash_attention import flash_attention
+            return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
+        return attention_reference(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
     if impl == "triton":
         from kernels import ops
         return ops.flash_attention(q, k, v, causal, scale)

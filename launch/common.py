@@ -57,6 +57,10 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
     cfg = resolve_and_validate(cfg, world)
     if cfg.data.path is not None and not os.path.isfile(cfg.data.path):
         raise DataError(f"data.path {cfg.data.path} does not exist")
+    from parallel3d.training.data_sources import token_paths
+    for path in token_paths(cfg.data):
+        if not os.path.isfile(path):
+            raise DataError(f"data.paths: token file {path} does not exist")
     if cfg.checkpoint.load_dir is not None and not os.path.isdir(cfg.checkpoint.load_dir):
         raise CheckpointError(f"checkpoint.load_dir {cfg.checkpoint.load_dir} does not exist")
     return cfg
@@ -74,7 +78,8 @@ def build_context(cfg: ExperimentConfig) -> ParallelContext:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     p = cfg.parallel
     init_distributed(timeout_s=p.timeout_s)
-    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), timeout_s=p.timeout_s)
+    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
+                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), timeout_s=p.timeout_s)
 
 
 def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):

@@ -33,7 +33,7 @@ GiB = 2 ** 30
 
 def _table(result: Plan, gpu, world: int) -> str:
     lay = result.layout
-    lines = [f"layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
+    lines = ["layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
              "memory of the worst rank (GiB): " + "  ".join(
                  f"{k} {result.memory[k] / GiB:.2f}" for k in MEMORY_KEYS),
              f"fits: {'yes' if result.fits else 'NO'} (peak vs the GPU's memory less "
@@ -44,6 +44,10 @@ def _table(result: Plan, gpu, world: int) -> str:
     lines.append(f"  pipeline {b['pipeline_s']:.3f} s + outside the pipeline (grad sync tail, optimizer) "
                  f"{b['outside_actions_s']:.3f} s; per microbatch: compute {b['compute_per_microbatch_s']:.4f} s, "
                  f"blocking comm {b['blocking_comm_per_microbatch_s']:.4f} s")
+    off = b.get("offload") or {}
+    if off.get("host_bytes") or off.get("exposed_s"):
+        lines.append(f"  offload: {off['host_bytes'] / GiB:.2f} GiB in host memory, {off['exposed_s']:.3f} s per step "
+                     f"of PCIe / host AdamW / NVMe time not hidden (parallel3d/planner/offload.py)")
     lines.append("  share of the step: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in b["shares"].items()))
     for kernel, d in sorted(b.get("derated_kernels", {}).items()):
         lines.append(f"  kernel {kernel}: {d['warps_per_sm']} warps per SM (theoretical occupancy, "
@@ -62,20 +66,23 @@ def main(argv=None) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node (NVLink domain); default parallel.gpus_per_node (8)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--search", action="store_true")
     parser.add_argument("--max-candidates", type=int, default=0,
                         help="--search: dry-run at most this many layouts, cheapest-looking first (0: all)")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come before or after options
     try:
         gpu = find_gpu(args.gpu)
-        if args.gpus_per_node < 1:
-            raise ConfigError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         if not os.path.isfile(args.config):
             raise ConfigError(f"config file {args.config} does not exist")
-        cfg = load_config(args.config, args.overrides, ModelConfig)
+        overrides = list(args.overrides)
+        if args.gpus_per_node is not None:  # one owner: the mesh's node size (hpZ groups) is the planner's
+            overrides.append(f"parallel.gpus_per_node={args.gpus_per_node}")
+        cfg = load_config(args.config, overrides, ModelConfig)
+        args.gpus_per_node = cfg.parallel.gpus_per_node
         if args.search:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
                              max_candidates=args.max_candidates, progress=sys.stderr)

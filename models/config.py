@@ -41,6 +41,20 @@ class ModelConfig:
     z_loss_coef: float = 0.0
     router_bias_update_rate: float = 0.0   # >0: DeepSeek-V3 auxiliary-loss-free balancing
     capacity_factor: float = 0.0       # 0: drop-less
+    # DeepSeek-V3 routing (parallel3d.expert_parallel.router): group-limited top-k, scaled combine weights
+    router_num_groups: int = 1         # experts split into this many groups (HF n_group); 1: no group limit
+    router_topk_groups: int = 1        # tokens pick experts only inside their best groups (HF topk_group)
+    routed_scaling_factor: float = 1.0  # routed experts' combine weights are multiplied by this
+    seq_aux_loss_coef: float = 0.0     # DeepSeek-V3 sequence-wise balance loss coefficient (alpha)
+    # Attention: mha (multi/grouped-query, models/llama.py) | mla (DeepSeek Multi-Latent, models/mla.py)
+    attention_type: str = "mha"
+    q_lora_rank: int = 0               # mla: query latent rank (0: plain q projection)
+    kv_lora_rank: int = 0              # mla: key/value latent rank
+    qk_nope_head_dim: int = 0          # mla: per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0          # mla: decoupled RoPE dims (one key shared by all heads)
+    v_head_dim: int = 0                # mla: per-head value dims
+    mtp_depth: int = 0                 # DeepSeek-V3 multi-token prediction modules (models/mtp.py); 0: none
+    mtp_loss_coef: float = 0.3         # lambda: the MTP losses add lambda / mtp_depth * each depth's loss
     extra: dict = field(default_factory=dict)
 
     @property
@@ -71,3 +85,14 @@ class ModelConfig:
                              f"{self.num_experts}]")
         if self.router_score not in ("softmax", "sigmoid"):
             raise ValueError(f"model.router_score must be softmax or sigmoid, got {self.router_score!r}")
+        if self.num_experts:
+            from parallel3d.expert_parallel.router import check_group_limits
+            check_group_limits(self.num_experts, self.moe_top_k, self.router_num_groups, self.router_topk_groups)
+        if self.mtp_depth < 0 or (self.mtp_depth and not self.num_experts):
+            raise ValueError(f"model.mtp_depth={self.mtp_depth}: multi-token prediction is built for the MoE "
+                             f"transformer (model.num_experts > 0), depth >= 0")
+        if self.attention_type not in ("mha", "mla"):
+            raise ValueError(f"model.attention_type must be mha or mla, got {self.attention_type!r}")
+        if self.attention_type == "mla":
+            from models.mla import check_mla_config
+            check_mla_config(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.hf_deepseek import DeepseekV3Adapter
 from models.hf_llama import LlamaAdapter
 from models.hf_mixtral import MixtralAdapter
 from models.hf_qwen3 import Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
@@ -17,14 +18,16 @@ from parallel3d.checkpoint import hf as hf_io
 from parallel3d.checkpoint.hf import StateDictAdapter
 from parallel3d.checkpoint.store import CheckpointError, CheckpointReader
 
-# Qwen first: Llama and Mixtral accept any dense / MoE model and would drop QK-norm weights and biases.
-ADAPTERS: list[StateDictAdapter] = [Qwen3MoeAdapter(), Qwen3Adapter(), Qwen2Adapter(), MixtralAdapter(), LlamaAdapter()]
+# DeepSeek and Qwen first: Llama and Mixtral accept any dense / MoE model and would drop MLA, QK-norm weights
+# and biases.
+ADAPTERS: list[StateDictAdapter] = [DeepseekV3Adapter(), Qwen3MoeAdapter(), Qwen3Adapter(), Qwen2Adapter(),
+                                    MixtralAdapter(), LlamaAdapter()]
 
 
 def adapter_for_hf(hf_config: dict[str, Any]) -> StateDictAdapter:
     names = list(hf_config.get("architectures") or [])
     by_type = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     if not names and hf_config.get("model_type") in by_type:  # old configs without `architectures`
         names = [by_type[hf_config["model_type"]]]
     for adapter in ADAPTERS:

@@ -20,6 +20,7 @@ from kernels import dispatch
 from kernels.attention_backend import attention_setting
 from kernels.rope import rope_cos_sin, rope_inv_freq
 from models.config import ModelConfig
+from models.mla import MLAttention, mla_rope
 from parallel3d import comm
 from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
@@ -60,10 +61,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
             self.k_norm = RMSNorm(d, cfg.norm_eps, tp, sequence_parallel=True, backend=cfg.kernels)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.attention)
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, self.cp, self.cp_mode, causal=True, backend=self.attention,
+                                          documents=documents)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
+        """documents: packed-document ids (parallel3d.context_parallel.Documents) or None (plain causal)."""
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
@@ -73,9 +76,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # per head: normalised over d, before RoPE
         q, k = dispatch.rope(q, k, cos, sin, self.backend)
         if self.recompute_core and torch.is_grad_enabled():
-            o = checkpoint(self._core, q, k, v, use_reentrant=False)
+            o = checkpoint(self._core, q, k, v, documents, use_reentrant=False)
         else:
-            o = self._core(q, k, v)  # (b, s, nh/tp, d)
+            o = self._core(q, k, v, documents)  # (b, s, nh/tp, d)
         return self.o_proj(o.reshape(b, s, -1))  # (b, s, h) or (b, s/tp, h) with sp
 
 
@@ -102,13 +105,14 @@ class Block(nn.Module):
                  mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
-        self.attn = Attention(cfg, ctx, sp, cp_mode, recompute_core=recompute == "selective")
+        attention = MLAttention if cfg.attention_type == "mla" else Attention  # model.attention_type
+        self.attn = attention(cfg, ctx, sp, cp_mode, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.tp, sp, cfg.kernels)
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx, sp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), cos, sin)  # (b, s, h) or (b, s/tp, h) with sp
+                position_ids: Optional[torch.Tensor] = None, documents=None) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), cos, sin, documents)  # (b, s, h) or (b, s/tp, h) with sp
         normed, x = self.mlp_norm.add_and_norm(h, x)  # fused: x <- x + h, normed = rmsnorm(x)
         return x + self.mlp(normed, position_ids)
 
@@ -118,7 +122,10 @@ class Llama(nn.Module):
 
     forward(x, position_ids, labels=None):
       x: token ids (b, s) on the stage with `pre`, else the previous stage's hidden states.
-      position_ids: (s,) positions of this rank's tokens (context parallelism gives non-contiguous ones).
+      position_ids: (s,) positions of this rank's tokens (context parallelism gives non-contiguous ones),
+      or (b, s) per row (positions restarting at each packed document).
+      documents: packed-document ids of the whole sequence (parallel3d.context_parallel.Documents) for
+      document-masked attention, or None.
       returns: the summed token loss (fp32 scalar) when `post` and labels are given (ignore_index=-100
       targets excluded; the trainer divides by the global token count); full-vocabulary logits (b, s, V)
       when `post` without labels; otherwise the hidden states for the next stage.
@@ -154,8 +161,9 @@ class Llama(nn.Module):
             for p in self._tied_params():
                 p.meta.grad_reduce += ("embedding",)
                 p.meta.replicated += ("embedding",)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+        inv_freq = (mla_rope(cfg)[0] if cfg.attention_type == "mla"
+                    else rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:
         """The residual stream between pipeline stages (parallel3d.pipeline.stage.PipelineStage)."""
@@ -197,19 +205,28 @@ class Llama(nn.Module):
                                                      all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)  # (b*s,)
         return losses.sum()
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                documents=None) -> torch.Tensor:
+        x, _, _ = self.trunk(x, position_ids, documents)
+        return self.output(x, labels) if self.post else x
+
+    def trunk(self, x: torch.Tensor, position_ids: torch.Tensor, documents=None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Embedding (first stage) and this stage's blocks -> (hidden states, rope cos, rope sin)."""
+        cos, sin = rope_cos_sin(position_ids.to(x.device), self.inv_freq)  # (s, d) or (b, s, d)
+        extra = {} if documents is None else {"documents": documents}  # custom blocks may not take it
         if self.pre:
             x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
         for block in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, **extra)
             else:
-                x = block(x, cos, sin, position_ids)
-        if not self.post:
-            return x
-        x = enter_tp_region(self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)
+                x = block(x, cos, sin, position_ids, **extra)
+        return x, cos, sin
+
+    def output(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, normed: bool = False) -> torch.Tensor:
+        """Final norm (unless `normed`) and LM head: full logits, or the summed token loss."""
+        x = enter_tp_region(x if normed else self.norm(x), self.ctx.tp, self.sp)  # (b, s, h)
         if labels is not None and self.cfg.fused_head:
             return self.fused_loss(x, labels)
         logits = torch.nn.functional.linear(x, self.head_weight())  # (b, s, V/tp) incl. padding

@@ -4,7 +4,9 @@
     Qwen3-MoE style  every layer MoE (or the first k dense), many small experts (moe_ffn_hidden_size), softmax
                      top-k renormalised only with router_norm_topk (HF norm_topk_prob), QK-norm attention
     DeepSeek style   first_k_dense dense layers, num_shared_experts always-on experts beside many small
-                     ("fine-grained") routed ones (moe_ffn_hidden_size), sigmoid scores, bias balancing
+                     ("fine-grained") routed ones (moe_ffn_hidden_size), sigmoid scores, bias balancing;
+                     DeepSeek-V3 adds group-limited routing, routed_scaling_factor, the sequence-wise aux
+                     loss and Multi-Latent Attention (model.attention_type=mla, models/mla.py)
 
 Parameter names: `layers.{i}.mlp.router.weight` (E, h), `layers.{i}.mlp.experts.{gate,up,down}_proj`
 (stacked, global (E, f, h) / (E, h, f)), `layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight`, and
@@ -28,12 +30,15 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
+from torch import nn
 
 from models.config import ModelConfig
 from models.llama import Block, Llama
+from models.mtp import MTPModule, future_labels, vocab_embed
 from parallel3d import comm
 from parallel3d.expert_parallel import MoELayer
 from parallel3d.mesh import ParallelContext
+from parallel3d.tensor_parallel import VocabParallelEmbedding
 
 
 class MoETransformer(Llama):
@@ -46,6 +51,18 @@ class MoETransformer(Llama):
             raise ValueError("MoETransformer needs model.num_experts > 0 (use Llama for dense models)")
         self.expert_impl = cfg.expert_impl if expert_impl is None else expert_impl  # model.expert_impl
         super().__init__(cfg, ctx, layers, pre, post, sequence_parallel, cp_mode, recompute, compile_blocks)
+        self.mtp = None
+        if post and cfg.mtp_depth:  # multi-token prediction (models/mtp.py) on the last stage
+            self.mtp = nn.ModuleList([MTPModule(cfg, ctx, self.sp, self.make_block(cfg.num_layers + k, cp_mode,
+                                                                                   recompute))
+                                      for k in range(cfg.mtp_depth)])
+            if not pre and not cfg.tie_embeddings:  # a copy of the input embedding, kept equal like tied ones
+                self.mtp_embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.tp, self.sp)
+                self.mtp_embed.weight.meta.tied_to = "embed.weight"
+        if cfg.mtp_depth and not cfg.tie_embeddings and ctx.spec.pp > 1:
+            for p in [m.weight for m in (getattr(self, "embed", None), getattr(self, "mtp_embed", None)) if m]:
+                p.meta.grad_reduce += ("embedding",)
+                p.meta.replicated += ("embedding",)
 
     def make_block(self, index: int, cp_mode: str, recompute: str) -> Block:
         cfg = self.cfg
@@ -56,20 +73,46 @@ class MoETransformer(Llama):
                        shared_ffn_hidden=cfg.num_shared_experts * ffn, score=cfg.router_score,
                        norm_topk=cfg.router_norm_topk, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
                        bias_update_rate=cfg.router_bias_update_rate, capacity_factor=cfg.capacity_factor,
-                       impl=self.expert_impl, backend=cfg.kernels)
+                       impl=self.expert_impl, backend=cfg.kernels, num_groups=cfg.router_num_groups,
+                       topk_groups=cfg.router_topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
+                       seq_aux_loss_coef=cfg.seq_aux_loss_coef)
         return Block(cfg, self.ctx, self.sp, cp_mode, recompute, mlp=mlp)
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        """Global layer index -> MoE layer, for the layers of this stage."""
-        return {int(i): blk.mlp for i, blk in self.layers.items() if isinstance(blk.mlp, MoELayer)}
+        """Global layer index -> MoE layer, for the layers of this stage (MTP module k: num_layers + k)."""
+        out = {int(i): blk.mlp for i, blk in self.layers.items() if isinstance(blk.mlp, MoELayer)}
+        for k, module in enumerate(self.mtp or []):
+            if isinstance(module.block.mlp, MoELayer):
+                out[self.cfg.num_layers + k] = module.block.mlp
+        return out
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _mtp_loss(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor,
+                  labels: torch.Tensor, documents=None) -> torch.Tensor:
+        """lambda / D * sum_k (summed CE of predicting t_{i+k+1}); see models/mtp.py."""
+        if self.pre or self.cfg.tie_embeddings:
+            table = self.embed.weight if self.pre else self.lm_head.weight
+            start, real = self.vocab_start, self.vocab_real
+        else:
+            table, start, real = self.mtp_embed.weight, self.mtp_embed.start, self.mtp_embed.real_rows
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for k, module in enumerate(self.mtp, start=1):
+            inputs = future_labels(labels, k - 1, self.ctx.cp).clamp(min=0)  # t_{i+k}; ignored slots -> id 0
+            emb = vocab_embed(inputs, table, start, real, self.ctx.tp, self.sp)  # (b, s[/tp], h)
+            hidden, normed = module(hidden, emb, cos, sin, position_ids, documents)
+            total = total + self.output(normed, future_labels(labels, k, self.ctx.cp), normed=True)
+        return total * (self.cfg.mtp_loss_coef / len(self.mtp))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                documents=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As Llama.forward. The stage's MoE balancing terms join the loss on the stage with the head; a
         stage without it returns (hidden, aux) while training, for the pipeline runtime to report and
         back-propagate (parallel3d.pipeline.stage.PipelineStage)."""
         layers = self.moe_layers()
-        out = super().forward(x, position_ids, labels)
+        if self.mtp is not None and labels is not None and torch.is_grad_enabled():
+            hidden, cos, sin = self.trunk(x, position_ids, documents)
+            out = self.output(hidden, labels) + self._mtp_loss(hidden, cos, sin, position_ids, labels, documents)
+        else:
+            out = super().forward(x, position_ids, labels, documents)
         terms = [t for t in (layer.pop_aux_loss() for layer in layers.values()) if t is not None]
         if not terms:
             return out

@@ -13,6 +13,18 @@ Expert parallelism is carved out of the DP x CP ranks that share (tp_r, pp_r): i
 j = cp_r + cp * dp_r; EP groups are consecutive runs of `ep` indices, and the ranks with the same
 position inside their EP group form the expert-data-parallel group (size dp*cp/ep) over which expert
 weights are replicated and their gradients reduced.
+
+HSDP (`dp_shard` = K, dividing dp; 0 or dp: plain ZeRO over all of DP x CP): ZeRO shards over blocks of K
+consecutive DP ranks (times all CP ranks) and replicates across the dp/K blocks. With j as above,
+
+    dp_shard   same (tp, pp, j // (K*cp))           dense shard group, size K*cp
+    edp_shard  same (tp, pp, j % ep, j // (K*cp))   expert shard group, size K*cp/ep (ep must divide K*cp)
+    dp_rep     same (tp, pp, j % (K*cp))            replica group, size dp/K (dense and expert alike)
+
+so a sum over DP x CP (or expert-DP) is a sum inside the shard group followed by one across replicas.
+Without HSDP the shard groups *are* dp_cp / edp (the same Group objects) and dp_rep has size 1.
+ZeRO++ hpZ gathers from a secondary copy inside a node (nodes: `gpus_per_node` consecutive ranks):
+dp_node / edp_node are the members of one shard group on one node (process groups made on first use).
 """
 from __future__ import annotations
 
@@ -26,6 +38,9 @@ import torch
 from parallel3d.comm import CommStats, Group
 
 DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp", "embedding", "world")
+HSDP_DIMS = ("dp_shard", "edp_shard", "dp_rep")   # see the module docstring
+NODE_DIMS = ("dp_node", "edp_node")                # hpZ; built lazily (ParallelContext.clone)
+ALL_DIMS = DIMS + HSDP_DIMS + NODE_DIMS
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ class MeshSpec:
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    dp_shard: int = 0   # HSDP shard degree K over DP (0: all of dp); resolved to dp when 0
+    gpus_per_node: int = 8  # node size (consecutive ranks), for ZeRO++ hpZ's intra-node groups
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "dp", "pp", "ep"):
@@ -55,10 +72,20 @@ class MeshSpec:
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide dp*cp={self.dp}*{self.cp}="
                              f"{self.dp * self.cp}: expert parallelism is carved out of the DP x CP ranks")
+        check_dp_shard(self.dp_shard, self.dp, self.cp, self.ep)
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"parallel.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        if self.dp_shard == 0:
+            object.__setattr__(self, "dp_shard", self.dp)
+
+    @property
+    def hsdp(self) -> bool:
+        """ZeRO shards over part of DP and replicates across the rest."""
+        return self.dp_shard != self.dp
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
-                  dp: int = 0) -> "MeshSpec":
+                  dp: int = 0, dp_shard: int = 0, gpus_per_node: int = 8) -> "MeshSpec":
         """dp=0 means 'what the world size leaves'. Raises ValueError when the degrees do not divide."""
         inner = tp * cp * pp
         if world_size % inner:
@@ -68,7 +95,7 @@ class MeshSpec:
         if inner * dp != world_size:
             raise ValueError(f"tp*cp*dp*pp={tp}*{cp}*{dp}*{pp}={inner * dp} does not equal the world "
                              f"size {world_size}")
-        return cls(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+        return cls(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, dp_shard=dp_shard, gpus_per_node=gpus_per_node)
 
     @property
     def world_size(self) -> int:
@@ -94,8 +121,8 @@ class MeshSpec:
     # ---- groups -----------------------------------------------------------------------------------
     def groups(self, dim: str) -> list[list[int]]:
         """Rank lists of every group of one kind (see DIMS). Each kind except 'embedding' partitions the world."""
-        if dim not in DIMS:
-            raise ValueError(f"unknown mesh dimension {dim!r}; known: {DIMS}")
+        if dim not in ALL_DIMS:
+            raise ValueError(f"unknown mesh dimension {dim!r}; known: {ALL_DIMS}")
         if dim == "world":
             return [list(range(self.world_size))]
         if dim == "embedding":
@@ -107,7 +134,8 @@ class MeshSpec:
 
     def _key(self, dim: str, c: Coords) -> tuple:
         """Coordinates shared by all members of the rank's `dim` group (the ones that do not vary)."""
-        j = c.cp + self.cp * c.dp
+        j, block = c.cp + self.cp * c.dp, self.dp_shard * self.cp
+        node = self.rank(c.tp, c.cp, c.dp, c.pp) // self.gpus_per_node
         return {
             "tp": (c.cp, c.dp, c.pp),
             "cp": (c.tp, c.dp, c.pp),
@@ -116,6 +144,11 @@ class MeshSpec:
             "dp_cp": (c.tp, c.pp),
             "ep": (c.tp, c.pp, j // self.ep),
             "edp": (c.tp, c.pp, j % self.ep),
+            "dp_shard": (c.tp, c.pp, j // block),
+            "edp_shard": (c.tp, c.pp, j % self.ep, j // block),
+            "dp_rep": (c.tp, c.pp, j % block),
+            "dp_node": (c.tp, c.pp, j // block, node),
+            "edp_node": (c.tp, c.pp, j % self.ep, j // block, node),
         }[dim]
 
     def _embedding_groups(self) -> list[list[int]]:
@@ -130,6 +163,33 @@ class MeshSpec:
             if rank in ranks:
                 return ranks
         return []  # only 'embedding' may not contain a rank (middle pipeline stages)
+
+
+def check_dp_shard(dp_shard: int, dp: int, cp: int = 1, ep: int = 1) -> None:
+    """parallel.dp_shard (HSDP): 0 (all of dp) or a divisor of dp; expert weights shard over the expert-DP
+    ranks of one shard block, so ep must divide dp_shard*cp."""
+    if not isinstance(dp_shard, int) or dp_shard < 0:
+        raise ValueError(f"parallel.dp_shard must be 0 (all of dp) or a positive integer, got {dp_shard!r}")
+    if dp_shard and dp % dp_shard:
+        raise ValueError(f"parallel.dp_shard={dp_shard} must divide parallel.dp={dp}")
+    if dp_shard and (dp_shard * cp) % ep:
+        raise ValueError(f"parallel.dp_shard={dp_shard}: HSDP shards expert weights inside each block of "
+                         f"dp_shard*cp={dp_shard * cp} DP x CP ranks, which parallel.ep={ep} must divide")
+
+
+def check_hpz(spec: MeshSpec) -> None:
+    """hpZ keeps a secondary copy sharded over the shard group's members on one node: each node must hold
+    an equal, contiguous run of every shard group (e.g. gpus_per_node a multiple of tp*cp*dp_shard, or
+    of tp*cp with dp_shard a multiple of the DP ranks per node)."""
+    for shard_dim, node_dim in (("dp_shard", "dp_node"), ("edp_shard", "edp_node")):
+        for shard in spec.groups(shard_dim):
+            parts = [g for g in spec.groups(node_dim) if g[0] in shard]
+            sizes = {len(g) for g in parts}
+            contiguous = all(shard[shard.index(g[0]): shard.index(g[0]) + len(g)] == g for g in parts)
+            if len(sizes) != 1 or not contiguous:
+                raise ValueError(f"parallel.zero_hpz: parallel.gpus_per_node={spec.gpus_per_node} splits the "
+                                 f"ZeRO shard group {shard} unevenly across nodes ({parts}); choose "
+                                 f"gpus_per_node so that every node holds the same run of each shard group")
 
 
 @dataclass(eq=False)
@@ -155,6 +215,11 @@ class ParallelContext:
     dp_cp: Group        # dense-gradient reduction (DP x CP)
     embedding: Optional[Group]  # first and last pipeline stage (tied embeddings)
     world: Group
+    dp_shard: Group     # HSDP: ZeRO shard group (dense); dp_cp itself without HSDP
+    edp_shard: Group    # HSDP: ZeRO shard group of expert weights; edp itself without HSDP
+    dp_rep: Group       # HSDP: replicas of one shard (size dp/dp_shard; 1 without HSDP)
+    dp_node: Group      # hpZ: the shard group's members on this node (process group made by clone())
+    edp_node: Group
     timeout_s: float = 600.0    # collective timeout of the groups (clones get the same)
     _clones: dict[str, Group] = field(default_factory=dict, repr=False)  # see clone()
 
@@ -168,15 +233,25 @@ class ParallelContext:
             ranks = spec.group_of(dim, rank)
             return Group(dim, ranks, rank, None, stats, device) if ranks else None
 
-        return cls(spec, rank, device, backend, stats, spec.coords(rank), **{d: group(d) for d in DIMS})
+        groups = {d: group(d) for d in DIMS + ("dp_rep",)}
+        for dim, alias in cls._aliases(spec).items():
+            groups[dim] = groups[alias]  # one Group object: same process group, same accounting name
+        for dim in HSDP_DIMS + NODE_DIMS:
+            groups.setdefault(dim, group(dim))
+        return cls(spec, rank, device, backend, stats, spec.coords(rank), **groups)
+
+    @staticmethod
+    def _aliases(spec: MeshSpec) -> dict[str, str]:
+        """Without HSDP the shard groups are the DP x CP / expert-DP groups themselves."""
+        return {} if spec.hsdp else {"dp_shard": "dp_cp", "edp_shard": "edp"}
 
     @property
     def world_size(self) -> int:
         return self.spec.world_size
 
     def groups(self) -> dict[str, Optional[Group]]:
-        """Every group field by name (DIMS order)."""
-        return {d: getattr(self, d) for d in DIMS}
+        """Every group field by name (ALL_DIMS order; without HSDP the shard groups repeat dp_cp / edp)."""
+        return {d: getattr(self, d) for d in ALL_DIMS}
 
     def clone(self, dim: str) -> Group:
         """A Group with the same ranks, name and accounting as `dim`'s but its own process group (ZeRO-3
@@ -185,6 +260,7 @@ class ParallelContext:
         order, the first time any rank asks; later calls return the same clone."""
         import torch.distributed as dist
 
+        dim = self._aliases(self.spec).get(dim, dim)
         group = getattr(self, dim)
         if group.size == 1 or group.simulated or not dist.is_initialized():
             return group
@@ -234,7 +310,10 @@ class ParallelContext:
         ctx = cls.create(spec, rank, device, backend)
         ctx.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
-        for dim in DIMS:
+        aliases = cls._aliases(spec)
+        for dim in ALL_DIMS:
+            if dim in aliases or (dim in HSDP_DIMS and not spec.hsdp) or dim in NODE_DIMS:
+                continue   # the same Group as dp_cp / edp, or size 1 (dp_rep without HSDP)
             for ranks in spec.groups(dim):  # every rank creates every group, in the same order
                 pg = dist.group.WORLD if len(ranks) == spec.world_size else dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
@@ -252,7 +331,8 @@ class ParallelContext:
 
     def __repr__(self) -> str:
         s = self.spec
-        return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={s.tp} cp={s.cp} dp={s.dp} "
+        hsdp = f" dp_shard={s.dp_shard}" if s.hsdp else ""
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={s.tp} cp={s.cp} dp={s.dp}{hsdp} "
                 f"pp={s.pp} ep={s.ep}, coords={self.coords})")
 
 

@@ -12,6 +12,7 @@ import itertools
 from typing import Iterator
 
 from parallel3d.data_parallel.precision import DTYPES
+from parallel3d.pipeline.placement import V_SCHEDULES
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES
 
 # the dimension beside pp=2 (4 ranks): each is an override list
@@ -31,7 +32,7 @@ FACTORS: dict[str, tuple] = {
     "dim": tuple(SECOND_DIM),
     "tied": (False, True),
     "recompute": ("none", "full", "selective"),
-    "microbatches": (2, 4),   # per data-parallel rank: gradient accumulation over them
+    "microbatches": (2, 4),   # per data-parallel rank: gradient accumulation (V schedules: at least 2*pp = 4)
 }
 # No balancing losses: they are computed over each *global* micro-batch, which the rank-major sampler groups
 # differently at dp=1 and dp=2 (their parity under DP is tested with one micro-batch in test_moe_parity).
@@ -42,10 +43,11 @@ MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32
 def overrides(case: dict) -> list[str]:
     """Config overrides of one case (without parallel.pp / world-size keys: see layout())."""
     dp = 2 if case["dim"] in ("dp", "ep") else 1
+    microbatches = max(case["microbatches"], 4) if case["schedule"] in V_SCHEDULES else case["microbatches"]
     out = [f"parallel.schedule={case['schedule']}", f"parallel.zero={case['zero']}",
            f"train.precision={case['precision']}", f"model.tie_embeddings={str(case['tied']).lower()}",
            f"train.activation_checkpointing={case['recompute']}", "train.micro_batch_size=1",
-           f"train.global_batch_size={case['microbatches'] * dp}", "model.num_layers=4"]
+           f"train.global_batch_size={microbatches * dp}", "model.num_layers=4"]
     if case["schedule"] == "interleaved":
         out.append("parallel.virtual_stages=2")
     if case["dim"] == "ep":
@@ -54,9 +56,10 @@ def overrides(case: dict) -> list[str]:
 
 
 def reference(case: dict) -> list[str]:
-    """Overrides of the world-size-1 run of the case (no pipeline: interleaving has nothing to interleave)."""
+    """Overrides of the world-size-1 run of the case (no pipeline: interleaving has nothing to interleave, the
+    V-shaped schedules need pp >= 2)."""
     out = overrides(case)
-    if case["schedule"] == "interleaved":
+    if case["schedule"] == "interleaved" or case["schedule"] in V_SCHEDULES:
         out = [o for o in out if not o.startswith(("parallel.schedule", "parallel.virtual_stages"))]
     return out
 

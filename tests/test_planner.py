@@ -29,6 +29,10 @@ LAYOUTS = {
     "tp2-sp-zero1": ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1"],
     "pp2-zero2": ["parallel.pp=2", "parallel.zero=2", "parallel.tp=1"],
     "dp2-zero3": ["parallel.zero=3", "parallel.tp=1"],
+    "zero3-qwz-qgz": ["parallel.zero=3", "parallel.tp=1", "parallel.zero_quantized_weights=true",
+                      "parallel.zero_quantized_gradients=true"],
+    "zero1-powersgd": ["parallel.zero=1", "parallel.tp=1", "parallel.grad_compression=powersgd",
+                       "parallel.compression_start_step=0"],
 }
 SMALL = ["model.hidden_size=64", "model.num_kv_heads=4", "model.ffn_hidden_size=128", "train.seq_len=64", "model.num_layers=4",
          "train.global_batch_size=8"]
@@ -39,7 +43,8 @@ def _real_memory(w, overrides):
     torch.set_num_threads(1)
     cfg = make_config(overrides, w.world_size)
     p = cfg.parallel
-    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)))
+    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
+                                                    dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)))
     out, tracker = tracked_step(trainer, "cpu")
     peak, split = tracker.peak()
     return peak, split, tracker.live(), out["comm_bytes"]
@@ -47,7 +52,6 @@ def _real_memory(w, overrides):
 
 def _stage_builder(cfg, ctx):
     def build(layers, pre, post):
-        from ckpt_helpers import build_trainer  # noqa: F401  (same classes as build_trainer)
         from models.llama import Llama
         from models.moe import MoETransformer
         cls = MoETransformer if cfg.model.num_experts else Llama
@@ -185,3 +189,30 @@ def test_kernel_occupancy_derates_the_roofline(monkeypatch):
     assert factor == 0.5
     assert op_time(1e12, 0, 989e12, H100, factor) == pytest.approx(2 * op_time(1e12, 0, 989e12, H100))
     assert kernels.occupancy_factor("H100-SXM5-80GB", "mm", "torch.bfloat16", 128, True) is None
+
+
+def test_plan_moves_offloaded_state_off_the_device():
+    """parallel.offload_optimizer / offload_params: the device peak drops by exactly the measured optimizer
+    state and ZeRO-3 shard, and the step pays PCIe and host-AdamW time for it."""
+    base = ["parallel.zero=3", "parallel.tp=1", "train.precision=bf16", *SMALL]
+    plain = plan(make_config(base, 2), _stage_builder, H100, 8)
+    both = plan(make_config([*base, "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"], 2),
+                _stage_builder, H100, 8)
+    assert plain.memory["optimizer"] > 0 and both.memory["optimizer"] == 0
+    n_params = _count_params(make_config(base, 2))
+    shard = plain.memory["params"] - both.memory["params"]
+    assert abs(shard - 2 * n_params / 2) <= 0.05 * n_params     # the bf16 ZeRO-3 shard of 2 ranks
+    moved = plain.memory["optimizer"] + shard
+    assert plain.memory["peak"] - both.memory["peak"] == moved
+    assert both.breakdown["offload"]["host_bytes"] == moved
+    assert both.step_time_s > plain.step_time_s
+    assert both.layout["offload_optimizer"] == "cpu" and both.layout["offload_params"] == "cpu"
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v", "interleaved"])
+def test_plan_runs_the_multi_chunk_schedules(schedule):
+    v = "parallel.virtual_stages=2"
+    cfg = make_config(["parallel.pp=2", "parallel.tp=1", f"parallel.schedule={schedule}", v, *SMALL], 2)
+    result = plan(cfg, _stage_builder, H100, 8)
+    assert result.fits and result.step_time_s > 0 and len(result.roles) == 2
+    assert result.layout["schedule"] == schedule

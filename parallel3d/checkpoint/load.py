@@ -18,15 +18,16 @@ import torch
 from parallel3d.checkpoint.collective import agree_on_errors
 from parallel3d.checkpoint.rng import reseed_rng, restore_rng
 from parallel3d.checkpoint.protocol import Checkpointable, layout_of
-from parallel3d.checkpoint.save import (LATEST, STEP_DIR, is_complete, materialized, optim_tensor_name,
-                                        state_buffers, tied_names)
+from parallel3d.checkpoint.save import (LATEST, STEP_DIR, is_complete, local_tensor_name, materialized,
+                                        optim_tensor_name, state_buffers, tied_names)
 from parallel3d.checkpoint.store import METADATA, CheckpointError, CheckpointReader
 from parallel3d.params import load_global_slice
 
 # Model fields that change parameter shapes or names: they must match the checkpoint's.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "tie_embeddings", "num_experts", "moe_ffn_hidden_size", "num_shared_experts", "first_k_dense",
-                "head_dim", "qk_norm", "qkv_bias")
+                "head_dim", "qk_norm", "qkv_bias", "attention_type", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass
@@ -127,7 +128,25 @@ def _read_rng(reader: CheckpointReader, rank: int) -> dict:
         raise CheckpointError(f"RNG state file {path} is corrupt: {e}") from e
 
 
-def _load_optimizer(reader: CheckpointReader, run: Checkpointable, weights_only: bool) -> None:
+def _load_local_state(reader: CheckpointReader, run: Checkpointable, errors: list[str]) -> None:
+    """Per-rank optimizer state (compression residuals), only under the layout that wrote it: every entry
+    this rank wrote (a checkpoint without any leaves the optimizer's fresh state)."""
+    opt = run.optimizer
+    prefix = local_tensor_name("", run.ctx.rank)
+    state = {}
+    for name in reader.meta["tensors"]:
+        if name.startswith(prefix) and hasattr(opt, "load_local_state_tensors"):
+            key = name[len(prefix):].replace(".", "/", 1)
+            try:
+                state[key] = reader.read(name, tuple(slice(0, n) for n in reader.global_shape(name)))
+            except CheckpointError as e:
+                errors.append(str(e))
+    if state:
+        opt.load_local_state_tensors(state)
+
+
+def _load_optimizer(reader: CheckpointReader, run: Checkpointable, weights_only: bool,
+                    same_layout: bool = False) -> None:
     """Optimizer tensors through `read(name, slices)` (every rank calls: ZeRO re-gathers parameters inside).
 
     A failing read is recorded and answered with zeros, so this rank still joins the optimizer's collectives;
@@ -149,6 +168,8 @@ def _load_optimizer(reader: CheckpointReader, run: Checkpointable, weights_only:
     else:
         opt.load_state_tensors(read)
         opt.load_scalar_state(dict(reader.meta.get("optimizer") or {}))
+        if same_layout:
+            _load_local_state(reader, run, errors)
     agree_on_errors(errors[0] if errors else None, ctx.world, ctx.device, "loading optimizer state")
 
 
@@ -188,7 +209,7 @@ def load_checkpoint(run: Checkpointable, directory: str, model_only: bool = Fals
         error = f"{e}" if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
     agree_on_errors(error, ctx.world, ctx.device, "loading checkpoint")
     if run.optimizer is not None:  # an evaluation-only run has none
-        _load_optimizer(reader, run, result.weights_only)
+        _load_optimizer(reader, run, result.weights_only, result.same_layout)
     if not result.weights_only:
         run.step = result.step
     return result

@@ -58,6 +58,11 @@ def optim_tensor_name(key: str, tied: dict[str, str]) -> str:
     return f"optim.{kind}.{tied.get(param, param)}"
 
 
+def local_tensor_name(key: str, rank: int) -> str:
+    """Per-rank optimizer state "residual/<param>" of rank 3 -> "optim.local.r00003.residual.<param>"."""
+    return f"optim.local.r{rank:05d}.{key.replace('/', '.', 1)}"
+
+
 def tied_names(run: Checkpointable) -> dict[str, str]:
     """Parameter name -> the name its data is stored under (itself, or the tied source)."""
     return {name: p.meta.tied_to or name
@@ -78,6 +83,9 @@ def collect_tensors(run: Checkpointable) -> tuple[Entries, Entries]:
     state = run.optimizer.state_tensors()
     optim: Entries = {optim_tensor_name(key, tied): (data, tuple(shape), tuple(slices))
                       for key, (data, shape, slices) in state.items()}
+    local = getattr(run.optimizer, "local_state_tensors", dict)()  # e.g. compression residuals: this rank's own
+    optim.update({local_tensor_name(key, run.ctx.rank): (t, tuple(t.shape), tuple(slice(0, n) for n in t.shape))
+                  for key, t in local.items()})
     model: Entries = {}
     for chunk in run.chunks:
         for name, p in chunk.named_parameters():

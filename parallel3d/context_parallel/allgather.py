@@ -20,6 +20,7 @@ import torch
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.context_parallel.blocks import block_attention
+from parallel3d.context_parallel.documents import Documents
 from parallel3d.context_parallel.sharding import layout_permutation
 
 SEQ = 2  # sequence dim of the packed (2, b, s, hk, d) K/V tensor
@@ -45,18 +46,23 @@ class GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool = True,
-                        scale: Optional[float] = None, backend: str = "auto"
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out (b, s/cp, hq, d), lse (b, hq, s/cp)); differentiable w.r.t. q, k, v."""
+                        scale: Optional[float] = None, backend: str = "auto",
+                        documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out (b, s/cp, hq, d), lse (b, hq, s/cp)); differentiable w.r.t. q, k, v.
+    documents: the whole sequence's document ids (global order, as the gathered K/V)."""
     cp, r = group.size, group.rank
     c = q.shape[1] // 2
     kv = GatherSequence.apply(torch.stack([k, v]), group)  # (2, b, s, hk, d) global order
+    q_doc = documents.local(cp, r) if documents is not None else None  # (b, s/cp)
+    k_doc = documents.ids if documents is not None else None  # (b, s) global order
     if not causal:
-        return block_attention(q, kv[0], kv[1], False, scale, backend)
+        return block_attention(q, kv[0], kv[1], False, scale, backend, q_doc, k_doc)
     outs, lses = [], []
     for i, a in enumerate((r, 2 * cp - 1 - r)):  # local query chunk i has global chunk index a
-        o, l = block_attention(q[:, i * c:(i + 1) * c], kv[0][:, :(a + 1) * c], kv[1][:, :(a + 1) * c], True,
-                               scale, backend)  # (b, c, hq, d), (b, hq, c)
+        qs, ks = slice(i * c, (i + 1) * c), slice(0, (a + 1) * c)
+        o, l = block_attention(q[:, qs], kv[0][:, ks], kv[1][:, ks], True, scale, backend,
+                               None if q_doc is None else q_doc[:, qs],
+                               None if k_doc is None else k_doc[:, ks])  # (b, c, hq, d), (b, hq, c)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs, 1), torch.cat(lses, 2)

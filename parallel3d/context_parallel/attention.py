@@ -12,6 +12,9 @@ Every mode expects the load-balanced layout of sharding.py (rank r holds chunks 
 
 CP and TP are orthogonal: the CP group links the ranks sharing a TP rank, so each attends over its own
 heads. With cp == 1 this is plain (SDPA / flash) attention.
+
+Packed documents (`documents`, documents.py): every mode also masks attention to each token's own
+document; the ring skips the math of blocks no local query can see (counted in documents.counters).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from kernels import dispatch
 from parallel3d.comm import Group
 from parallel3d.context_parallel.allgather import allgather_attention
 from parallel3d.context_parallel.blocks import block_attention
+from parallel3d.context_parallel.documents import Documents
 from parallel3d.context_parallel.ring import ring_attention
 from parallel3d.context_parallel.ulysses import ulysses_attention
 
@@ -42,32 +46,49 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, mode
                          f"cut into 2*cp = {2 * group.size} equal chunks (see context_parallel.shard_sequence)")
 
 
+def _check_documents(q: torch.Tensor, group: Group, documents: Optional[Documents]) -> None:
+    if documents is not None and tuple(documents.ids.shape) != (q.shape[0], q.shape[1] * group.size):
+        raise ValueError(f"document ids must cover the whole sequence (b, s) = {(q.shape[0], q.shape[1] * group.size)}"
+                         f", got {tuple(documents.ids.shape)}")
+
+
 def context_parallel_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                                         mode: str = "ring", causal: bool = True, backend: str = "auto",
-                                        scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                        scale: Optional[float] = None, documents: Optional[Documents] = None
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, s/cp, hq, d), lse (b, hq, s/cp)) of the local queries over the whole sequence.
 
     Differentiable w.r.t. q, k, v through out (lse is returned for inspection / merging, not differentiated).
     """
     _check(q, k, v, group, mode)
+    _check_documents(q, group, documents)
     if group.size == 1:
-        return block_attention(q, k, v, causal, scale, backend)
+        doc = documents.ids if documents is not None else None
+        return block_attention(q, k, v, causal, scale, backend, doc, doc)
     if mode == "ring":
-        return ring_attention(q, k, v, group, causal, scale, backend)
+        return ring_attention(q, k, v, group, causal, scale, backend, documents)
     if mode == "allgather":
-        return allgather_attention(q, k, v, group, causal, scale, backend)
-    return ulysses_attention(q, k, v, group, causal, scale, backend, with_lse=True)
+        return allgather_attention(q, k, v, group, causal, scale, backend, documents)
+    return ulysses_attention(q, k, v, group, causal, scale, backend, with_lse=True, documents=documents)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, mode: str = "ring",
-                               causal: bool = True, backend: str = "auto") -> torch.Tensor:
+                               causal: bool = True, backend: str = "auto", documents: Optional[Documents] = None,
+                               scale: Optional[float] = None
+                               ) -> torch.Tensor:
     """q (b, s/cp, hq, d), k/v (b, s/cp, hk, d) local shards (load-balanced layout) -> out (b, s/cp, hq, d).
 
     mode: "ring" | "allgather" | "ulysses" (ValueError otherwise). With cp == 1: local attention.
+    documents: per-token document ids of the whole sequence (b, s) (documents.py), or None.
+    scale: softmax scale (default d ** -0.5; MLA passes its own, see models/mla.py).
     """
     _check(q, k, v, group, mode)
+    _check_documents(q, group, documents)
     if group.size == 1:
-        return dispatch.attention(q, k, v, causal=causal, backend=backend)
+        if documents is not None:
+            return dispatch.attention(q, k, v, causal=causal, scale=scale, backend=backend, doc_ids=documents.ids,
+                                      doc_ids_host=documents.host)
+        return dispatch.attention(q, k, v, causal=causal, scale=scale, backend=backend)
     if mode == "ulysses":
-        return ulysses_attention(q, k, v, group, causal, None, backend, with_lse=False)[0]
-    return context_parallel_attention_with_lse(q, k, v, group, mode, causal, backend)[0]
+        return ulysses_attention(q, k, v, group, causal, scale, backend, with_lse=False, documents=documents)[0]
+    return context_parallel_attention_with_lse(q, k, v, group, mode, causal, backend, scale, documents=documents)[0]

@@ -31,8 +31,10 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """S = scale * Q K^T with GQA and the bottom-right causal mask -> (b, hq, sq, sk) in acc dtype."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, q_doc: Optional[torch.Tensor] = None,
+            k_doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """S = scale * Q K^T with GQA and the bottom-right causal mask (and, with document ids q_doc (b, sq) /
+    k_doc (b, sk), the document mask) -> (b, hq, sq, sk) in acc dtype."""
     rep = q.shape[2] // k.shape[2]
     dt = acc_dtype(q.dtype)
     kf = k.to(dt).repeat_interleave(rep, dim=2)  # (b, sk, hq, d)
@@ -42,6 +44,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
         s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    if q_doc is not None:
+        s = s.masked_fill(q_doc[:, None, :, None] != k_doc[:, None, None, :], float("-inf"))  # (b, 1, sq, sk)
     return s
 
 
@@ -52,19 +56,21 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str, q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) in acc dtype).
 
     Goes through `dispatch.attention_with_lse` (kernels.attention_backend.select_attention: the Triton flash
     kernel on CUDA / when forced, aten's CPU flash attention on the CPU, the exact reference for fp64).
     """
-    out, lse = dispatch.attention_with_lse(q, k, v, causal, scale, backend)
+    out, lse = dispatch.attention_with_lse(q, k, v, causal, scale, backend, q_doc, k_doc)
     return out, lse.to(acc_dtype(q.dtype))
 
 
 @torch.no_grad()
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float, backend: str
+                   lse: torch.Tensor, causal: bool, scale: float, backend: str,
+                   q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (b, sq, hq, d), dk, dv (b, sk, hk, d)) in acc dtype, this block's share of the full gradient.
 
@@ -74,15 +80,16 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     impl = dispatch.select_attention(backend, q, need_lse=True)
     if impl == "triton":
         from kernels.flash_attention import flash_attention_backward
-        dq, dk, dv = flash_attention_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale)
+        dq, dk, dv = flash_attention_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale,
+                                              q_doc=q_doc, k_doc=k_doc)
         return dq.to(dt), dk.to(dt), dv.to(dt)
-    if impl == "sdpa":
+    if impl == "sdpa" and q_doc is None:  # document-masked blocks take the exact reference (as in forward)
         dq, dk, dv = dispatch.sdpa_attention_backward(do, q, k, v, out, lse, causal, scale)
         return dq.to(dt), dk.to(dt), dv.to(dt)
     b, sk, hk, d = k.shape
     hq = q.shape[2]
     rep = hq // hk
-    p = torch.exp(_scores(q, k, causal, scale) - _finite(lse.to(dt))[..., None])  # (b, hq, sq, sk)
+    p = torch.exp(_scores(q, k, causal, scale, q_doc, k_doc) - _finite(lse.to(dt))[..., None])  # (b, hq, sq, sk)
     dof, qf = do.to(dt), q.to(dt)  # (b, sq, hq, d)
     vf = v.to(dt).repeat_interleave(rep, dim=2)  # (b, sk, hq, d)
     kf = k.to(dt).repeat_interleave(rep, dim=2)
@@ -116,10 +123,11 @@ class BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = block_forward(q, k, v, causal, scale, backend)
+                backend: str, q_doc: Optional[torch.Tensor], k_doc: Optional[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = block_forward(q, k, v, causal, scale, backend, q_doc, k_doc)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, backend)
+        ctx.args = (causal, scale, backend, q_doc, k_doc)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -127,11 +135,15 @@ class BlockAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local attention -> (out (b, sq, hq, d), lse (b, hq, sq)), differentiable w.r.t. q, k, v."""
+                    backend: str, q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local attention -> (out (b, sq, hq, d), lse (b, hq, sq)), differentiable w.r.t. q, k, v.
+    q_doc (b, sq) / k_doc (b, sk): document ids (a query sees only keys of its own document)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return BlockAttention.apply(q, k, v, causal, scale, backend)
+    if q_doc is not None and k_doc is None:
+        k_doc = q_doc
+    return BlockAttention.apply(q, k, v, causal, scale, backend, q_doc, k_doc)

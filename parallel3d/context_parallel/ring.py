@@ -32,6 +32,7 @@ import torch
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.context_parallel.blocks import acc_dtype, block_backward, block_forward, merge_into
+from parallel3d.context_parallel.documents import Documents, any_shared
 
 # (query chunk range, key chunk range, causal) in units of local chunks (0, 1 or 2), per block call.
 Plan = list[tuple[tuple[int, int], tuple[int, int], bool]]
@@ -55,6 +56,26 @@ def block_plan(rank: int, src: int, cp: int, causal: bool) -> Plan:
     return per_query
 
 
+def _doc_slice(x: Optional[torch.Tensor], sl: slice) -> Optional[torch.Tensor]:
+    return None if x is None else x[:, sl]
+
+
+def step_plan(rank: int, src: int, cp: int, causal: bool, c: int, docs: Optional[Documents]
+              ) -> list[tuple[slice, slice, bool]]:
+    """block_plan as (query slice, key slice, causal) in local tokens, without the blocks whose keys no
+    local query can see by document (decided on the host copy of the ids). Counts into docs.counters."""
+    blocks = [(slice(q0 * c, q1 * c), slice(k0 * c, k1 * c), blk) for (q0, q1), (k0, k1), blk
+              in block_plan(rank, src, cp, causal)]
+    if docs is None:
+        return blocks
+    q_host, k_host = docs.local(cp, rank, host=True), docs.local(cp, src, host=True)  # (b, s/cp)
+    kept = [blk for blk in blocks if any_shared(q_host[:, blk[0]], k_host[:, blk[1]])]
+    docs.count("ring_blocks", len(blocks))
+    docs.count("ring_blocks_skipped", len(blocks) - len(kept))
+    docs.count("ring_steps_skipped", int(not kept))
+    return kept
+
+
 def _ring_ops(send: torch.Tensor, recv: torch.Tensor, group: Group) -> list[comm.P2P]:
     r, n = group.rank, group.size
     return [comm.P2P("send", send, group.ranks[(r + 1) % n]), comm.P2P("recv", recv, group.ranks[(r - 1) % n])]
@@ -65,7 +86,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool,
-                scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float, backend: str, docs: Optional[Documents]) -> tuple[torch.Tensor, torch.Tensor]:
         cp, r = group.size, group.rank
         b, s, hq, d = q.shape
         c = s // 2
@@ -73,14 +94,18 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros((b, s, hq, d), dtype=dt, device=q.device)  # (b, s/cp, hq, d) running output
         lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)  # (b, hq, s/cp)
         kv = torch.stack([k, v])  # (2, b, s/cp, hk, d) packed: one message per step
+        q_doc = docs.local(cp, r) if docs is not None else None  # (b, s/cp) document ids of the local queries
+        plans = []
         for i in range(cp):
             src = (r - i) % cp
             if i < cp - 1:  # post the next block's transfer before computing on this one
                 kv_next = torch.empty_like(kv)
                 pending = comm.start_batch_p2p(_ring_ops(kv, kv_next, group), group)
-            for (q0, q1), (k0, k1), blk_causal in block_plan(r, src, cp, causal):
-                qs, ks = slice(q0 * c, q1 * c), slice(k0 * c, k1 * c)
-                o_i, l_i = block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], blk_causal, scale, backend)
+            k_doc = docs.local(cp, src) if docs is not None else None  # ids of the visiting K/V block
+            plans.append(step_plan(r, src, cp, causal, c, docs))  # entirely masked blocks: no math
+            for qs, ks, blk_causal in plans[-1]:
+                o_i, l_i = block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], blk_causal, scale, backend,
+                                         _doc_slice(q_doc, qs), _doc_slice(k_doc, ks))
                 merge_into(out[:, qs], lse[..., qs], o_i, l_i)  # out = sum_i exp(lse_i - lse) * out_i
             if i < cp - 1:
                 pending.wait()
@@ -88,13 +113,14 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.docs, ctx.plans = docs, plans
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, backend = ctx.group, ctx.causal, ctx.scale, ctx.backend
+        group, causal, scale, backend, docs = ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.docs
         cp, r = group.size, group.rank
         s = q.shape[1]
         c = s // 2
@@ -102,16 +128,18 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)  # (b, s/cp, hq, d)
         kv = torch.stack([k, v])  # (2, b, s/cp, hk, d)
         dkv_in: Optional[torch.Tensor] = None  # accumulated dK/dV of the current block, from rank r-1
+        q_doc = docs.local(cp, r) if docs is not None else None
         for i in range(cp):
             src = (r - i) % cp
             if i < cp - 1:
                 kv_next = torch.empty_like(kv)
                 pending = comm.start_batch_p2p(_ring_ops(kv, kv_next, group), group)
             dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # (2, b, s/cp, hk, d)
-            for (q0, q1), (k0, k1), blk_causal in block_plan(r, src, cp, causal):
-                qs, ks = slice(q0 * c, q1 * c), slice(k0 * c, k1 * c)
+            k_doc = docs.local(cp, src) if docs is not None else None
+            for qs, ks, blk_causal in ctx.plans[i]:  # the forward's plan: skipped blocks have no gradient
                 dq_i, dk_i, dv_i = block_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                                                  lse[..., qs], blk_causal, scale, backend)
+                                                  lse[..., qs], blk_causal, scale, backend,
+                                                  _doc_slice(q_doc, qs), _doc_slice(k_doc, ks))
                 dq[:, qs] += dq_i
                 dkv[0][:, ks] += dk_i
                 dkv[1][:, ks] += dv_i
@@ -124,11 +152,14 @@ class RingAttention(torch.autograd.Function):
             comm.batch_p2p(_ring_ops(dkv, dkv_in, group), group)
             if i < cp - 1:
                 kv = kv_next
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool = True,
-                   scale: Optional[float] = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention over the CP group on load-balanced shards -> (out (b, s/cp, hq, d), lse (b, hq, s/cp))."""
+                   scale: Optional[float] = None, backend: str = "auto", documents: Optional[Documents] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention over the CP group on load-balanced shards -> (out (b, s/cp, hq, d), lse (b, hq, s/cp)).
+    documents: packed-document ids of the whole sequence (a query sees only its own document; blocks
+    entirely masked for every local query are skipped and counted in documents.counters)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, group, causal, scale, backend)
+    return RingAttention.apply(q, k, v, group, causal, scale, backend, documents)

@@ -19,6 +19,7 @@ import torch
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.context_parallel.blocks import block_attention
+from parallel3d.context_parallel.documents import Documents
 from parallel3d.context_parallel.sharding import layout_permutation
 
 
@@ -53,9 +54,10 @@ def _heads_to_seq(x: torch.Tensor, group: Group, to_rank: torch.Tensor) -> torch
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool = True,
-                      scale: Optional[float] = None, backend: str = "auto", with_lse: bool = True
-                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      scale: Optional[float] = None, backend: str = "auto", with_lse: bool = True,
+                      documents: Optional[Documents] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """-> (out (b, s/cp, hq, d), lse (b, hq, s/cp) or None); differentiable w.r.t. q, k, v.
+    documents: document ids of the whole sequence (global order: what each rank attends over here).
 
     lse costs one extra all-to-all, so it is only returned when `with_lse`.
     """
@@ -69,7 +71,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     qh = _seq_to_heads(q, group, to_global)  # (b, s, hq/cp, d)
     kh = _seq_to_heads(k, group, to_global)  # (b, s, hk/cp, d)
     vh = _seq_to_heads(v, group, to_global)
-    out, lse = block_attention(qh, kh, vh, causal, scale, backend)  # (b, s, hq/cp, d), (b, hq/cp, s)
+    doc = documents.ids if documents is not None else None  # (b, s)
+    out, lse = block_attention(qh, kh, vh, causal, scale, backend, doc, doc)  # (b, s, hq/cp, d), (b, hq/cp, s)
     out = _heads_to_seq(out, group, order)  # (b, s/cp, hq, d)
     if not with_lse:
         return out, None

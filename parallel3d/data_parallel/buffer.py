@@ -44,6 +44,7 @@ class Slot:
     decay: bool = True
     real_rows: int = 0       # rows without vocabulary padding (meta.local_real_shape[0])
     scalar: bool = False     # the parameter is 0-d
+    local_copy: bool = False  # a tied copy whose source is on this rank too (V pipeline placement)
 
     @property
     def meta(self) -> ParamMeta:
@@ -134,6 +135,7 @@ class GradSync:
     count: int = 0                          # gradients arrived during the step's last backward
     ready: bool = False
     launched: bool = False
+    replicating: bool = False               # HSDP: the reduced segment is being summed across replicas
 
 
 @dataclass
@@ -158,6 +160,7 @@ class Bucket:
     chunk: int = 0                  # index of the model chunk (module) holding these parameters
     expert: bool = False
     unit: Optional[object] = None   # ZeRO-3 unit owning these parameters
+    replica: Optional[Group] = None # HSDP: the reduced segment is then all-reduced over this group
     grad: GradSync = field(default_factory=GradSync)
     adam: AdamState = field(default_factory=AdamState)
     param_flat: Optional[torch.Tensor] = None   # ZeRO-0: flat params (views) / ZeRO-3: persistent shard

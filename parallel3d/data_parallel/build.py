@@ -31,6 +31,12 @@ def reduction_group(ctx: ParallelContext, expert: bool) -> Group:
     return ctx.edp if expert else ctx.dp_cp
 
 
+def shard_group(ctx: ParallelContext, expert: bool) -> Group:
+    """The ZeRO shard group: DP x CP / expert-DP, or under HSDP one block of it (mesh.py); the segment
+    reduced there is then summed across `ctx.dp_rep`."""
+    return ctx.edp_shard if expert else ctx.dp_shard
+
+
 def named_params(modules: list[nn.Module], no_decay: Callable[[str, nn.Parameter], bool]) -> list[Named]:
     """Trainable parameters of each chunk, each once (tied copies inside a chunk share one name)."""
     seen: set[int] = set()
@@ -61,12 +67,16 @@ def plan(modules: list[nn.Module], ctx: ParallelContext, zero: int, no_decay: Ca
             for expert in (False, True):
                 part = [x for x in reversed(named) if x[1].meta.expert == expert]
                 if part:
-                    group = reduction_group(ctx, expert)
+                    group = shard_group(ctx, expert) if zero else reduction_group(ctx, expert)
                     n, k = (group.size, group.rank) if zero else (1, 0)
-                    mine.append(split_buckets(part, group, n, k, bucket_bytes, grad_elem_bytes))
+                    bs = split_buckets(part, group, n, k, bucket_bytes, grad_elem_bytes)
+                    for b in bs:
+                        b.expert = expert
+                    mine.append(bs)
         for bs in mine:
             for b in bs:
-                b.seq, b.chunk, b.expert = len(seqs), chunk, b.group is not ctx.dp_cp
+                b.seq, b.chunk = len(seqs), chunk
+                b.replica = ctx.dp_rep if zero else None
             seqs.append(bs)
     return seqs, chains
 
@@ -87,9 +97,9 @@ def _unit_buckets(module: nn.Module, named: Named, ctx: ParallelContext) -> tupl
         for unit, mine in items[::-1] + [root]:       # backward order: last block first, root last
             part = [x for x in reversed(mine) if x[1].meta.expert == expert]
             if part:
-                group = reduction_group(ctx, expert)
+                group = shard_group(ctx, expert)
                 slots = [make_slot(n, p, group.size, d) for n, p, d in part]
-                b = Bucket(slots, group, group.size, group.rank, layout(slots), unit=unit)
+                b = Bucket(slots, group, group.size, group.rank, layout(slots), unit=unit, expert=expert)
                 unit.buckets.append(b)
                 seq.append(b)
         if seq:

@@ -3,7 +3,8 @@ update on the held shard is in adamw.py).
 
 After gradient reduction each rank holds, per bucket, the reduced gradient of its segment (ZeRO >= 1)
 or of the whole bucket (ZeRO-0). A gradient element is counted by exactly one rank:
-  * ZeRO >= 1: the rank whose segment holds the element (segments partition DP x CP / expert-DP);
+  * ZeRO >= 1: the rank whose segment holds the element (segments partition DP x CP / expert-DP; under
+    HSDP they partition a shard group, and only replica 0 of the shard counts);
     ZeRO-0: DP x CP (or expert-DP) rank 0, the others hold identical copies;
   * the first rank (rank 0) of every group in `meta.replicated` (TP-replicated norms, the tied
     embedding copy on the last pipeline stage);
@@ -26,7 +27,11 @@ from parallel3d.mesh import ParallelContext
 
 def counts_once(b: Bucket, s: Slot, ctx: ParallelContext, zero: int) -> bool:
     """Whether this rank is the one that counts (and checkpoints) its held rows of `s`."""
+    if s.local_copy:  # its source on this same rank counts (and checkpoints) the shared rows
+        return False
     if zero == 0 and b.group.rank != 0:
+        return False
+    if b.replica is not None and b.replica.rank != 0:   # HSDP: the replicas of a shard hold the same rows
         return False
     for name in s.meta.replicated:
         g = getattr(ctx, name)  # None: this rank is outside that group (embedding)

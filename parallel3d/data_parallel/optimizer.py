@@ -20,7 +20,8 @@ already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradien
     3     reduce-scatter; params gathered     1/N                     1/N                 1/N
           around each unit's fwd and bwd (zero3.py)
 
-Buckets, shard layout and why it is rank-major: buffer.py, build.py. Norm and clipping: clip.py; AdamW: adamw.py.
+Buckets, shard layout and why it is rank-major: buffer.py, build.py. Gradient hooks and each bucket's
+reduction (HSDP, compression, qgZ): sync.py. Norm and clipping: clip.py; AdamW: adamw.py.
 Checkpoint state, gradient views and memory accounting: state.py. The optimizer only assumes its
 `modules` list (the model chunks on this rank): it works under any TP/PP/CP/EP layout whose parameters
 carry `meta`. Construct it after the weights are final (initialised or loaded): it copies them into its
@@ -35,19 +36,21 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from parallel3d import comm
 from parallel3d.data_parallel import state as _state
-from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows, copy_rows_out
+from parallel3d.data_parallel.buffer import Bucket, Slot, copy_rows_out
 from parallel3d.data_parallel.build import init_bucket, plan
 from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
-from parallel3d.comm import start_all_gather, start_all_reduce, start_reduce_scatter, wait_work
+from parallel3d.data_parallel.compression import Compressor, check_compression
+from parallel3d.comm import start_all_gather, wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
-from parallel3d.data_parallel.zero3 import Zero3
-from parallel3d.mesh import ParallelContext
+from parallel3d.data_parallel.quantize import check_zeropp
+from parallel3d.data_parallel.sync import BucketReduction
+from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
+from parallel3d.mesh import ParallelContext, check_hpz
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(BucketReduction):
     """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
     and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads)."""
 
@@ -57,13 +60,22 @@ class DistributedOptimizer:
                  loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
                  min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None,
                  offload_optimizer: str = "none", offload_params: str = "none", offload_dir: Optional[str] = None,
-                 offload_buffer_mb: float = 64.0) -> None:
+                 offload_buffer_mb: float = 64.0, grad_compression: str = "none", powersgd_rank: int = 4,
+                 topk_ratio: float = 0.01, compression_start_step: int = 0, quantized_weights: bool = False,
+                 hpz: bool = False, quantized_gradients: bool = False, quant_block: int = 256) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
+        check_compression(grad_compression, zero, powersgd_rank, topk_ratio, compression_start_step,
+                          ctx.spec.hsdp, precision)
+        check_zeropp(zero, quantized_weights, hpz, quantized_gradients, quant_block)
+        if hpz:
+            check_hpz(ctx.spec)
+        # qgZ: the ZeRO-3 gradient reduce-scatter travels as int8 blocks (quantize.py); 0 = exact
+        self.qgz_block = quant_block if quantized_gradients else 0
         if ctx.device.type == "meta" and (offload_optimizer, offload_params) != ("none", "none"):
-            raise ValueError("the meta-device dry run (launch/plan.py) does not model offload yet: plan without "
-                             "parallel.offload_optimizer / parallel.offload_params")
+            raise ValueError("offload needs host memory, which the meta-device stand-in has no values for: the "
+                             "planner dry-runs the device step without it (parallel3d/planner/offload.py)")
         # offload: fp32 master and Adam state in host memory (cpu) or files (nvme); AdamW runs on the CPU
         self.state_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
@@ -95,13 +107,16 @@ class DistributedOptimizer:
             init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device, resident=self.nvme is None)
             b.adam.home = self.nvme
         if zero == 3:
-            gather = {e: ctx.clone("edp" if e else "dp_cp") for e in (False, True)}
-            self.zero3 = Zero3(chains, gather, self.dtype)
+            gather = {e: ctx.clone("edp_shard" if e else "dp_shard") for e in (False, True)}
+            node = {e: ctx.clone("edp_node" if e else "dp_node") for e in (False, True)} if hpz else None
+            self.zero3 = Zero3(chains, gather, self.dtype, ZeroPP(quant_block if quantized_weights else 0, node))
         if offload_params != "none":          # takes each bucket's param_flat off the device
             from parallel3d.offload.params import ParamOffload
             self.param_home = ParamOffload.create(self.buckets, offload_params, self.dtype, ctx, offload_dir)
             self.zero3.fetch = self.param_home.fetch
         self._chains = chains
+        self.compressor = Compressor(grad_compression, self.buckets, powersgd_rank, topk_ratio,
+                                     compression_start_step) if grad_compression != "none" else None
         self._last = [True] * len(self.modules)  # per chunk: is the running backward the step's last one?
         self._chunk_seqs: dict[int, list[int]] = {}
         for i, bs in enumerate(self.seqs):
@@ -109,77 +124,7 @@ class DistributedOptimizer:
         self._touched: set[int] = set()      # chunks whose gradients arrived during the running backward
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(b, s))
                        for b in self.buckets for s in b.slots]
-
-    # ---- backward ----------------------------------------------------------------------------------
-    def _grad_hook(self, b: Bucket, s: Slot):
-        def hook(p: torch.Tensor) -> None:
-            g, p.grad = p.grad, None
-            if g is None:
-                return
-            if b.grad.launched:
-                raise RuntimeError(f"gradient of {s.name} arrived after its bucket was reduced: call "
-                                   f"set_last_microbatch(False) before every microbatch but the last")
-            with torch.no_grad():
-                if b.grad.full is None:
-                    b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=g.device)
-                add_rows(b.grad.full, b.seg, b.nshard, s, g)
-            if b.unit is not None:
-                self.zero3.on_grad(b.unit)
-            if not self._touched:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._touched.add(b.chunk)
-            if self._last[b.chunk]:
-                b.grad.count += 1
-                if b.grad.count == len(b.slots):
-                    b.grad.ready = True
-                    self._launch_ready(b.seq)
-        return hook
-
-    def _end_of_backward(self) -> None:
-        """Runs when the backward pass ends: parameters that got no gradient in it will not get one, so
-        launch the rest of the chunk's buckets now (ranks agree on when, unlike bucket readiness), and
-        under ZeRO-3 free units that stayed gathered because some parameter had no gradient."""
-        touched, self._touched = sorted(self._touched), set()
-        for chunk in touched:
-            if self.zero3 is not None:
-                for unit in self._chains[chunk]:
-                    if unit.gathered or unit.pending is not None:
-                        self.zero3.free(unit)
-            if self._last[chunk]:
-                for seq in self._chunk_seqs.get(chunk, []):
-                    for b in self.seqs[seq][self._next[seq]:]:
-                        b.grad.ready = True
-                    self._launch_ready(seq)
-
-    def _launch_ready(self, seq: int) -> None:
-        bs = self.seqs[seq]
-        while self._next[seq] < len(bs) and bs[self._next[seq]].grad.ready:
-            self._launch(bs[self._next[seq]])
-            self._next[seq] += 1
-
-    def _launch(self, b: Bucket) -> None:
-        if b.grad.full is None:   # no gradient reached this bucket on this rank (unused parameters)
-            b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.slots[0].param.device)
-        if self.zero == 0:
-            b.grad.work = start_all_reduce(b.grad.full, b.group)
-        else:
-            b.grad.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad.full.device)
-            b.grad.work = start_reduce_scatter(b.grad.out, b.grad.full, b.group)
-        b.grad.launched = True
-        self._inflight.append(b)
-        while self._inflight and (self._inflight[0].grad.work is None or self._inflight[0].grad.work.is_completed()):
-            self._finalize(self._inflight.popleft())   # frees ZeRO-2/3 full buffers early
-
-    def _finalize(self, b: Bucket) -> None:
-        wait_work(b.grad.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
-        b.grad.work = None
-        if self.zero == 1:
-            seg = b.grad.full[b.shard * b.seg: (b.shard + 1) * b.seg]
-            seg.copy_(b.grad.out)
-            b.grad.shard = seg
-        elif self.zero >= 2:
-            b.grad.shard, b.grad.full = b.grad.out, None
-        b.grad.out = None
+        self._local_ties = _local_ties(self.buckets)
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -187,6 +132,7 @@ class DistributedOptimizer:
             if b.grad.work is not None:
                 wait_work(b.grad.work, b.group, "reduction")
             b.grad.count, b.grad.ready, b.grad.launched, b.grad.work, b.grad.out = 0, False, False, None, None
+            b.grad.replicating = False
             if self.zero <= 1:
                 b.grad.full.zero_()
                 b.grad.shard = b.grad.full if self.zero == 0 else None
@@ -223,21 +169,6 @@ class DistributedOptimizer:
             self.zero3.free_all()
         self._synced = True
 
-    def _reduce_extra_groups(self) -> None:
-        """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each."""
-        views: dict[str, list[torch.Tensor]] = {}
-        for b in self.buckets:
-            for s in b.slots:
-                for name in s.meta.grad_reduce:
-                    g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
-                    if g is not None and g.size > 1:
-                        views.setdefault(name, []).append(s.flat(b.grad.shard))
-        for name in sorted(views):
-            flat = torch.cat(views[name])
-            comm.all_reduce(flat, getattr(self.ctx, name))
-            for v, part in zip(views[name], flat.split([v.numel() for v in views[name]])):
-                v.copy_(part)
-
     def _prepare(self) -> None:
         if self._prepared:
             return
@@ -271,11 +202,18 @@ class DistributedOptimizer:
         if self.nvme is not None:  # streamed: each updated master chunk is published as it is produced
             self.nvme.step(self.buckets, lr, self.betas, self.eps, self.weight_decay, self.step_count,
                            self.publish_chunk)
+            self.publish_params(streamed=True)
+            return True
+        pending = []
+        for b in self.buckets:
+            host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
+            if self.zero in (1, 2):   # the bucket's all-gather travels while the next buckets update
+                pending.append(self._start_publish(b))
+        if self.zero in (1, 2):
+            self._finish_publish(pending)
         else:
-            for b in self.buckets:
-                host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
-                adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
-        self.publish_params(streamed=self.nvme is not None)
+            self.publish_params()
         return True
 
     def skip_step(self) -> bool:
@@ -309,6 +247,8 @@ class DistributedOptimizer:
     def publish_params(self, streamed: bool = False) -> None:
         """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2).
         streamed: the NVMe step already passed every chunk to publish_chunk."""
+        if self.zero3 is not None:
+            self.zero3.invalidate()   # hpZ's secondary copies are stale
         if self.nvme is not None and not streamed:
             self.nvme.read_master(self.buckets, self.publish_chunk)
         for b in self.buckets if self.nvme is None else []:
@@ -318,11 +258,18 @@ class DistributedOptimizer:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)
         if self.zero in (0, 3):
             return
-        pending = []
-        for b in self.buckets:
-            shard = self._shards.pop(id(b))
-            full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
-            pending.append((b, full, start_all_gather(full, shard, b.group)))
+        self._finish_publish([self._start_publish(b) for b in self.buckets])
+
+    def _start_publish(self, b: Bucket) -> tuple:
+        """ZeRO-1/2: launch the all-gather of a bucket's updated shard (step() calls it right after the
+        bucket's AdamW, so the gather travels while the next buckets update)."""
+        shard = self._shards.pop(id(b), None)
+        if shard is None:  # the all-gather runs on the device (master may be on the host); no copy if it is one
+            shard = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
+        full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
+        return b, full, start_all_gather(full, shard, b.group)
+
+    def _finish_publish(self, pending: list[tuple]) -> None:
         for b, full, work in pending:
             wait_work(work, b.group, "all_gather")
             for s in b.slots:
@@ -371,6 +318,15 @@ class DistributedOptimizer:
         if "master" in kinds:
             self.publish_params()
 
+    def local_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (not a slice of a global tensor): gradient-compression residuals and
+        PowerSGD's Q. Checkpoints keep it per rank and restore it under the same layout."""
+        return self.compressor.local_state() if self.compressor is not None else {}
+
+    def load_local_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        if self.compressor is not None:
+            self.compressor.load_local_state(state)
+
     def grad_slices(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple]]:
         self.finish_grad_sync()
         inv = 1.0 if self._prepared or self.scaler is None else 1.0 / self.scaler.scale
@@ -382,3 +338,17 @@ class DistributedOptimizer:
     def state_by_category(self) -> dict[str, list[torch.Tensor]]:
         """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
         return _state.state_by_category(self.buckets, self.params)
+
+
+def _local_ties(buckets: list[Bucket]) -> list[tuple[tuple[Bucket, Slot], tuple[Bucket, Slot]]]:
+    """Tied copies (meta.tied_to, reduced over the embedding group) whose source is on this rank as well:
+    the V pipeline placement puts the first and the last stage on one rank. Their gradients are summed
+    locally, and the copy is marked so that norms and checkpoints count the shared rows once."""
+    by_name = {s.name: (b, s) for b in buckets for s in b.slots if "embedding" in s.meta.grad_reduce}
+    ties = []
+    for b, s in by_name.values():
+        source = by_name.get(s.meta.tied_to) if s.meta.tied_to else None
+        if source is not None:
+            s.local_copy = True
+            ties.append((source, (b, s)))
+    return ties

@@ -18,7 +18,13 @@ Freeing = resizing the parameter's storage to 0 bytes; gathering resizes it back
 in through `p.data` (which does not bump the autograd version counter), so tensors autograd saved during
 forward (the weight or views of it) are valid again when backward runs -- the FSDP1 storage trick.
 Gathers run on a clone of the DP group (`ParallelContext.clone`), so they are ordered independently
-of the gradient reduce-scatters. Activation recomputation re-enters a unit's forward inside backward:
+of the gradient reduce-scatters.
+
+ZeRO++ (`ZeroPP`): qwZ gathers int8 blocks + scales instead of the compute dtype (quantize.py; the
+persistent shard, i.e. the master, stays exact); hpZ keeps, after each forward gather, this rank's 1/M
+slice of the gathered bucket (M = the shard group's members on this node) and gathers the backward copy
+from those secondary slices over the node group only; the copies are dropped when the parameters change
+(`invalidate`, after every optimizer step or load). Activation recomputation re-enters a unit's forward inside backward:
 then the unit is gathered but neither freed nor re-hooked.
 """
 from __future__ import annotations
@@ -32,7 +38,16 @@ from torch.utils._pytree import tree_flatten
 
 from parallel3d.comm import Group, start_all_gather, wait_work
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.data_parallel.quantize import quantized_all_gather
 from parallel3d.params import in_backward
+
+
+@dataclass
+class ZeroPP:
+    """ZeRO++ options of the parameter gathers: quant_block > 0 turns on qwZ; `node` (expert-ness ->
+    the shard group's members on this node) turns on hpZ."""
+    quant_block: int = 0
+    node: Optional[dict[bool, Group]] = None
 
 
 def find_units(root: nn.Module) -> list[nn.Module]:
@@ -74,10 +89,12 @@ def check_split_backward(split: bool) -> None:
 class Zero3:
     """Gathers/frees units around forward and backward. `groups` maps expert-ness to the gather group."""
 
-    def __init__(self, chains: list[list[Unit]], groups: dict[bool, Group], dtype: torch.dtype) -> None:
+    def __init__(self, chains: list[list[Unit]], groups: dict[bool, Group], dtype: torch.dtype,
+                 pp: Optional[ZeroPP] = None) -> None:
         self.units = [u for chain in chains for u in chain]
-        self.groups, self.dtype = groups, dtype
+        self.groups, self.dtype, self.pp = groups, dtype, pp or ZeroPP()
         self.fetch: Optional[Callable[[Bucket], torch.Tensor]] = None  # offload/params.py: shard -> device
+        self.secondary: dict[int, torch.Tensor] = {}   # hpZ: id(bucket) -> this rank's slice of the gathered bucket
         self.handles = []
         for chain in chains:               # chain = [root, block0, block1, ...]
             root, blocks = chain[0], chain[1:]
@@ -95,19 +112,32 @@ class Zero3:
     def start_gather(self, unit: Optional[Unit]) -> None:
         if unit is None or unit.gathered or unit.pending is not None:
             return
-        pend = []
+        pend, backward = [], in_backward()
         for b in unit.buckets:
             shard = b.param_flat if self.fetch is None else self.fetch(b)  # the work keeps a fetched copy alive
-            full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
-            pend.append((b, full, start_all_gather(full, shard, self.groups[b.expert])))
+            full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)   # (N*S,)
+            group, secondary = self.groups[b.expert], self.secondary.get(id(b))
+            if backward and secondary is not None:     # hpZ: the backward copy comes from inside the node
+                group = self.pp.node[b.expert]
+                pend.append((b, full, group, start_all_gather(full, secondary, group), False))
+            elif self.pp.quant_block:                  # qwZ (synchronous: dequantised on arrival)
+                scale_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+                quantized_all_gather(full, shard, group, self.pp.quant_block, scale_dtype)
+                pend.append((b, full, group, None, True))
+            else:
+                pend.append((b, full, group, start_all_gather(full, shard, group), True))
         unit.pending = pend
 
     def gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
         self.start_gather(unit)
-        for b, full, work in unit.pending:
-            wait_work(work, self.groups[b.expert], "all_gather")
+        for b, full, group, work, primary in unit.pending:
+            wait_work(work, group, "all_gather")
+            if primary and self.pp.node is not None:   # hpZ: keep my node-local slice for the backward
+                node = self.pp.node[b.expert]
+                part = full.numel() // node.size
+                self.secondary[id(b)] = full[node.rank * part: (node.rank + 1) * part].clone()
             for s in b.slots:
                 data = s.param.data
                 storage = data.untyped_storage()
@@ -120,12 +150,16 @@ class Zero3:
 
     def free(self, unit: Unit) -> None:
         if unit.pending is not None:  # a prefetch that was not used: finish it before dropping buffers
-            for b, _, work in unit.pending:
-                wait_work(work, self.groups[b.expert], "all_gather")
+            for _, _, group, work, _ in unit.pending:
+                wait_work(work, group, "all_gather")
             unit.pending = None
         for p in unit.params:
             p.data.untyped_storage().resize_(0)
         unit.gathered = False
+
+    def invalidate(self) -> None:
+        """The parameters changed (optimizer step, load): hpZ's secondary copies are stale."""
+        self.secondary.clear()
 
     def free_all(self) -> None:
         for u in self.units:

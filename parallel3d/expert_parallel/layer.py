@@ -6,10 +6,11 @@ the SP all-gather), every TP rank routes the same tokens identically and runs it
 expert (routed and shared), and the partial outputs are summed by one all-reduce (or SP reduce-scatter).
 The all-to-all runs inside each EP group, whose ranks share the TP rank.
 
-Auxiliary losses (Switch load balancing, router z-loss) are computed from *global* statistics: per-expert
-counts, probability sums, squared log-partition sums and the token count are all-reduced over DP x CP
-(every rank of a stage holding different tokens; EP is a subset), so every layout gets the world-size-1
-value of the same global micro-batch. The all-reduce passes gradients through unchanged (each rank
+Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) are
+computed from *global* statistics: per-expert counts, probability sums, squared log-partition sums and the
+token count are all-reduced over DP x CP (every rank of a stage holding different tokens; EP is a subset),
+so every layout gets the world-size-1 value of the same global micro-batch (the sequence-wise loss sums each
+sequence over CP first, see MoELayer._sequence_aux). The all-reduce passes gradients through unchanged (each rank
 back-propagates the global loss through its own tokens; the DP gradient sum completes it).
 
 `pop_aux_loss()` returns this layer's term in *summed-loss units*: its value is T * A / n_dpcp per rank
@@ -31,6 +32,7 @@ from parallel3d.comm import Group
 from parallel3d.expert_parallel.dispatch import ExpertExchange, permute, unpermute
 from parallel3d.expert_parallel.experts import GroupedExperts
 from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, expert_capacity, expert_counts,
+                                               sequence_balance_loss, sequence_balance_stats,
                                                sharded_capacity_keep_mask, switch_aux_loss, update_expert_bias,
                                                z_loss_sum)
 from parallel3d.mesh import ParallelContext
@@ -75,14 +77,16 @@ class MoELayer(nn.Module):
                  sequence_parallel: bool = False, shared_ffn_hidden: int = 0, score: str = "softmax",
                  norm_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
                  bias_update_rate: float = 0.0, capacity_factor: float = 0.0, impl: str = "auto",
-                 backend: str = "auto", std: Optional[float] = None) -> None:
+                 backend: str = "auto", std: Optional[float] = None, num_groups: int = 1, topk_groups: int = 1,
+                 routed_scaling_factor: float = 1.0, seq_aux_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.tp, self.ep, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.cp, ctx.dp_cp
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.num_experts, self.top_k = num_experts, top_k
-        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.aux_loss_coef, self.z_loss_coef, self.seq_aux_loss_coef = aux_loss_coef, z_loss_coef, seq_aux_loss_coef
         self.bias_update_rate, self.capacity_factor = bias_update_rate, capacity_factor
-        self.router = Router(hidden, num_experts, top_k, ctx.tp, score, norm_topk, std=std)
+        self.router = Router(hidden, num_experts, top_k, ctx.tp, score, norm_topk, std=std, num_groups=num_groups,
+                             topk_groups=topk_groups, scaling_factor=routed_scaling_factor)
         self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, ctx.ep, ctx.tp, impl, backend, std=std)
         self.shared_experts = (SharedExperts(hidden, shared_ffn_hidden, ctx.tp, self.sp, backend, std=std)
                                if shared_ffn_hidden else None)
@@ -105,8 +109,8 @@ class MoELayer(nn.Module):
         counts = expert_counts(r.indices, self.num_experts)  # (E,) routed slots before drops
         if self.training and torch.is_grad_enabled() and not in_backward():
             self._observe(counts, keep, r.indices)
-        if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
-            term = self._aux(r, counts, b * s)
+        if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef or self.seq_aux_loss_coef):
+            term = self._aux(r, counts, b * s, b)
             if not in_backward():
                 self._aux_term = term
         perm = permute(r.indices, self.num_experts, keep)
@@ -120,7 +124,7 @@ class MoELayer(nn.Module):
         return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
 
     # ---- auxiliary losses -------------------------------------------------------------------------------
-    def _aux(self, r: Routing, counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def _aux(self, r: Routing, counts: torch.Tensor, num_tokens: int, batch: int) -> torch.Tensor:
         e = self.num_experts
         probs = balance_probs(r.scores, self.router.score)  # (T, E)
         local = torch.cat([probs.sum(0), z_loss_sum(r.logits)[None],
@@ -131,8 +135,26 @@ class MoELayer(nn.Module):
         z = z_sum / tokens
         self.last_aux = {"aux_loss": comm.host_float(aux.detach()), "z_loss": comm.host_float(z.detach())}
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
+        if self.seq_aux_loss_coef:
+            seq_aux = self._sequence_aux(probs, r.indices, batch)
+            self.last_aux["seq_aux_loss"] = comm.host_float(seq_aux.detach())
+            total = total + self.seq_aux_loss_coef * seq_aux
         grad_weight, value_weight = tokens / self.tp.size, tokens / self.dp_cp.size
         return total * grad_weight + (total * (value_weight - grad_weight)).detach()
+
+    def _sequence_aux(self, probs: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
+        """DeepSeek-V3 sequence-wise balance loss averaged over the global micro-batch's sequences (same value
+        on every rank). A sequence split over CP has its sums all-reduced over CP first; then each CP rank
+        holds that sequence's loss, so its *value* counts 1/cp per rank, while its *gradient* (which reaches
+        only the rank's own tokens, the all-reduces passing gradients through) counts fully."""
+        stats = sequence_balance_stats(probs, indices, batch)  # (b, 2E) over local tokens
+        if self.cp.size > 1:
+            stats = _SumLocalGrad.apply(stats, self.cp)  # (b, 2E) whole sequences
+        seq_len = probs.shape[0] // batch * self.cp.size
+        sequences = batch * (self.dp_cp.size // self.cp.size)  # in the global micro-batch
+        grad_part = sequence_balance_loss(stats, seq_len, self.top_k).sum() / sequences
+        local = grad_part + (grad_part / self.cp.size - grad_part).detach()
+        return _SumLocalGrad.apply(local[None], self.dp_cp)[0] if self.dp_cp.size > 1 else local
 
     def pop_aux_loss(self) -> Optional[torch.Tensor]:
         """This layer's auxiliary term of the last forward (summed-loss units, see module doc), then forget it."""

@@ -7,6 +7,14 @@ of `scores + expert_bias`; the combine weights are the chosen *scores* (optional
 so the balancing bias steers which experts are used without scaling any expert's output
 (DeepSeek-V3, "auxiliary-loss-free load balancing").
 
+DeepSeek-V3 additions (all off by default):
+  group-limited routing   experts are cut into `num_groups` equal groups; a group's score is the sum of its two
+                          best `scores + expert_bias`; a token keeps its `topk_groups` best groups and picks its
+                          top-k experts only among them (node-limited routing when a group is a node's experts)
+  routed_scaling_factor   the combine weights (after the optional normalisation) are multiplied by it
+  sequence-wise aux loss  sequence_balance_loss below: per sequence E/(k T) * sum_e count_e * P_e, averaged
+                          over sequences (P_e from the sigmoid scores normalised per token)
+
 Capacity rule (capacity_factor > 0): capacity groups are *sequences*. Each expert accepts at most
     C = ceil(capacity_factor * seq_len * top_k / num_experts)
 slots per sequence, where seq_len is the full (un-sharded) sequence length, and keeps the slots of the
@@ -33,6 +41,29 @@ from parallel3d.params import ParamMeta, full_slices, new_param
 SCORES = ("softmax", "sigmoid")
 
 
+def check_group_limits(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> None:
+    """Group-limited routing needs equal groups and enough experts inside the kept groups for top-k."""
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"model.router_num_groups={num_groups} must be >= 1 and divide model.num_experts="
+                         f"{num_experts}")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"model.router_topk_groups={topk_groups} must be in [1, router_num_groups={num_groups}]")
+    if top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(f"model.moe_top_k={top_k} exceeds the experts of the kept groups (router_topk_groups="
+                         f"{topk_groups} x {num_experts // num_groups} experts per group)")
+
+
+def group_limited_mask(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """(T, E) selection scores -> (T, E) bool, True for the experts of each token's `topk_groups` best groups.
+    A group's score is the sum of its two best selection scores (its best one when a group has one expert)."""
+    t, e = choice.shape
+    grouped = choice.view(t, num_groups, e // num_groups)  # (T, G, E/G)
+    group_score = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(-1)  # (T, G)
+    best = group_score.topk(topk_groups, dim=-1).indices  # (T, topk_groups)
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+    return keep[:, :, None].expand(t, num_groups, e // num_groups).reshape(t, e)
+
+
 @dataclass
 class Routing:
     """One router decision for T tokens."""
@@ -50,7 +81,8 @@ class Router(nn.Module):
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, tp: Group, score: str = "softmax",
-                 norm_topk: bool = True, std: Optional[float] = None) -> None:
+                 norm_topk: bool = True, std: Optional[float] = None, num_groups: int = 1, topk_groups: int = 1,
+                 scaling_factor: float = 1.0) -> None:
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"model.num_experts must be positive for an MoE layer, got {num_experts}")
@@ -58,7 +90,9 @@ class Router(nn.Module):
             raise ValueError(f"model.moe_top_k={top_k} must be in [1, num_experts={num_experts}]")
         if score not in SCORES:
             raise ValueError(f"model.router_score must be one of {SCORES}, got {score!r}")
+        check_group_limits(num_experts, top_k, num_groups, topk_groups)
         self.num_experts, self.top_k, self.score, self.norm_topk = num_experts, top_k, score, norm_topk
+        self.num_groups, self.topk_groups, self.scaling_factor = num_groups, topk_groups, scaling_factor
         shape = (num_experts, hidden)
         tp_groups = ("tp",) if tp.size > 1 else ()
         self.weight = new_param(shape, ParamMeta(shape, full_slices(shape), std=std, grad_reduce=tp_groups,
@@ -80,10 +114,16 @@ class Router(nn.Module):
         logits = F.linear(x.float(), self.weight.float())  # (T, E)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()  # (T, E)
         with torch.no_grad():
-            _, indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)  # (T, k)
+            choice = scores + self.expert_bias  # (T, E) selection scores
+            if self.topk_groups < self.num_groups:
+                choice = choice.masked_fill(~group_limited_mask(choice, self.num_groups, self.topk_groups),
+                                            float("-inf"))
+            _, indices = torch.topk(choice, self.top_k, dim=-1)  # (T, k)
         weights = scores.gather(1, indices)  # (T, k)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.scaling_factor != 1.0:
+            weights = weights * self.scaling_factor
         return Routing(logits, scores, indices, weights)
 
 
@@ -115,6 +155,24 @@ def switch_aux_loss(prob_sum: torch.Tensor, counts: torch.Tensor, tokens: torch.
     f = counts.float() / (top_k * tokens)  # (E,)
     p = prob_sum / tokens  # (E,)
     return num_experts * (f * p).sum()
+
+
+def sequence_balance_stats(probs: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
+    """Per-sequence sums for the sequence-wise balance loss: probs (T, E) balance probabilities and indices
+    (T, k) of T = batch * s tokens in sequence order -> (batch, 2E) [sum_t P_t,e | count_e] per sequence."""
+    t, e = probs.shape
+    counts = F.one_hot(indices, e).sum(1).to(probs.dtype)  # (T, E) 0/1
+    return torch.cat([probs, counts], dim=-1).view(batch, t // batch, 2 * e).sum(1)  # (b, 2E)
+
+
+def sequence_balance_loss(stats: torch.Tensor, seq_len: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss of each sequence from its (whole-sequence) sums:
+    stats (b, 2E) -> (b,) L = sum_e f_e P_e with f_e = E / (k T) * count_e, P_e = prob_sum_e / T
+    (T = seq_len tokens). Perfect balance inside the sequence gives 1; f is not differentiable."""
+    e = stats.shape[-1] // 2
+    f = stats[:, e:].detach() * (e / (top_k * seq_len))  # (b, E)
+    p = stats[:, :e] / seq_len  # (b, E)
+    return (f * p).sum(-1)
 
 
 def z_loss_sum(logits: torch.Tensor) -> torch.Tensor:

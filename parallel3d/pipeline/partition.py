@@ -1,8 +1,8 @@
 """Split transformer layers over pipeline stages.
 
-There are ``S = pp * v`` stages in global order (stage ``s`` lives on rank ``s % pp`` as chunk
-``s // pp``, see ``schedules.py``). Layers are contiguous: stage 0 gets the first ones. The
-embedding sits on stage 0 and the LM head with the loss on stage ``S - 1``; both cost time, so a
+There are ``S = pp * v`` stages in global order (which rank holds stage ``s`` is the schedule's
+placement, ``placement.py``: rank ``s % pp`` as chunk ``s // pp``, or a V for ZB-V / DualPipe-V).
+Layers are contiguous: stage 0 gets the first ones. The embedding sits on stage 0 and the LM head with the loss on stage ``S - 1``; both cost time, so a
 balanced split gives those stages fewer layers. Costs are in units of one transformer layer::
 
     num_layers=10, pp=4, embedding_cost=1, head_cost=1  ->  [0, 1] [2, 3, 4] [5, 6, 7] [8, 9]

@@ -35,29 +35,14 @@ from parallel3d.mesh import ParallelContext
 
 from .backward import WeightWork, backward_input, backward_weight
 from .p2p import P2PQueue
-from .schedules import Action, ActionKind, build_schedule, stage_of
+from .placement import locate, placement_for, placement_of, stage_of
+from .runtime_schedules import ScheduleCache, forward_only_schedule  # noqa: F401  (re-exported)
+from .schedules import Action, ActionKind
 from .simulate import split_steps
 from .stage import AuxObjective  # the stage contract a chunk meets: stage.PipelineStage
-from .verify import verify
 
 K = ActionKind
 Record = list[tuple[int, Action, float, float]]  # (pp rank, action, start, end), time.perf_counter() times
-
-
-class ScheduleCache:
-    """Built and verified schedules by (name, p, m, v): verification replays the whole schedule,
-    so a trainer that keeps one of these pays for it once instead of every step."""
-
-    def __init__(self) -> None:
-        self._lists: dict[tuple[str, int, int, int], list[list[Action]]] = {}
-
-    def get(self, name: str, p: int, m: int, v: int) -> list[list[Action]]:
-        key = (name, p, m, v)
-        if key not in self._lists:
-            lists = build_schedule(name, p, m, v)  # ValueError with the user's mistake, unchanged
-            verify(lists, p, m, v)
-            self._lists[key] = lists
-        return self._lists[key]
 
 
 @dataclass
@@ -70,24 +55,6 @@ class PipelineStats:
     forwards: int = 0
     backwards: int = 0   # B and I actions
     messages: int = 0
-
-
-def forward_only_schedule(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Evaluation order: every rank walks (microbatch, chunk) in order with its receives and
-    sends. Deadlock-free: each message goes from (mb, s) to (mb, s + 1), later in every list."""
-    out: list[list[Action]] = []
-    for r in range(p):
-        acts: list[Action] = []
-        for mb in range(m):
-            for c in range(v):
-                s = stage_of(r, c, p)
-                if s > 0 and (s - 1) % p != r:
-                    acts.append(Action(K.RECV_ACT, mb, c, (s - 1) % p))
-                acts.append(Action(K.FORWARD, mb, c))
-                if s < p * v - 1 and (s + 1) % p != r:
-                    acts.append(Action(K.SEND_ACT, mb, c, (s + 1) % p))
-        out.append(acts)
-    return out
 
 
 @dataclass
@@ -111,6 +78,7 @@ class _Executor:
     stats: PipelineStats = field(default_factory=PipelineStats)
     train: bool = True
     lazy_sends: bool = True
+    placement: str = "loop"   # which rank holds which stage (placement.py)
 
     def __post_init__(self) -> None:
         self.p, self.v, self.rank = self.ctx.spec.pp, len(self.chunks), self.ctx.coords.pp
@@ -185,22 +153,26 @@ class _Executor:
 
     def hand_over(self, tensor: torch.Tensor, mb: int, chunk: int, forward: bool) -> None:
         """Queue an output (input grad) for the next (previous) stage: for its SEND action, or
-        straight into this rank's own inbox when that stage is local (only possible with p == 1)."""
-        s = stage_of(self.rank, chunk, self.p) + (1 if forward else -1)
-        if s % self.p != self.rank:
+        straight into this rank's own inbox when that stage is local (p == 1, or the turn of a V)."""
+        rank, local_chunk = locate(self.stage(chunk) + (1 if forward else -1), self.p, self.placement)
+        if rank != self.rank:
             (self.outbox_act if forward else self.outbox_grad)[(mb, chunk)] = tensor
         else:
-            (self.inbox_act if forward else self.inbox_grad)[(mb, s // self.p)] = tensor
+            (self.inbox_act if forward else self.inbox_grad)[(mb, local_chunk)] = tensor
+
+    def stage(self, chunk: int) -> int:
+        return stage_of(self.rank, chunk, self.p, self.placement)
 
     # ------------------------------------------------------------------ compute
     def forward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
-        stage, batch = stage_of(self.rank, c, self.p), self.mbs[mb]
+        stage, batch = self.stage(c), self.mbs[mb]
         x = batch["ids"] if stage == 0 else self.inbox_act.pop((mb, c))
         if stage > 0 and self.train:
             x.requires_grad_()  # a leaf: its .grad is the gradient to send back
         labels = batch["labels"] if stage == self.last else None
-        out = self.chunks[c](x, batch["position_ids"], labels)
+        docs = batch.get("documents")  # packed-document ids, only when masking (older chunks lack the kwarg)
+        out = self.chunks[c](x, batch["position_ids"], labels, **({} if docs is None else {"documents": docs}))
         aux = None
         if isinstance(out, tuple):  # (activation, auxiliary objective term): see PipelineStage
             out, aux = out
@@ -236,7 +208,7 @@ class _Executor:
         """Gradient of what is minimised w.r.t. this chunk's output: the received output grad, or
         on the last stage d(backward's objective)/d(loss), found by letting the caller's callback
         backpropagate through a detached copy (loss scaling is linear)."""
-        if stage_of(self.rank, a.chunk, self.p) != self.last:
+        if self.stage(a.chunk) != self.last:
             return self.inbox_grad.pop((a.microbatch, a.chunk))
         probe = slot.output.detach().requires_grad_()
         self.backward(probe)
@@ -256,7 +228,7 @@ class _Executor:
         slot = self.slots.pop(key)
         if self.before_backward is not None:
             self.before_backward(*key)
-        if stage_of(self.rank, a.chunk, self.p) == self.last:
+        if self.stage(a.chunk) == self.last:
             self.backward(slot.output)
         else:
             torch.autograd.backward(slot.output, self.inbox_grad.pop(key))
@@ -283,14 +255,15 @@ class _Executor:
         backward_weight(slot.weight)
 
 
-def _check_chunks(ctx: ParallelContext, chunks: Sequence[nn.Module], mbs: Sequence[dict]) -> None:
+def _check_chunks(ctx: ParallelContext, chunks: Sequence[nn.Module], mbs: Sequence[dict],
+                  placement: str) -> None:
     if not chunks:
         raise ValueError("a pipeline run needs at least one model chunk")
     if not mbs:
         raise ValueError("a pipeline run needs at least one microbatch")
     p, last = ctx.spec.pp, ctx.spec.pp * len(chunks) - 1
     for c, chunk in enumerate(chunks):  # catch a mis-built stage before the pipeline hangs
-        s = stage_of(ctx.coords.pp, c, p)
+        s = stage_of(ctx.coords.pp, c, p, placement)
         for flag, want in (("pre", s == 0), ("post", s == last)):
             if getattr(chunk, flag) != want:
                 raise ValueError(f"chunk {c} on pipeline rank {ctx.coords.pp} is global stage {s} "
@@ -314,17 +287,21 @@ def run_pipeline_step(ctx: ParallelContext, chunks: Sequence[nn.Module], schedul
     ``stats`` the peak of live activations. ``schedules`` caches verified schedules across steps;
     ``lazy_sends=False`` waits for every send where it is posted (the verifier's strict model).
     """
-    _check_chunks(ctx, chunks, mbs)
+    _check_chunks(ctx, chunks, mbs, placement_of(schedule))
     lists = (schedules or ScheduleCache()).get(schedule, ctx.spec.pp, len(mbs), len(chunks))
+    placement = placement_for(lists)
     run = _Executor(ctx, chunks, mbs, loss_scale, backward, before_backward, record,
-                    stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends)
+                    stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends,
+                    placement=placement)
     return run.run(lists[ctx.coords.pp])
 
 
 @torch.no_grad()
 def run_pipeline_forward(ctx: ParallelContext, chunks: Sequence[nn.Module], mbs: Sequence[dict],
-                         *, record: Record | None = None) -> torch.Tensor:
-    """Evaluation: sum over microbatches of the loss_sum on the last stage, 0 elsewhere."""
-    _check_chunks(ctx, chunks, mbs)
-    lists = forward_only_schedule(ctx.spec.pp, len(mbs), len(chunks))
-    return _Executor(ctx, chunks, mbs, record=record, train=False).run(lists[ctx.coords.pp])
+                         *, record: Record | None = None, placement: str = "loop") -> torch.Tensor:
+    """Evaluation: sum over microbatches of the loss_sum on the last stage, 0 elsewhere.
+    ``placement``: which rank holds which stage (``placement.placement_of(schedule)``)."""
+    _check_chunks(ctx, chunks, mbs, placement)
+    lists = forward_only_schedule(ctx.spec.pp, len(mbs), len(chunks), placement)
+    return _Executor(ctx, chunks, mbs, record=record, train=False,
+                     placement=placement).run(lists[ctx.coords.pp])

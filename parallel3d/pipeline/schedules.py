@@ -5,10 +5,15 @@ the verifier (``verify.py``) proves a schedule well formed, the simulator (``sim
 into a timeline, and the runtime executes it. This module docstring is the contract between them.
 
 Stages. With ``p`` ranks and ``v`` model chunks per rank there are ``S = v * p`` global stages.
-Chunk ``c`` on rank ``r`` is global stage ``s = c * p + r`` (Megatron's interleaved layout)::
+Which rank holds which stage is the schedule's *placement* (``placement.py``): chunk ``c`` on rank
+``r`` is stage ``c * p + r`` (``loop``, Megatron's interleaved layout, used by the schedules in this
+file), or, for ZB-V and DualPipe-V (``vshape.py``), stage ``r`` and ``2p - 1 - r`` (``v``)::
 
-    p=2, v=2:   rank 0 holds stages 0, 2      rank 1 holds stages 1, 3
-                stage 0 -> 1 -> 2 -> 3  (activations hop 0 -> 1 -> 0 -> 1)
+    loop, p=2, v=2:   rank 0 holds stages 0, 2      rank 1 holds stages 1, 3
+    v,    p=2:        rank 0 holds stages 0, 3      rank 1 holds stages 1, 2
+
+A schedule on another placement than ``loop`` is a :class:`placement.Schedule` (a list that carries
+its placement), which the verifier, simulator and runtime read.
 
 Every action names the *local* chunk it serves, so a runtime on rank ``r`` indexes its own
 list of model chunks with ``action.chunk`` and never needs global stage arithmetic:
@@ -51,80 +56,11 @@ With ``p == 1`` (or for stage pairs on the same rank) there is no communication 
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-
-class ScheduleError(ValueError):
-    """A schedule is malformed: a message names the rank, the action and what is missing."""
-
-
-class ActionKind(enum.Enum):
-    """What an action does. The value is the short code used by :func:`format_schedule`."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    BACKWARD_INPUT = "I"
-    BACKWARD_WEIGHT = "W"
-    SEND_ACT = "sa"
-    RECV_ACT = "ra"
-    SEND_GRAD = "sg"
-    RECV_GRAD = "rg"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in _COMPUTE
-
-    @property
-    def is_comm(self) -> bool:
-        return not self.is_compute
-
-    @property
-    def is_send(self) -> bool:
-        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
-
-    @property
-    def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
-
-
-_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD,
-                      ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank: ``kind`` on ``microbatch`` for local ``chunk``; ``peer`` for comm."""
-
-    kind: ActionKind
-    microbatch: int
-    chunk: int = 0
-    peer: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.microbatch < 0 or self.chunk < 0:
-            raise ValueError(f"negative microbatch/chunk in {self.kind.name}")
-        if self.kind.is_comm and self.peer is None:
-            raise ValueError(f"{self.kind.name} needs a peer rank")
-        if self.kind.is_compute and self.peer is not None:
-            raise ValueError(f"{self.kind.name} is a compute action and takes no peer")
-
-    def __str__(self) -> str:
-        peer = "" if self.peer is None else f", peer={self.peer}"
-        return f"{self.kind.name}(mb={self.microbatch}, chunk={self.chunk}{peer})"
-
-    def short(self, with_chunk: bool = False) -> str:
-        """Compact form: ``F3``, ``I3``, ``W3`` (``F3c1`` with chunks), ``sa3>1``, ``rg3<2``."""
-        text = f"{self.kind.value}{self.microbatch}" + (f"c{self.chunk}" if with_chunk else "")
-        if self.peer is not None:
-            text += (">" if self.kind.is_send else "<") + str(self.peer)
-        return text
-
-
-def stage_of(rank: int, chunk: int, p: int) -> int:
-    """Global stage index of local ``chunk`` on ``rank`` (``chunk * p + rank``)."""
-    return chunk * p + rank
+from .actions import Action, ActionKind, ScheduleError  # noqa: F401  (re-exported)
+from .placement import V_SCHEDULES, schedule_key, stage_of  # noqa: F401  (stage_of re-exported)
+from .vshape import dualpipe_v, zb_v
 
 
 def _check_pm(p: int, m: int) -> None:
@@ -299,18 +235,25 @@ def zb_h1(p: int, m: int) -> list[list[Action]]:
     return _lower(p, p, programs)
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 # schedules whose backward runs as an input-gradient pass and a later weight-gradient pass
-SPLIT_BACKWARD = frozenset({"zb-h1"})
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipe-v"})
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Schedule by config name (``parallel.schedule``): gpipe, 1f1b, interleaved, zb-h1."""
-    key = name.lower().replace("_", "-")
+    """Schedule by config name (``parallel.schedule``): gpipe, 1f1b, interleaved, zb-h1, zb-v,
+    dualpipe-v. ``v`` is the number of chunks per rank (``placement.chunks_per_rank``): the
+    V-shaped schedules need ``v=2`` and return a ``placement.Schedule`` on the V placement."""
+    key = schedule_key(name)
     if key == "interleaved":
         return interleaved_1f1b(p, m, v)
     if key not in SCHEDULE_NAMES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULE_NAMES}")
+    if key in V_SCHEDULES:
+        if v != 2:
+            raise ValueError(f"schedule {name!r} runs two model chunks per rank placed in a V; got "
+                             f"v={v} chunks (placement.chunks_per_rank gives 2)")
+        return {"zb-v": zb_v, "dualpipe-v": dualpipe_v}[key](p, m)
     if v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank; got v={v} "
                          "(use 'interleaved' for virtual stages)")

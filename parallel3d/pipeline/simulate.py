@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
-from .schedules import Action, ActionKind, ScheduleError, stage_of
+from .placement import locate, placement_for, stage_of
+from .schedules import Action, ActionKind, ScheduleError
 
 K = ActionKind
 DEFAULT_COSTS: Mapping[ActionKind, float] = {
@@ -108,13 +109,13 @@ def _cost_fn(costs: Costs) -> Callable[[int, Action], float]:
     return lambda rank, action: table[action.kind]
 
 
-def message_key(rank: int, action: Action, p: int) -> tuple:
+def message_key(rank: int, action: Action, p: int, placement: str = "loop") -> tuple:
     """Identity of the tensor a comm action moves: ``(src, dst, channel, mb, producer stage)``.
 
     A send and the receive it pairs with have equal keys; activations flow from stage ``s`` to
     ``s + 1`` and gradients from ``s + 1`` back to ``s``.
     """
-    s = stage_of(rank, action.chunk, p)
+    s = stage_of(rank, action.chunk, p, placement)
     kind, peer = action.kind, action.peer
     if kind is K.SEND_ACT:
         return (rank, peer, "act", action.microbatch, s)
@@ -142,7 +143,7 @@ def split_steps(actions: Sequence[Action]) -> list[Action | list[Action]]:
 
 
 def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
-             lazy_sends: bool = False) -> Timeline:
+             lazy_sends: bool = False, placement: str | None = None) -> Timeline:
     """Simulated timeline of ``schedules``; raises :class:`ScheduleError` on deadlock.
 
     ``costs`` maps :class:`ActionKind` to a duration (missing kinds take the defaults F=1, B=2,
@@ -153,7 +154,9 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
     Messages are paired by identity (:func:`message_key` plus occurrence count), like tagged
     point-to-point; ``verify`` separately checks that FIFO (untagged) pairing gives the same pairs.
     Communication actions get events from the moment their group is posted until it completes.
+    ``placement`` (``placement.py``) defaults to the one a ``Schedule`` carries, else ``loop``.
     """
+    placement = placement_for(schedules, placement)
     p = len(schedules)
     cost = _cost_fn(costs)
     steps = [split_steps(acts) for acts in schedules]
@@ -175,7 +178,7 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
                     continue
                 if not group_ids[r]:  # post the whole group at once
                     for a in step:
-                        key = (a.kind.is_send, message_key(r, a, p))
+                        key = (a.kind.is_send, message_key(r, a, p, placement))
                         seen[key] += 1
                         group_ids[r].append(key + (seen[key],))
                         posted[group_ids[r][-1]] = (clock[r], r, a)
@@ -194,11 +197,11 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
             waiting = [i for i in group_ids[r] if (not i[0], *i[1:]) not in posted]
             _, _, a = posted[waiting[0]]
             lines.append(f"  rank {r} is blocked in group [{group}] on {a}: rank {a.peer} has "
-                         f"not posted the matching {partner(r, a, p)}")
+                         f"not posted the matching {partner(r, a, p, placement)}")
         raise ScheduleError("\n".join(lines))
     for (is_send, *rest), (_, r, a) in posted.items():
         if (not is_send, *rest) not in posted:
-            raise ScheduleError(f"rank {r}: {a} is never matched by {partner(r, a, p)} on "
+            raise ScheduleError(f"rank {r}: {a} is never matched by {partner(r, a, p, placement)} on "
                                 f"rank {a.peer}")
     return Timeline.from_events(records, num_ranks=p, normalize=False)
 
@@ -218,13 +221,13 @@ def _group_done(ids: list[tuple], posted: dict, cost: Callable[[int, Action], fl
     return done
 
 
-def partner(rank: int, action: Action, p: int) -> Action:
+def partner(rank: int, action: Action, p: int, placement: str = "loop") -> Action:
     """The action the peer must list to complete communication ``action`` of ``rank``."""
-    s = stage_of(rank, action.chunk, p)
+    s = stage_of(rank, action.chunk, p, placement)
     other_stage = s + 1 if action.kind in (K.SEND_ACT, K.RECV_GRAD) else s - 1
     mirror = {K.SEND_ACT: K.RECV_ACT, K.RECV_ACT: K.SEND_ACT,
               K.SEND_GRAD: K.RECV_GRAD, K.RECV_GRAD: K.SEND_GRAD}[action.kind]
-    return Action(mirror, action.microbatch, other_stage // p, rank)
+    return Action(mirror, action.microbatch, locate(other_stage, p, placement)[1], rank)
 
 
 def peak_in_flight(schedule_rank: Iterable[Action], until_weight: bool = False) -> int:

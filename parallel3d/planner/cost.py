@@ -6,7 +6,8 @@ matmul is compute-bound, an element-wise op or a norm is bandwidth-bound, and no
 Collective time (ring algorithms, as NCCL runs them for large messages), with n ranks, the logical bytes
 comm.py records (see its docstring) and the group's link (NVLink when every rank of the group sits in
 one node of `gpus_per_node` GPUs, the network otherwise):
-    all_reduce        2 (n-1) alpha + 2 (n-1)/n * bytes / bw
+    all_reduce        2 (n-1) alpha + 2 (n-1)/n * bytes / bw, or NCCL's tree when it is faster (small
+                      messages on many ranks): 2 ceil(log2 n) alpha + 2 * bytes / bw
     all_gather        (n-1) alpha + (n-1)/n * bytes / bw          (bytes: the gathered output)
     reduce_scatter    (n-1) alpha + (n-1)/n * bytes / bw          (bytes: the full input)
     all_to_all        (n-1) alpha + (n-1)/n * bytes / bw          (bytes: what this rank sends)
@@ -15,6 +16,7 @@ one node of `gpus_per_node` GPUs, the network otherwise):
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from parallel3d.planner.hardware import GPU
@@ -45,7 +47,9 @@ def collective_time(op: str, nbytes: float, n: int, alpha: float, beta: float) -
         return 0.0
     frac = (n - 1) / n
     if op == "all_reduce":
-        return 2 * (n - 1) * alpha + 2 * frac * nbytes / beta
+        ring = 2 * (n - 1) * alpha + 2 * frac * nbytes / beta
+        tree = 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / beta
+        return min(ring, tree)
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * alpha + frac * nbytes / beta
     if op in ("send", "recv"):

@@ -37,15 +37,20 @@ BuildStage = Callable[[list[int], bool, bool], nn.Module]
 StageBuilder = Callable[[ExperimentConfig, ParallelContext], BuildStage]
 
 # collectives that run beside compute: ring-attention p2p, ZeRO-3 prefetch gathers, DP bucket reductions
-OVERLAPPED_GROUPS = ("cp", "dp_cp", "edp", "dp")
-DP_GROUPS = ("dp_cp", "edp", "dp")
-REDUCTIONS = ("reduce_scatter", "all_reduce")
+DP_GROUPS = ("dp_cp", "edp", "dp", "dp_shard", "edp_shard", "dp_rep", "dp_node", "edp_node")
+OVERLAPPED_GROUPS = ("cp",) + DP_GROUPS
+REDUCTIONS = ("reduce_scatter", "all_reduce", "all_to_all")  # qgZ and gloo's reduce-scatter: all-to-all
+
+
+def base_group(group: str) -> str:
+    """Compressed traffic is recorded as "<group>_compressed" (data_parallel/compression.py)."""
+    return group[: -len("_compressed")] if group.endswith("_compressed") else group
 
 
 def is_grad_sync(group: str, op: str) -> bool:
     """Gradient reductions over data-parallel groups: once per step (launched during the last
     microbatch's backward, bucket by bucket), whatever the number of microbatches."""
-    return group in DP_GROUPS and op in REDUCTIONS
+    return base_group(group) in DP_GROUPS and op in REDUCTIONS
 
 
 class DryRunError(RuntimeError):
@@ -82,11 +87,13 @@ class RoleRun:
     comm_bytes_in_actions: dict = field(default_factory=dict)  # the part of comm_bytes moved inside actions
     flops: float = 0.0
     derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
+    param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
     p = cfg.parallel
-    return ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, device)
+    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    return ParallelContext.simulated(spec, rank, device)
 
 
 def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
@@ -102,7 +109,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     events: list[tuple[float, str, str, float, int]] = []
 
     def on_collective(group: str, op: str, nbytes: int) -> None:
-        g = groups[group]
+        g = groups[base_group(group)]
         alpha, beta = link(g.ranks, gpus_per_node, gpu)
         events.append((time.perf_counter(), group, op, collective_time(op, nbytes, g.size, alpha, beta), nbytes))
 
@@ -116,7 +123,12 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         ctx.stats.listener = None
     peak, split = tracker.peak()
     live = tracker.live()
-    return _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu)
+    result = _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu)
+    if trainer.optimizer.zero == 3:
+        shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
+                  if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
+        result.param_shard_bytes = sum(st.nbytes() for st in shards)
+    return result
 
 
 def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
@@ -180,7 +192,7 @@ def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU
             continue
         if c is not outside:
             inside[f"{group}.{op}"] += nbytes
-        if group in OVERLAPPED_GROUPS and c is not outside:
+        if base_group(group) in OVERLAPPED_GROUPS and c is not outside:
             c.overlapped_comm_s += seconds
         else:
             c.blocking_comm_s += seconds

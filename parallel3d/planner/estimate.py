@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Optional
 
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
-from parallel3d.pipeline.schedules import SPLIT_BACKWARD, ActionKind, build_schedule
+from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed
 from parallel3d.planner.hardware import GPU
+from parallel3d.planner.offload import apply_offload, without_offload
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
 
@@ -56,11 +57,12 @@ def layout_of(cfg: ExperimentConfig) -> dict:
     p, t = cfg.parallel, cfg.train
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp, "zero": p.zero, "sp": p.sp,
             "schedule": p.schedule, "virtual_stages": p.virtual_stages, "micro_batch_size": t.micro_batch_size,
-            "activation_checkpointing": t.activation_checkpointing}
+            "activation_checkpointing": t.activation_checkpointing,
+            "offload_optimizer": p.offload_optimizer, "offload_params": p.offload_params}
 
 
 def _chunks(cfg: ExperimentConfig) -> int:
-    return cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
+    return chunks_per_rank(cfg.parallel.schedule, cfg.parallel.virtual_stages)
 
 
 def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
@@ -73,7 +75,7 @@ def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
     signature_rank: dict = {}
     out = {}
     for r in range(p.pp):
-        ids = [c * p.pp + r for c in range(v)]
+        ids = stage_ids(r, p.pp, v, placement_of(p.schedule))
         sig = tuple((len(stages[s]), s == 0, s == last) for s in ids)
         out[r] = signature_rank.setdefault(sig, spec.rank(pp=r))
     return out
@@ -86,7 +88,8 @@ def run_microbatches(name: str, p: int, m: int, v: int) -> int:
     keeps = name in SPLIT_BACKWARD
     full = [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, m, v)]
     step = p if name == "interleaved" else 1
-    for trial in range(step, m, step):
+    start = 2 * p if name in V_SCHEDULES else step  # the V schedules need 2p microbatches
+    for trial in range(start, m, step):
         if [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, trial, v)] == full:
             return trial
     return min(m, 2 * p * v)
@@ -108,7 +111,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
          device: str = "meta") -> Plan:
     """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes."""
     p, t = cfg.parallel, cfg.train
-    run_cfg = _reduced(cfg)
+    run_cfg = _reduced(without_offload(cfg))  # the stand-in cannot copy to the host: offload.py
     by_pp = role_ranks(cfg)
     runs: dict[int, RoleRun] = {}
     for rank in sorted(set(by_pp.values())):
@@ -132,30 +135,38 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         return run.p2p_s.get(action.kind.name, 0.0)
 
     timeline = simulate(schedule, costs=cost, lazy_sends=True)
+    run_schedule = build_schedule(p.schedule, p.pp, m_run, v)
     def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
         last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
                              if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
         return run.outside.time_s + exposed(run.grad_sync_s, last_backward)
 
     outside = max(tail(run) for run in stage_run.values())
-    step = timeline.makespan + outside
-
+    offload: dict = {}
     roles, worst = [], None
     for r in range(p.pp):
         run = stage_run[r]
         full = peak_in_flight(schedule[r], until_weight=keeps_weights)
-        ran = peak_in_flight(build_schedule(p.schedule, p.pp, m_run, v)[r], until_weight=keeps_weights)
+        # the run stands for stage r but ran as stage run.pp_rank: scale by what that stage kept in flight
+        ran = peak_in_flight(run_schedule[run.pp_rank], until_weight=keeps_weights)
         memory = dict(run.memory)
         extra = memory["activations"] * (full / max(ran, 1) - 1)
         memory["activations"] = int(memory["activations"] + extra)
         memory["peak"] = int(memory["peak"] + extra)
+        memory, moved = apply_offload(cfg, memory, run.model_state, run.param_shard_bytes, gpu)
+        compute = sum(c.compute_s for c in run.actions.values()) * m
+        moved["exposed_s"] = moved["offload_s"] + exposed(moved["param_fetch_s"] * m, compute)
+        if not offload or moved["exposed_s"] > offload["exposed_s"]:
+            offload = moved
         roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full})
         if worst is None or memory["peak"] > worst[0]["peak"]:
             worst = (memory, run)
     memory, worst_run = worst
+    outside += offload["exposed_s"]
+    step = timeline.makespan + outside
     tokens = t.global_batch_size * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens
-    breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside,
+    breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside, "offload": offload,
                  "shares": _shares(stage_run, schedule, timeline, outside, step),
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),

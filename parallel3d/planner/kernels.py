@@ -53,7 +53,7 @@ def _variant(variants: dict, dtype: str, head_dim: int, causal: bool) -> Optiona
     """The variant for this dtype and mask with the smallest compiled head dim >= head_dim (else the largest)."""
     found = []
     for name, row in variants.items():
-        m = re.match(r"(\w+) d=(\d+) (causal|full)", name)
+        m = re.fullmatch(r"(\w+) d=(\d+) (causal|full)", name)  # not the "... docs" variants
         if m and m.group(1) == dtype and (m.group(3) == "causal") == causal:
             found.append((int(m.group(2)), row))
     if not found:

@@ -3,13 +3,15 @@
 Enumeration (pure arithmetic; validation is the config's own, `resolve_and_validate`): tp over divisors of
 the world up to one node and dividing the heads; cp in 1, 2, 4, 8; pp dividing what is left (at most one
 stage per layer); ep over divisors of dp * cp that divide the experts; zero 0-3; schedules 1f1b,
-interleaved with 2 chunks and zb-h1 when pp > 1 (gpipe is dominated by 1f1b: same bubble, more memory);
+interleaved with 2 chunks, zb-h1, zb-v and dualpipe-v when pp > 1 (gpipe is dominated by 1f1b: same
+bubble, more memory);
 micro-batch sizes 1, 2, 4 dividing the per-rank batch; activation checkpointing none, selective, full.
 
 Each candidate is dry-run in full (estimate.plan), which takes seconds to a minute for large presets, so
 candidates are ordered by a prior first: DESIGN.md section 4's formulas for model-state and activation
-bytes (only to order; the dry run decides), then the ideal compute time with the 1F1B bubble and a
-recomputation and cross-node tensor-parallel penalty. `max_candidates` bounds how many are dry-run.
+bytes (only to order; the dry run decides), then a textbook step time: ideal compute (with the
+recomputation pass), tensor-parallel collectives on their link, half of the data-parallel traffic, and the
+schedule's bubble. `max_candidates` bounds how many are dry-run.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ from parallel3d.planner.dryrun import StageBuilder
 from parallel3d.planner.estimate import Plan, plan
 from parallel3d.planner.hardware import GPU
 from parallel3d.training.config import ConfigError, ExperimentConfig
-from parallel3d.training.metrics import active_params, flops_per_token, param_counts, total_params
+from parallel3d.training.metrics import flops_per_token, param_counts, total_params
 from parallel3d.training.validate import resolve_and_validate
 
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -82,9 +84,19 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     ideal = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / (
         world * gpu.peak_flops["bf16"] * gpu.matmul_efficiency)
     bubble = (p.pp - 1) / (t.num_microbatches + p.pp - 1) / (p.virtual_stages if p.schedule == "interleaved" else 1)
-    penalty = (1.33 if t.activation_checkpointing == "full" else 1.0) * (1.3 if p.tp > gpus_per_node else 1.0)
-    penalty *= 1.0 + 0.02 * p.zero + 0.05 * (p.cp - 1) + (0.1 if active_params(m) and p.ep < 1 else 0)
-    return fits, ideal * penalty / (1 - bubble)
+    if p.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
+        bubble /= 3 if p.schedule == "zb-h1" else 6  # DESIGN.md 4: ZB-H1 about a third; ZB-V (p-1)/(6m+p-1)
+    recompute = 4 / 3 if t.activation_checkpointing == "full" else 1.0
+    # TP: 8 collectives of the (b, s, h) bf16 activations per layer and microbatch (Megatron block, fwd + bwd)
+    tp_link = gpu.nvlink_bytes_per_s if p.tp <= gpus_per_node else gpu.network_bytes_per_s
+    tp_comm = (8 * (p.tp - 1) / p.tp * b * s * h * 2 / tp_link * math.ceil(m.num_layers / p.pp)
+               * t.num_microbatches) if p.tp > 1 else 0.0
+    # DP: reduce-scatter + all-gather of the rank's fp32 gradients / bf16 parameters, half hidden by backward;
+    # ZeRO-3 gathers parameters again for backward (1.5x, DESIGN.md 4)
+    dp_link = gpu.network_bytes_per_s if world > gpus_per_node else gpu.nvlink_bytes_per_s
+    dp_comm = 0.5 * per_rank * (4 + 2) / dp_link * (1.5 if p.zero == 3 else 1.0) if p.dp * p.cp > 1 else 0.0
+    cp_comm = 0.05 * (p.cp - 1) * ideal
+    return fits, (ideal * recompute + tp_comm + cp_comm) / (1 - bubble) + dp_comm
 
 
 def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,

@@ -65,6 +65,16 @@ class ParallelConfig:
     offload_params: str = "none"     # none | cpu | nvme (zero=3): the parameter shard lives off the device between uses
     offload_dir: Optional[str] = None  # nvme: directory for the per-rank state files (fast local disk)
     offload_buffer_mb: float = 64.0  # nvme: host buffer pool that every read and write streams through
+    dp_shard: int = 0            # HSDP: ZeRO shards over groups of dp_shard DP ranks, replicated across (0: all dp)
+    grad_compression: str = "none"  # none | powersgd | topk (ZeRO-0/1, error feedback; data_parallel/compression.py)
+    powersgd_rank: int = 4       # rank r of PowerSGD's P (m, r) and Q (n, r)
+    topk_ratio: float = 0.01     # top-k: fraction of each bucket's entries sent per step
+    compression_start_step: int = 10  # steps before this one reduce uncompressed (warm-up)
+    zero_quantized_weights: bool = False    # ZeRO++ qwZ: ZeRO-3 parameter all-gathers as int8 blocks + scales
+    zero_hpz: bool = False       # ZeRO++ hpZ: backward gathers from a secondary copy sharded inside the node
+    zero_quantized_gradients: bool = False  # ZeRO++ qgZ: gradient reduce-scatter as int8 all-to-all
+    quant_block: int = 256       # values per quantisation scale (qwZ, qgZ)
+    gpus_per_node: int = 8       # ranks per node (consecutive), for hpZ's intra-node groups
 
 
 @dataclass
@@ -104,6 +114,10 @@ class DataConfig:
     path: Optional[str] = None       # 1-D .npy token file; None: the trainer's built-in synthetic demo data
     eval_path: Optional[str] = None
     tokenizer: Optional[str] = None  # Hugging Face tokenizer.json used by prepare_data (informational)
+    paths: Any = None                # mixture: [[0.7, a.npy], [0.3, b.npy]] or "a.npy:0.7,b.npy:0.3" (data.py)
+    document_masking: bool = False   # attend only within each packed document (EOS ends a document)
+    eos_id: Optional[int] = None     # None: from the token file's sidecar (prepare_data.py); needed for documents
+    reset_positions: Optional[bool] = None  # positions restart at each document; None: = document_masking
 
 
 @dataclass

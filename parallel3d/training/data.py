@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -102,14 +102,20 @@ def iter_documents(path: str, jsonl_key: str = "text"):
             yield f.read()
 
 
-def tokenize_text_files(paths: Sequence[str], tokenizer, jsonl_key: str = "text") -> np.ndarray:
+def tokenize_text_files(paths: Sequence[str], tokenizer, jsonl_key: str = "text",
+                        on_document: Optional[Callable[[str], None]] = None) -> np.ndarray:
     """Tokenize documents from text / JSONL files into one 1-D array, eos after every document.
 
-    The dtype is the smallest one that fits `tokenizer.vocab_size`."""
+    The dtype is the smallest one that fits `tokenizer.vocab_size`. on_document(text) is called after
+    each document (progress reporting)."""
     dtype = smallest_token_dtype(tokenizer.vocab_size)
     eos = np.asarray([tokenizer.eos_id], dtype=np.int64)
-    parts = [np.concatenate([tokenizer.encode(doc), eos])
-             for path in paths for doc in iter_documents(path, jsonl_key)]
+    parts = []
+    for path in paths:
+        for doc in iter_documents(path, jsonl_key):
+            parts.append(np.concatenate([tokenizer.encode(doc), eos]))
+            if on_document is not None:
+                on_document(doc)
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
 
 

@@ -28,7 +28,7 @@ def write_run_timeline(trainer: Trainer, rows: list) -> None:
     from parallel3d.pipeline.timeline import from_rows, measured_and_simulated, write_timeline
 
     cfg, p = trainer.cfg, trainer.cfg.parallel
-    v = p.virtual_stages if p.schedule == "interleaved" else 1
+    v = len(trainer.chunks)
     schedule = trainer.schedules.get(p.schedule, p.pp, cfg.train.num_microbatches, v)
     measured, simulated = measured_and_simulated(from_rows(rows), schedule)
     path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})")

@@ -5,6 +5,9 @@ a token actually meets (for MoE only the routed top-k experts plus shared expert
 *active* parameters), 12*L*h*s for the attention score and value matmuls at sequence length s.
 N excludes the input embedding table (a lookup, no FLOPs) but counts the output projection (a matmul),
 as in PaLM / TorchTitan. MFU = achieved FLOP/s per device / that device's peak.
+Multi-Latent Attention (attention_type "mla") counts its own projections (down to the latents, latent norms,
+up to per-head q/k/v, output) and its real attention width: 6 * L * s * n_heads * (d_qk + d_v) instead of
+12 * L * h * s (d_qk = qk_nope + qk_rope head dims; the two agree when n_heads * d = h).
 
 Model fields are read by name (`parallel3d` does not import `models`).
 """
@@ -25,27 +28,45 @@ def _mlp_params(hidden: int, ffn: int) -> int:
     return 3 * hidden * ffn                  # SwiGLU: gate, up, down
 
 
+def _mla_attention_params(m: TransformerShape) -> int:
+    """One MLA layer: W_qa + q norm + W_qb (or W_q), W_kva + kv norm + W_kvb, W_o (models/mla.py)."""
+    h, n, rq, rkv = m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank
+    d_rope, d_nope, d_v = m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    d_qk = d_nope + d_rope
+    q = h * rq + rq + rq * n * d_qk if rq else h * n * d_qk
+    kv = h * (rkv + d_rope) + rkv + rkv * n * (d_nope + d_v)
+    return q + kv + n * d_v * h
+
+
+def _is_mla(m: TransformerShape) -> bool:
+    return getattr(m, "attention_type", "mha") == "mla"
+
+
 def param_counts(m: TransformerShape) -> dict[str, int]:
     """Parameter counts by part from model fields: embedding, output, attention, dense_mlp,
-    experts_total, experts_active (routed top_k per token), shared_experts, router, norms."""
+    experts_total, experts_active (routed top_k per token), shared_experts, router, norms, mtp.
+    Multi-token prediction modules (mtp_depth D) count as D more MoE layers plus their projections and norms."""
     h, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    mtp = getattr(m, "mtp_depth", 0)
     head_dim = getattr(m, "head_dim", 0) or h // m.num_heads  # Qwen3 decouples it from h / heads
     kv = m.num_kv_heads
     experts = m.num_experts
-    moe_layers = max(0, L - m.first_k_dense) if experts else 0
-    dense_layers = L - moe_layers
+    moe_layers = max(0, L - m.first_k_dense) + mtp if experts else 0
+    dense_layers = L + mtp - moe_layers
     fe = m.moe_ffn_hidden_size or m.ffn_hidden_size
     expert = _mlp_params(h, fe)
     return {
         "embedding": V * h,
         "output": 0 if m.tie_embeddings else V * h,
-        "attention": L * (2 * h * m.num_heads * head_dim + 2 * h * kv * head_dim),
+        "attention": (L + mtp) * (_mla_attention_params(m) if _is_mla(m) else
+                          2 * h * m.num_heads * head_dim + 2 * h * kv * head_dim),
         "dense_mlp": dense_layers * _mlp_params(h, m.ffn_hidden_size),
         "experts_total": moe_layers * experts * expert,
         "experts_active": moe_layers * min(m.moe_top_k, experts) * expert,
         "shared_experts": moe_layers * m.num_shared_experts * expert,
         "router": moe_layers * experts * h,
         "norms": (2 * L + 1) * h + (2 * L * head_dim if getattr(m, "qk_norm", False) else 0),
+        "mtp": mtp * (2 * h * h + 5 * h),  # projection [emb; hidden] -> h, its block's 2 norms and 3 of its own
     }
 
 
@@ -66,7 +87,11 @@ def flops_per_token(m: TransformerShape, seq_len: int) -> float:
     minus the input-embedding lookup plus the output projection (once, even when tied). The attention
     width is heads * head_dim, h unless head_dim is set apart from h / heads (Qwen3-30B-A3B: 4096, h 2048)."""
     c = param_counts(m)
-    n = active_params(m) - c["embedding"] - c["output"] + m.vocab_size * m.hidden_size
+    mtp = getattr(m, "mtp_depth", 0)
+    n = active_params(m) - c["embedding"] - c["output"] + (1 + mtp) * m.vocab_size * m.hidden_size  # head per depth
+    if _is_mla(m):  # scores over d_qk, values of width d_v, per head
+        width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        return 6.0 * n + 6.0 * (m.num_layers + mtp) * width * seq_len
     attn_width = (getattr(m, "head_dim", 0) or m.hidden_size // m.num_heads) * m.num_heads  # h unless head_dim is set
     return 6.0 * n + 12.0 * m.num_layers * attn_width * seq_len
 

@@ -21,11 +21,13 @@ from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 from parallel3d.offload import ActivationOffload
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.placement import chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.runtime import Record, ScheduleCache, run_pipeline_forward, run_pipeline_step
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.training.config import ExperimentConfig, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
+from parallel3d.training.data_sources import MixtureDataset, MixtureSampler
 from parallel3d.training.lr_schedule import lr_at
 
 BuildStage = Callable[[list[int], bool, bool], nn.Module]
@@ -50,20 +52,33 @@ def make_dataset(cfg: ExperimentConfig, path: Optional[str], seed_offset: int = 
     return TokenDataset(path, seq, vocab_size=cfg.model.vocab_size)
 
 
-def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext) -> dict:
-    """(b, s+1) token windows -> this rank's ids, labels and positions (its CP shard of the sequence)."""
+def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext, eos_id: Optional[int] = None,
+                     mask_documents: bool = False, reset_positions: bool = False) -> dict:
+    """(b, s+1) token windows -> this rank's ids, labels and positions (its CP shard of the sequence).
+
+    Packed documents (context_parallel/documents.py; eos_id needed): mask_documents adds "documents", the
+    per-token document ids of the whole window (every CP rank gets all of them: the ring reads other
+    ranks' ids for its key blocks); reset_positions makes position_ids (b, s/cp) restart at each document."""
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     s = ids.shape[1]
-    positions = torch.arange(s)
+    positions = torch.arange(s)  # (s,)
+    out = {}
+    if mask_documents or reset_positions:
+        from parallel3d.context_parallel.documents import Documents, document_ids, document_positions
+        doc = document_ids(ids, eos_id)  # (b, s), on the host
+        if reset_positions:
+            positions = document_positions(doc)  # (b, s)
+        if mask_documents:
+            out["documents"] = Documents.from_host(doc, ctx.device)
     if ctx.cp.size > 1:
         from parallel3d.context_parallel.sharding import cp_chunk_indices, shard_sequence
         ids = shard_sequence(ids, ctx.cp.size, ctx.cp.rank, dim=1)
         labels = shard_sequence(labels, ctx.cp.size, ctx.cp.rank, dim=1)
-        positions = cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank)
+        positions = positions.index_select(-1, cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank))
     device = ctx.device
     targets = int((labels != IGNORE_INDEX).sum())  # counted on the host, before the copy: no device sync
     return {"ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device),
-            "targets": targets}
+            "targets": targets, **out}
 
 
 class Trainer:
@@ -72,19 +87,23 @@ class Trainer:
         """train=False (evaluation) builds no optimizer: no fp32 master weights or Adam state."""
         self.cfg, self.ctx = cfg, ctx
         p = cfg.parallel
-        v = p.virtual_stages if p.schedule == "interleaved" else 1
+        v = chunks_per_rank(p.schedule, p.virtual_stages)
         stages = partition_layers(cfg.model.num_layers, p.pp, v, p.layers_per_stage)
-        pp_rank = ctx.coords.pp
-        # chunk c of pipeline rank r is global (virtual) stage c * pp + r
-        self.stage_ids = [c * p.pp + pp_rank for c in range(v)]
+        # which global stage each local chunk is: the schedule's placement (pipeline/placement.py)
+        self.placement = placement_of(p.schedule)
+        self.stage_ids = stage_ids(ctx.coords.pp, p.pp, v, self.placement)
         last = p.pp * v - 1
         with torch.device(ctx.device):  # parameters are created where they live (no host copy first)
             self.chunks = [build_stage(stages[s], s == 0, s == last) for s in self.stage_ids]
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.optimizer = self._build_optimizer() if train else None
-        self.dataset = make_dataset(cfg, cfg.data.path)
-        self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
+        if cfg.data.paths is not None:  # weighted mixture of token files (data_sources.py)
+            self.dataset = MixtureDataset.from_spec(cfg.data.paths, cfg.train.seq_len, cfg.model.vocab_size)
+            self.sampler = MixtureSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
+        else:
+            self.dataset = make_dataset(cfg, cfg.data.path)
+            self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
         self.activation_offload = ActivationOffload() if cfg.train.activation_offload else None
         self.schedules = ScheduleCache()  # each (schedule, p, m, v) built and verified once
@@ -103,14 +122,24 @@ class Trainer:
                                     initial_loss_scale=t.initial_loss_scale,
                                     loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
                                     offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
-                                    offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb)
+                                    offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb,
+                                    grad_compression=p.grad_compression,
+                                    powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
+                                    compression_start_step=p.compression_start_step,
+                                    quantized_weights=p.zero_quantized_weights, hpz=p.zero_hpz,
+                                    quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block)
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:
         t = self.cfg.train
         rows = self.sampler.local_batch(step, self.ctx.coords.dp, self.ctx.spec.dp, t.num_microbatches,
                                         t.micro_batch_size)
-        return [split_microbatch(mb, self.ctx) for mb in rows]
+        return [split_microbatch(mb, self.ctx, **self.document_args()) for mb in rows]
+
+    def document_args(self) -> dict:
+        """split_microbatch's packed-document arguments from the data config (validate resolved them)."""
+        d = self.cfg.data
+        return {"eos_id": d.eos_id, "mask_documents": d.document_masking, "reset_positions": bool(d.reset_positions)}
 
     def _records_timeline(self) -> bool:
         log, steps = self.cfg.log, self.cfg.train.steps
@@ -186,9 +215,9 @@ class Trainer:
         for step in range(steps):
             rows = sampler.local_batch(step, ctx.coords.dp, ctx.spec.dp, cfg.train.num_microbatches,
                                        cfg.train.micro_batch_size)
-            mbs = [split_microbatch(mb, ctx) for mb in rows]
+            mbs = [split_microbatch(mb, ctx, **self.document_args()) for mb in rows]
             count += self._global_token_count(mbs)
-            total += run_pipeline_forward(ctx, self.chunks, mbs).float()
+            total += run_pipeline_forward(ctx, self.chunks, mbs, placement=self.placement).float()
         for chunk in self.chunks:
             chunk.train()
         comm.all_reduce(total, ctx.dp_cp)

@@ -13,15 +13,19 @@ from typing import Any, Optional, Sequence
 from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
 from parallel3d.data_parallel.adamw import check_offload
+from parallel3d.data_parallel.compression import check_compression
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.tensor_parallel.fp8 import check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
-from parallel3d.mesh import MeshSpec
+from parallel3d.data_parallel.quantize import check_zeropp
+from parallel3d.mesh import MeshSpec, check_hpz
 from parallel3d.pipeline.partition import partition_layers
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES
+from parallel3d.pipeline.placement import check_schedule_config
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
 from parallel3d.training.config import ConfigError, ExperimentConfig
+from parallel3d.training.data_sources import resolve_documents
 
 
 def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
@@ -90,7 +94,15 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2); the mesh owns the rules
     if p.ep > 1:
         _require(m.num_experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
-    p.dp = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp)).dp
+    spec = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp, p.dp_shard,
+                                             p.gpus_per_node))
+    p.dp = spec.dp   # dp_shard stays as given (0: all of dp), so a saved config stays portable
+    _owned(lambda: check_compression(p.grad_compression, p.zero, p.powersgd_rank, p.topk_ratio,
+                                     p.compression_start_step, spec.hsdp, t.precision))
+    _owned(lambda: check_zeropp(p.zero, p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients,
+                                p.quant_block))
+    if p.zero_hpz:
+        _owned(lambda: check_hpz(spec))
 
     # --- attention heads under TP / Ulysses CP
     heads, kv = m.num_heads, m.num_kv_heads
@@ -129,31 +141,20 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
              f"(micro_batch_size*dp) = {nmb}; leave it 0 to derive it")
     t.num_microbatches = nmb
 
-    # --- pipeline
-    if p.schedule == "interleaved":
-        _require(p.virtual_stages >= 2,
-                 f"schedule=interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
-        _require(p.pp >= 2, f"schedule=interleaved needs parallel.pp >= 2, got pp={p.pp}")
-        _require(nmb % p.pp == 0,
-                 f"schedule=interleaved needs the number of microbatches ({nmb}) divisible by "
-                 f"parallel.pp={p.pp}")
-    else:
-        _require(p.virtual_stages == 1,
-                 f"parallel.virtual_stages={p.virtual_stages} needs schedule=interleaved "
-                 f"(got schedule={p.schedule})")
+    # --- pipeline (each schedule's requirements, the partition and the V placement: parallel3d.pipeline)
+    v = _owned(lambda: check_schedule_config(p.schedule, p.pp, p.virtual_stages, nmb))
     if p.pp > 1 and p.zero == 3:
         from parallel3d.data_parallel.zero3 import check_split_backward
-        from parallel3d.pipeline.schedules import SPLIT_BACKWARD
-        try:
-            check_split_backward(p.schedule in SPLIT_BACKWARD)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        _owned(lambda: check_split_backward(p.schedule in SPLIT_BACKWARD), f"schedule={p.schedule}: ")
     try:  # the partition owns what a stage may hold (empty first/last stages are fine)
-        partition_layers(m.num_layers, p.pp, p.virtual_stages, p.layers_per_stage)
+        partition_layers(m.num_layers, p.pp, v, p.layers_per_stage)
     except ValueError as e:
         raise ConfigError(f"pipeline split (model.num_layers={m.num_layers}, parallel.pp={p.pp}, "
-                          f"parallel.virtual_stages={p.virtual_stages}, parallel.layers_per_stage="
+                          f"{v} chunk(s) per rank, parallel.layers_per_stage="
                           f"{p.layers_per_stage}): {e}") from None
+
+    # --- data: mixture spec, packed documents (eos id from the token files' metadata when not given)
+    _owned(lambda: resolve_documents(cfg.data, m.vocab_size))
 
     # --- checkpoints and logging
     for name in ("interval", "keep"):

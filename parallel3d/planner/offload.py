@@ -1,0 +1,60 @@
+"""Offload in the plan: the device step is dry-run without it, then the offloaded state moves to the host.
+
+The stand-in device cannot copy to the host (meta tensors hold no values), so a layout with
+`parallel.offload_optimizer` / `parallel.offload_params` is dry-run with both off, and then:
+  - memory: the optimizer state the dry run measured (fp32 master, m, v of this rank's shard) leaves the
+    device for the host (cpu) or the disk (nvme); with `offload_params` the ZeRO-3 parameter shard leaves too;
+  - time, after the pipeline: the reduced gradient shard goes down and the updated parameter shard comes up
+    over PCIe, AdamW runs on the host's cores, and with nvme the state is read and written once per step;
+    with `offload_params` each ZeRO-3 gather first fetches its shard over PCIe, which the prefetcher
+    overlaps with compute (exposed only where it exceeds it).
+
+Rates, with their basis (per GPU; a DGX-class node shares its host among 8 GPUs):
+  PCIe Gen4/Gen5 x16: `GPU.pcie_bytes_per_s` at 80% (pinned-memory copy benchmarks);
+  host AdamW: 4e9 parameters/s per node (the ZeRO-Offload paper's CPU-Adam on a two-socket server, ~0.25 s
+    per 1B parameters) shared by 8 GPUs;
+  NVMe: 25 GB/s per node (8 drives of ~3.5 GB/s, as in ZeRO-Infinity's DGX-2 setup) shared by 8 GPUs.
+"""
+from __future__ import annotations
+
+import copy
+
+from parallel3d.planner.hardware import GPU
+from parallel3d.training.config import ExperimentConfig
+
+HOST_ADAM_PARAMS_PER_S = 4e9 / 8
+NVME_BYTES_PER_S = 25e9 / 8
+PCIE_EFFICIENCY = 0.8
+
+
+def without_offload(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The layout the stand-in device can run: the same, with the state kept on the device."""
+    run = copy.deepcopy(cfg)
+    run.parallel.offload_optimizer, run.parallel.offload_params = "none", "none"
+    return run
+
+
+def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_shard_bytes: int,
+                  gpu: GPU) -> tuple[dict, dict]:
+    """(device memory after offload, {"host_bytes", "offload_s"}) for one rank, from its dry-run numbers."""
+    p = cfg.parallel
+    memory, extra = dict(memory), {"host_bytes": 0, "offload_s": 0.0, "param_fetch_s": 0.0}
+    if p.offload_optimizer != "none":
+        state = model_state["optimizer"]             # fp32 master + m + v of the shard: 12 bytes/param
+        shard_params = state / 12
+        memory["optimizer"] = 0
+        memory["peak"] -= state
+        extra["host_bytes"] += state if p.offload_optimizer == "cpu" else 0
+        pcie = gpu.pcie_bytes_per_s * PCIE_EFFICIENCY
+        grads_down, params_up = 4 * shard_params, 2 * shard_params
+        seconds = (grads_down + params_up) / pcie + shard_params / HOST_ADAM_PARAMS_PER_S
+        if p.offload_optimizer == "nvme":
+            seconds += 2 * state / NVME_BYTES_PER_S   # read and write back master, m, v
+        extra["offload_s"] = seconds
+    if p.offload_params != "none":
+        shard = param_shard_bytes                    # ZeRO-3's persistent parameter shard
+        memory["params"] -= shard                    # gathered parameters in use stay on the device
+        memory["peak"] -= shard
+        extra["host_bytes"] += shard if p.offload_params == "cpu" else 0
+        extra["param_fetch_s"] = 2 * shard / (gpu.pcie_bytes_per_s * PCIE_EFFICIENCY)  # forward + backward
+    return memory, extra
