@@ -45,8 +45,15 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def use_kernel_op(backend: str, x: torch.Tensor) -> bool:
+    """use_triton, and also on `meta`, the dry run's stand-in for CUDA: there the custom op's fake
+    implementation (kernels/ops.py) gives the kernel's outputs and saved tensors, so the planner counts the
+    fused kernel's memory and traffic, not its torch twin's intermediates."""
+    return (x.is_meta and backend != "torch") or use_triton(backend, x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
-    if use_triton(backend, x):
+    if use_kernel_op(backend, x):
         from kernels import ops
         return ops.rmsnorm(x, weight, eps)
     return rmsnorm_reference(x, weight, eps)
@@ -55,7 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
 def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual): new_residual = x + residual, normed = rms_norm(new_residual)."""
-    if use_triton(backend, x):
+    if use_kernel_op(backend, x):
         from kernels import ops
         return ops.rmsnorm_residual(x, residual, weight, eps)
     return rmsnorm_residual_reference(x, residual, weight, eps)
@@ -63,14 +70,14 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(backend, q):
+    if use_kernel_op(backend, q):
         from kernels import ops
         return ops.rope(q, k, cos, sin)
     return rope_reference(q, k, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    if use_triton(backend, gate):
+    if use_kernel_op(backend, gate):
         from kernels import ops
         return ops.swiglu(gate, up)
     return swiglu_reference(gate, up)
