@@ -97,3 +97,12 @@ def test_fp8_linear_on_the_meta_stand_in(recipe):
     y = linear(x, w, None, recipe)
     y.backward(torch.empty_like(y))
     assert (y.shape, x.grad.shape, w.grad.shape) == ((2, 8, 16), x.shape, w.shape)
+
+
+def test_fp8_with_a_dimension_scaled_mm_cannot_take_is_refused_up_front():
+    from ckpt_helpers import make_config
+    from parallel3d.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"divisible by 16 .*model.ffn_hidden_size/tp=86"):
+        make_config(["train.precision=bf16", "train.fp8=tensorwise", "model.ffn_hidden_size=172",
+                     "parallel.tp=2"], 2)

@@ -38,12 +38,17 @@ RECIPES = ("none", "tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def check_fp8(recipe: str, precision: str) -> None:
-    """train.fp8 needs bf16 training (the fp8 GEMMs write bf16)."""
+def check_fp8(recipe: str, precision: str, local_dims: Optional[dict] = None) -> None:
+    """train.fp8 needs bf16 training (the fp8 GEMMs write bf16), and every rank-local feature dimension of
+    the linears (`local_dims`: name -> size) divisible by 16, which torch._scaled_mm requires."""
     if recipe not in RECIPES:
         raise ValueError(f"train.fp8 must be one of {', '.join(RECIPES)}, got {recipe!r}")
     if recipe != "none" and precision != "bf16":
         raise ValueError(f"train.fp8={recipe} needs train.precision=bf16 (got {precision})")
+    bad = {k: v for k, v in (local_dims or {}).items() if v % 16}
+    if recipe != "none" and bad:
+        raise ValueError(f"train.fp8={recipe} needs every linear's per-rank feature size divisible by 16 "
+                         f"(float8 matmuls); not: " + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
 def _amax(t: torch.Tensor, dim: Optional[int], group: Optional[Group]) -> torch.Tensor:

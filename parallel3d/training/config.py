@@ -34,6 +34,7 @@ class TransformerShape(Protocol):
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int                # 0: hidden_size // num_heads
     ffn_hidden_size: int
     max_seq_len: int
     tie_embeddings: bool

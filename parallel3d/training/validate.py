@@ -81,7 +81,10 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
     _choice(t.precision, "train.precision", tuple(DTYPES))
-    _owned(lambda: check_fp8(t.fp8, t.precision))
+    hd = m.head_dim or m.hidden_size // m.num_heads
+    _owned(lambda: check_fp8(t.fp8, t.precision, {
+        "model.hidden_size": m.hidden_size, "model.ffn_hidden_size/tp": m.ffn_hidden_size // max(p.tp, 1),
+        "num_heads*head_dim/tp": m.num_heads * hd // max(p.tp, 1)}))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
     _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
     _choice(t.lr_schedule, "train.lr_schedule", ("cosine", "linear", "constant"))
