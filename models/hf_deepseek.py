@@ -43,6 +43,7 @@ from typing import Any, Iterable
 import torch
 
 from models.hf_llama import DENSE_RULES
+from models.hf_experts import HF_FUSED, put_fused, stack_experts
 from parallel3d.checkpoint.store import CheckpointError
 
 _ATTN = {"q_a_proj": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b_proj": "q_b_proj", "q_proj": "q_proj",
@@ -55,7 +56,6 @@ _OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
 _HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)")
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -192,13 +192,8 @@ class DeepseekV3Adapter:
                 out[f"layers.{m[1]}.mlp.router.{'weight' if m[2] == 'weight' else 'expert_bias'}"] = t
             elif m := _HF_EXPERT.fullmatch(name):
                 experts[(int(m[1]), m[3])][int(m[2])] = t
-            elif m := _HF_FUSED.fullmatch(name):
-                if m[2] == "down_proj":
-                    out[f"layers.{m[1]}.mlp.experts.down_proj"] = t
-                else:
-                    gate, up = t.chunk(2, dim=1)  # (E, f, h) each
-                    out[f"layers.{m[1]}.mlp.experts.gate_proj"] = gate.contiguous()
-                    out[f"layers.{m[1]}.mlp.experts.up_proj"] = up.contiguous()
+            elif m := HF_FUSED.fullmatch(name):
+                put_fused(out, m, t)
             elif name.startswith("model.layers.") and ".mlp.shared_experts." in name:
                 out[name[len("model."):]] = t
             else:
@@ -206,10 +201,7 @@ class DeepseekV3Adapter:
                     out[DENSE_RULES.from_hf(name)] = t
                 except KeyError:
                     raise CheckpointError(f"unexpected tensor {name!r} in a DeepseekV3 checkpoint") from None
-        for (layer, proj), per_expert in experts.items():
-            if sorted(per_expert) != list(range(len(per_expert))):
-                raise CheckpointError(f"layer {layer} {proj}: experts {sorted(per_expert)} are not 0..E-1")
-            out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+        stack_experts(out, experts)
         return out
 
     def to_hf(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -27,13 +27,13 @@ from typing import Any, Iterable
 import torch
 
 from models.hf_llama import DENSE_RULES, llama_config_to_fields
+from models.hf_experts import HF_FUSED, put_fused, stack_experts
 from parallel3d.checkpoint.store import CheckpointError
 
 _PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _W_TO_PROJ = {v: k for k, v in _PROJ_TO_W.items()}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _HF_GATE = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 _OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
 
@@ -92,22 +92,14 @@ def mixtral_to_ours(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             experts[(int(m[1]), _W_TO_PROJ[m[3]])][int(m[2])] = t
         elif m := _HF_GATE.fullmatch(name):
             out[f"layers.{m[1]}.mlp.router.weight"] = t
-        elif m := _HF_FUSED.fullmatch(name):
-            if m[2] == "down_proj":
-                out[f"layers.{m[1]}.mlp.experts.down_proj"] = t
-            else:
-                gate, up = t.chunk(2, dim=1)  # (E, f, h) each
-                out[f"layers.{m[1]}.mlp.experts.gate_proj"] = gate.contiguous()
-                out[f"layers.{m[1]}.mlp.experts.up_proj"] = up.contiguous()
+        elif m := HF_FUSED.fullmatch(name):
+            put_fused(out, m, t)
         else:
             try:
                 out[DENSE_RULES.from_hf(name)] = t
             except KeyError:
                 raise CheckpointError(f"unexpected tensor {name!r} in a Mixtral checkpoint") from None
-    for (layer, proj), per_expert in experts.items():
-        if sorted(per_expert) != list(range(len(per_expert))):
-            raise CheckpointError(f"layer {layer} {_PROJ_TO_W[proj]}: experts {sorted(per_expert)} are not 0..E-1")
-        out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+    stack_experts(out, experts, lambda proj: _PROJ_TO_W[proj])
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
+from models.hf_experts import HF_FUSED, put_fused, stack_experts
 from models.hf_llama import DENSE_RULES
 from parallel3d.checkpoint.hf import NameRules
 from parallel3d.checkpoint.store import CheckpointError
@@ -40,7 +41,6 @@ QWEN_RULES = NameRules(DENSE_RULES.rules + [
 ])
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _HF_GATE = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 _OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
@@ -165,22 +165,14 @@ def qwen_to_ours(tensors: Iterable[tuple[str, torch.Tensor]], family: str) -> di
             experts[(int(m[1]), m[3])][int(m[2])] = t
         elif m := _HF_GATE.fullmatch(name):
             out[f"layers.{m[1]}.mlp.router.weight"] = t
-        elif m := _HF_FUSED.fullmatch(name):
-            if m[2] == "down_proj":
-                out[f"layers.{m[1]}.mlp.experts.down_proj"] = t
-            else:
-                gate, up = t.chunk(2, dim=1)  # (E, f, h) each
-                out[f"layers.{m[1]}.mlp.experts.gate_proj"] = gate.contiguous()
-                out[f"layers.{m[1]}.mlp.experts.up_proj"] = up.contiguous()
+        elif m := HF_FUSED.fullmatch(name):
+            put_fused(out, m, t)
         else:
             try:
                 out[QWEN_RULES.from_hf(name)] = t
             except KeyError:
                 raise CheckpointError(f"unexpected tensor {name!r} in a {family} checkpoint") from None
-    for (layer, proj), per_expert in experts.items():
-        if sorted(per_expert) != list(range(len(per_expert))):
-            raise CheckpointError(f"layer {layer} {proj}: experts {sorted(per_expert)} are not 0..E-1")
-        out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+    stack_experts(out, experts)
     return out
 
 
