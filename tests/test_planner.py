@@ -105,6 +105,8 @@ def test_cost_model_arithmetic():
     alpha, beta = link([0, 1, 2, 3], 8, H100)
     assert (alpha, beta) == (10e-6, 450e9 * 0.8)              # one node: NVLink
     assert link([0, 8], 8, H100) == (20e-6, 50e9 * 0.9)       # two nodes: the network
+    # a ring over 2 nodes of 8 crosses the network twice per round and NVLink 14 times
+    assert link(list(range(16)), 8, H100) == (pytest.approx((2 * 20e-6 + 14 * 10e-6) / 16), 50e9 * 0.9)
     assert collective_time("all_reduce", 1e9, 4, alpha, beta) == pytest.approx(6 * alpha + 1.5e9 / beta)
     assert collective_time("all_gather", 1e9, 4, alpha, beta) == pytest.approx(3 * alpha + 0.75e9 / beta)
     assert collective_time("all_reduce", 1e9, 1, alpha, beta) == 0.0

@@ -35,9 +35,15 @@ def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
 
 
 def link(ranks: Sequence[int], gpus_per_node: int, gpu: GPU) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of the slowest link a group of `ranks` uses."""
-    if spans_nodes(ranks, gpus_per_node):
-        return gpu.network_latency_s, gpu.network_bytes_per_s * gpu.network_efficiency
+    """(alpha: mean seconds per ring step, beta: bytes/s of the slowest link) for a group of `ranks`.
+
+    A ring over n ranks on k nodes (NCCL orders it node by node) crosses the network k times per round
+    and NVLink n - k times, so the per-step latency is the mix; the bandwidth is the network's."""
+    nodes = len({r // gpus_per_node for r in ranks})
+    if nodes > 1:
+        n = len(ranks)
+        alpha = (nodes * gpu.network_latency_s + (n - nodes) * gpu.nvlink_latency_s) / n
+        return alpha, gpu.network_bytes_per_s * gpu.network_efficiency
     return gpu.nvlink_latency_s, gpu.nvlink_bytes_per_s * gpu.nvlink_efficiency
 
 
