@@ -71,7 +71,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--search", action="store_true")
     parser.add_argument("--max-candidates", type=int, default=0,
-                        help="--search: dry-run at most this many layouts, cheapest-looking first (0: all)")
+                        help="--search: stop once this many layouts fit (at most 4x as many dry runs, in the "
+                             "prior's order; 0: dry-run every valid layout)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come before or after options
     try:

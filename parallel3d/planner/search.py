@@ -11,7 +11,7 @@ Each candidate is dry-run in full (estimate.plan), which takes seconds to a minu
 candidates are ordered by a prior first: DESIGN.md section 4's formulas for model-state and activation
 bytes (only to order; the dry run decides), then a textbook step time: ideal compute (with the
 recomputation pass), tensor-parallel collectives on their link, half of the data-parallel traffic, and the
-schedule's bubble. `max_candidates` bounds how many are dry-run.
+schedule's bubble. With `max_candidates` N the dry runs stop once N layouts fit (at most 4N dry runs).
 """
 from __future__ import annotations
 
@@ -77,9 +77,11 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     s, b, h, a = t.seq_len // p.cp, t.micro_batch_size, m.hidden_size, m.num_heads
     per_layer = {"none": s * b * h * (34 + 5 * a * s / h) / p.tp, "selective": s * b * h * 34 / p.tp,
                  "full": 2 * s * b * h}[t.activation_checkpointing]
+    if p.sp and t.activation_checkpointing != "full":
+        per_layer += 2 * 2 * s * b * h  # our SP column layers keep their all-gathered bf16 input
     in_flight = min(p.pp, t.num_microbatches) if p.schedule != "gpipe" else t.num_microbatches
     acts = per_layer * math.ceil(m.num_layers / p.pp) * in_flight
-    fits = state + acts <= 0.9 * gpu.usable_bytes
+    fits = state + acts <= 0.85 * gpu.usable_bytes
     world = p.tp * p.cp * p.pp * p.dp
     ideal = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / (
         world * gpu.peak_flops["bf16"] * gpu.matmul_efficiency)
@@ -108,15 +110,18 @@ def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: 
                          f"(train.global_batch_size={cfg.train.global_batch_size}, model.num_heads="
                          f"{cfg.model.num_heads}, model.num_layers={cfg.model.num_layers})")
     ranked = sorted(found, key=lambda c: (lambda f, s: (not f, s))(*prior(c, gpu, gpus_per_node)))
-    chosen = ranked[:max_candidates] if max_candidates else ranked
+    budget = 4 * max_candidates if max_candidates else len(ranked)
     if progress is not None:
-        print(f"{len(found)} valid layouts; dry-running {len(chosen)}", file=progress, flush=True)
+        print(f"{len(found)} valid layouts; dry-running them in the prior's order until "
+              f"{max_candidates or len(ranked)} fit (at most {budget} dry runs)", file=progress, flush=True)
     plans = []
-    for i, c in enumerate(chosen):
+    for i, c in enumerate(ranked[:budget]):
         result = plan(c, stage_builder, gpu, gpus_per_node)
         if progress is not None:
-            print(f"[{i + 1}/{len(chosen)}] {result.layout}: fits={result.fits} "
+            print(f"[{i + 1}] {result.layout}: fits={result.fits} peak={result.memory['peak'] / 2**30:.1f} GiB "
                   f"tokens/s={result.tokens_per_s:,.0f}", file=progress, flush=True)
         if result.fits:
             plans.append(result)
+            if max_candidates and len(plans) >= max_candidates:
+                break
     return sorted(plans, key=lambda r: -r.tokens_per_s)
