@@ -1,0 +1,17 @@
+"""The planner: the real training step of one rank per role, dry-run on the `meta` stand-in, turned into
+memory per rank, step time, MFU and bytes per group for a GPU cluster (`launch/plan.py`).
+
+    tracker.py   what a step allocates and computes, op by op (memory by category, FLOPs, bytes)
+    dryrun.py    one rank's step through the real Trainer, with costs attributed to pipeline actions
+    cost.py      roofline per op and alpha-beta per collective (plain functions)
+    hardware.py  GPU and link table with stated efficiencies
+    kernels.py   our Triton kernels' occupancy from benchmarks/kernel_report.py (roofline derating)
+    offload.py   optimizer / parameter offload on top of the device step
+    estimate.py  one layout's plan: roles, pipeline simulation, memory at the peak in flight
+    search.py    every valid layout, ordered by textbook formulas, dry-run until enough fit
+"""
+from parallel3d.planner.estimate import Plan, plan
+from parallel3d.planner.hardware import GPUS, gpu
+from parallel3d.planner.search import candidates, search
+
+__all__ = ["GPUS", "Plan", "candidates", "gpu", "plan", "search"]
