@@ -138,6 +138,12 @@ def test_plan_cli_json_and_errors():
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
     gpu_bad = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "4", "--gpu", "z80")
     assert gpu_bad.returncode == 2 and "unknown GPU 'z80'" in gpu_bad.stderr
+    node_bad = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "4", "--gpus-per-node", "0")
+    assert node_bad.returncode == 2 and "gpus_per_node must be a positive integer" in node_bad.stderr
+    # --search with a world no layout can take says why, instead of printing an empty list
+    none = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "7", "--search")
+    assert none.returncode == 2 and "no valid layout for world size 7" in none.stderr
+    assert "the most common reason: " in none.stderr and "Traceback" not in none.stderr
 
 
 def test_search_picks_a_fitting_layout():
@@ -218,3 +224,17 @@ def test_plan_runs_the_multi_chunk_schedules(schedule):
     result = plan(cfg, _stage_builder, H100, 8)
     assert result.fits and result.step_time_s > 0 and len(result.roles) == 2
     assert result.layout["schedule"] == schedule
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_dry_run_flops_follow_the_model_formula(moe):
+    """The FLOPs the dry run counts op by op equal 6N + attention per token (DESIGN.md 4; MoE: active
+    parameters) within 5%: causal attention is counted at half of 12Lhs, the rest is the matmuls."""
+    from parallel3d.training.metrics import flops_per_token
+
+    extra = ["model.num_experts=8", "model.moe_top_k=2", "model.moe_ffn_hidden_size=256"] if moe else []
+    cfg = make_config(["model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=512",
+                       "train.seq_len=128", "model.num_heads=4", "model.num_kv_heads=4", *extra], 1)
+    run = run_role(cfg, 0, _stage_builder, H100, 8)
+    want = flops_per_token(cfg.model, 128) * cfg.train.global_batch_size * 128
+    assert 0.95 * want <= run.flops <= want, (run.flops, want)

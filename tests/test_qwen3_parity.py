@@ -12,18 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_helpers import build_trainer, context_for, make_config
+from ckpt_helpers import build_trainer, make_config
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parity import WEIGHT_ATOL, assemble, assert_close_dicts
+from test_sweep import run as sweep_run
 
-PARITY = ["train.lr=3e-3", "train.eps=1e-4", "train.warmup_steps=0", "train.lr_schedule=constant",
-          "train.grad_clip=1.0", "train.global_batch_size=4", "train.micro_batch_size=1"]
+BATCH = ["train.global_batch_size=4", "train.micro_batch_size=1"]  # with test_sweep's PARITY keys
 QWEN3 = ["model.qk_norm=true", "model.qkv_bias=true", "model.head_dim=16"]  # 4 heads x 16 = 64 != hidden 32
 # Qwen3-MoE: 8 small experts, top-2 without renormalising the k weights, the first layer dense. No balancing
 # losses: they are batch statistics whose micro-batch grouping differs between dp=1 and dp=2 (test_sweep).
 QWEN3_MOE = [*QWEN3, "model.num_experts=8", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
              "model.router_norm_topk=false", "model.first_k_dense=1", "model.aux_loss_coef=0", "model.z_loss_coef=0"]
-STEPS = 3
+
 
 LAYOUTS = {  # name: (model, layout overrides), all on 4 ranks
     "tp4-sp-replicated-kv": (QWEN3, ["parallel.tp=4", "parallel.sp=true"]),
@@ -37,13 +37,8 @@ LAYOUTS = {  # name: (model, layout overrides), all on 4 ranks
 
 
 def run(worker, overrides: list[str]) -> dict:
-    torch.set_num_threads(1)
-    cfg = make_config([*PARITY, *overrides], 1 if worker is None else worker.world_size)
-    trainer = build_trainer(cfg, context_for(cfg, worker))
-    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
-    weights = {name.split("/", 1)[1]: (t.detach().clone(), slices, shape)
-               for name, (t, shape, slices) in trainer.optimizer.state_tensors().items() if name.startswith("master/")}
-    return {"losses": losses, "weights": weights}
+    """test_sweep.run (losses and fp32 master weights after its steps) at this file's batch."""
+    return sweep_run(worker, [*BATCH, *overrides])
 
 
 _REFERENCE: dict[tuple, dict] = {}

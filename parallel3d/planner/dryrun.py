@@ -14,6 +14,7 @@ caller covers by also running the last rank of the last stage.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import statistics
 import time
@@ -75,7 +76,6 @@ class ActionCost:
 class RoleRun:
     rank: int
     pp_rank: int
-    microbatches: int                  # how many the dry-run step ran
     memory: dict                       # bytes per category at the step's peak, and "peak"
     model_state: dict                  # params / grads / optimizer bytes alive after the step
     actions: dict                      # (kind name, chunk) -> mean ActionCost per microbatch
@@ -123,7 +123,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         ctx.stats.listener = None
     peak, split = tracker.peak()
     live = tracker.live()
-    result = _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu)
+    result = _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu)
     if trainer.optimizer.zero == 3:
         shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
@@ -152,20 +152,15 @@ def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
     return out, tracker
 
 
-def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU) -> RoleRun:
-    rows = out["actions"]
-    mine = sorted((r for r in rows if r[0] == ctx.coords.pp), key=lambda r: r[5])
-    per_action: dict = defaultdict(list)
-    p2p: dict = defaultdict(list)
-    spans = [(r[5], r[6], r) for r in mine]
-    costs = [ActionCost() for _ in spans]
+def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU) -> RoleRun:
+    mine = sorted((r for r in out["actions"] if r[0] == ctx.coords.pp), key=lambda r: r[5])
+    starts = [r[5] for r in mine]             # actions run one after another: bisect finds an op's action
+    costs = [ActionCost() for _ in mine]
     outside = ActionCost()
 
     def slot(wall: float) -> ActionCost:
-        for i, (start, end, _) in enumerate(spans):  # actions are few; a linear scan is fine
-            if start <= wall <= end:
-                return costs[i]
-        return outside
+        i = bisect.bisect_right(starts, wall) - 1
+        return costs[i] if i >= 0 and wall <= mine[i][6] else outside
 
     derated: dict = {}
     for op in tracker.ops:
@@ -184,30 +179,29 @@ def _summarise(rank, ctx, cfg, out, tracker, events, peak, split, live, gpu: GPU
     for wall, group, op, seconds, nbytes in events:
         comm_s[f"{group}.{op}"] += seconds
         c = slot(wall)
-        if group == "pp":
-            inside[f"{group}.{op}"] += nbytes
-            continue  # pipeline messages are the schedule's own actions (below)
-        if is_grad_sync(group, op) and c is not outside:
-            grad_sync += seconds
-            continue
-        if c is not outside:
-            inside[f"{group}.{op}"] += nbytes
-        if base_group(group) in OVERLAPPED_GROUPS and c is not outside:
-            c.overlapped_comm_s += seconds
-        else:
+        if c is outside:
             c.blocking_comm_s += seconds
-    for (start, end, row), c in zip(spans, costs):
-        kind = ActionKind[row[1]]
-        if kind.is_compute:
+        elif is_grad_sync(group, op):
+            grad_sync += seconds      # once per step, not per microbatch: estimate.plan overlaps it
+        else:
+            inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
+            if base_group(group) in OVERLAPPED_GROUPS:
+                c.overlapped_comm_s += seconds
+            else:
+                c.blocking_comm_s += seconds
+    per_action: dict = defaultdict(list)
+    p2p: dict = defaultdict(list)
+    for row, c in zip(mine, costs):
+        if ActionKind[row[1]].is_compute:
             per_action[(row[1], row[3])].append(c)
         else:
-            p2p[row[1]].append(sum(s for w, g, _, s, _ in events if g == "pp" and start <= w <= end))
+            p2p[row[1]].append(c.blocking_comm_s)
     actions = {k: ActionCost(*(statistics.mean(getattr(c, f) for c in v) for f in
                                ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s")))
                for k, v in per_action.items()}
     memory = {k: split[k] for k in CATEGORIES}
     memory["peak"] = peak
-    return RoleRun(rank=rank, pp_rank=ctx.coords.pp, microbatches=cfg.train.num_microbatches, memory=memory,
+    return RoleRun(rank=rank, pp_rank=ctx.coords.pp, memory=memory,
                    model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
                    p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside, grad_sync_s=grad_sync,
                    comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),

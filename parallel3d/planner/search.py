@@ -34,8 +34,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: ExperimentConfig, world: int, gpus_per_node: int) -> list[ExperimentConfig]:
-    """Every layout of `world` ranks that passes validation (resolved configs)."""
+def candidates(cfg: ExperimentConfig, world: int, gpus_per_node: int,
+               refusals: Optional[list] = None) -> list[ExperimentConfig]:
+    """Every layout of `world` ranks that passes validation (resolved configs). `refusals`, if given,
+    collects validation's message per refused layout (what to tell the user when none is valid)."""
     m, out = cfg.model, []
     experts = m.num_experts
     for tp in [d for d in _divisors(world) if d <= gpus_per_node]:
@@ -48,13 +50,14 @@ def candidates(cfg: ExperimentConfig, world: int, gpus_per_node: int) -> list[Ex
                         for schedule, v in SCHEDULES if pp > 1 else SCHEDULES[:1]:
                             for mbs in (1, 2, 4):
                                 for ac in RECOMPUTE:
-                                    c = _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac)
+                                    c = _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals)
                                     if c is not None:
                                         out.append(c)
     return out
 
 
-def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac) -> Optional[ExperimentConfig]:
+def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals=None
+               ) -> Optional[ExperimentConfig]:
     c = copy.deepcopy(cfg)
     p, t = c.parallel, c.train
     p.tp, p.cp, p.pp, p.dp, p.ep, p.zero, p.schedule, p.virtual_stages = tp, cp, pp, dp, ep, zero, schedule, v
@@ -62,7 +65,9 @@ def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac) -> Op
     t.micro_batch_size, t.activation_checkpointing, t.num_microbatches = mbs, ac, 0
     try:
         return resolve_and_validate(c, world)
-    except (ConfigError, ValueError):
+    except (ConfigError, ValueError) as e:
+        if refusals is not None:
+            refusals.append(str(e))
         return None
 
 
@@ -104,11 +109,12 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
 def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
            max_candidates: int = 0, progress: Optional[TextIO] = None) -> list[Plan]:
     """Plans of the layouts that fit, fastest first. Raises ValueError when no layout is valid."""
-    found = candidates(cfg, world, gpus_per_node)
+    refusals: list[str] = []
+    found = candidates(cfg, world, gpus_per_node, refusals)
     if not found:
-        raise ValueError(f"no valid layout for world size {world} with this model and batch "
-                         f"(train.global_batch_size={cfg.train.global_batch_size}, model.num_heads="
-                         f"{cfg.model.num_heads}, model.num_layers={cfg.model.num_layers})")
+        common = max(set(refusals), key=refusals.count) if refusals else "nothing to enumerate"
+        raise ValueError(f"no valid layout for world size {world}: every candidate was refused; the most "
+                         f"common reason: {common}")
     ranked = sorted(found, key=lambda c: (lambda f, s: (not f, s))(*prior(c, gpu, gpus_per_node)))
     budget = 4 * max_candidates if max_candidates else len(ranked)
     if progress is not None:

@@ -76,7 +76,6 @@ class StepTracker(TorchDispatchMode):
     storages (called for pre-existing tensors via `adopt` and, at the end, for storages the step created
     that are still alive)."""
     device_type: str = "meta"  # only storages on this device are counted (the CPU-side data is not)
-    count_ops: bool = True
     allocs: list = field(default_factory=list)
     ops: list = field(default_factory=list)
     _index: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
@@ -141,12 +140,6 @@ class StepTracker(TorchDispatchMode):
             frame = frame.f_back
         return False
 
-    def reclassify(self, storage, category: str) -> None:
-        idx = self._index.get(storage)
-        if idx is not None:
-            self.allocs[idx].category = category
-
-    # ------------------------------------------------------------------ dispatch
     def _poll_resizes(self) -> None:
         for ref, idx in self._watched:
             storage, a = ref(), self.allocs[idx]
@@ -169,8 +162,7 @@ class StepTracker(TorchDispatchMode):
             category = "comm_buffers" if self._in_comm() else "activations"
             for s in fresh:
                 self._register(s, category)
-        if self.count_ops:
-            self._cost(func, args, kwargs, out, outs)
+        self._cost(func, args, kwargs, out, outs)
         return out
 
     def _cost(self, func, args, kwargs, out, outs) -> None:
