@@ -160,3 +160,20 @@ def test_tiny_preset_is_the_cpu_demo():
     r = resolve_and_validate(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [], ModelConfig), 4)
     assert (r.parallel.tp, r.parallel.dp) == (2, 2)
     assert r.data.path is None and r.train.precision == "fp32" and r.model.vocab_size == 256
+
+
+def test_fast_path_choices_are_refused_clearly():
+    """model.expert_impl / model.attention outside their choices, and flash_attn without its package, end
+    in one ConfigError before any process group exists."""
+    import importlib.util
+
+    from ckpt_helpers import make_config
+    from parallel3d.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match="expert_impl"):
+        make_config(["model.expert_impl=fastest"], 1)
+    with pytest.raises(ConfigError, match="attention"):
+        make_config(["model.attention=xformers"], 1)
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ConfigError, match="pip install flash-attn"):
+            make_config(["model.attention=flash_attn"], 1)

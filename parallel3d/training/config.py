@@ -35,6 +35,7 @@ class TransformerShape(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int                # 0: hidden_size // num_heads
+    attention: str               # attention backend (flash_attn needs its package)
     ffn_hidden_size: int
     max_seq_len: int
     tie_embeddings: bool

@@ -171,4 +171,6 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                  f"log.timeline_step={cfg.log.timeline_step} must be -1 (the last step) or in [0, train.steps={t.steps})")
     if cfg.log.tensorboard:
         require_package("tensorboard", f"log.tensorboard={cfg.log.tensorboard}")
+    if m.attention == "flash_attn":
+        require_package("flash_attn", "model.attention=flash_attn", "flash-attn")
     return cfg
