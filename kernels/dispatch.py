@@ -152,7 +152,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     `meta` (the dry run) document masking changes no shape: the plain kernel's memory and work are an upper
     bound."""
     if q.is_meta:
-        return _meta_flash_attention(q, k, v, causal, scale)[0]
+        doc_ids = None  # masking changes no shape on the stand-in: the plain kernel, an upper bound
     impl = select_attention(backend, q, need_lse=False)
     if doc_ids is not None:
         from kernels import varlen_attention as varlen
@@ -185,7 +185,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     doc_ids (b, sq) / k_doc_ids (b, sk, default doc_ids): a query sees only keys of its own document
     (the Triton kernel, else the exact reference)."""
     if q.is_meta:
-        return _meta_flash_attention(q, k, v, causal, scale)
+        doc_ids = None  # as in `attention`
     impl = select_attention(backend, q, need_lse=True)
     if doc_ids is not None:
         if impl == "triton":
@@ -198,14 +198,3 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if impl == "sdpa":
         return SdpaBlockFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5 if scale is None else scale)
     return attention_reference(q, k, v, causal, scale)
-
-
-def _meta_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                          scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention on the `meta` device, the dry run's stand-in for CUDA (DESIGN.md section 5), where the GPU
-    path is our flash kernel. aten's flash-attention op has meta kernels, GQA-shaped gradients and FLOP
-    formulas, and like the Triton kernel it keeps only q, k, v, the output and the log-sum-exp for backward,
-    so the planner sees the kernel's memory and work, not the (s x s) scores the math fallback would build."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale)[:2]
-    return out.transpose(1, 2), lse  # (b, sq, hq, d), (b, hq, sq) fp32

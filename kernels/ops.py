@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.library import custom_op
+from torch.utils.flop_counter import register_flop_formula
 
 from kernels import cross_entropy as _ce
 from kernels import flash_attention as _fa
@@ -204,6 +205,27 @@ def _fa_backward(ctx, dout, dlse):
 
 
 flash_attention_fwd.register_autograd(_fa_backward, setup_context=_fa_setup)
+
+
+def _score_pairs(q_shape, k_shape, causal: bool) -> float:
+    """(query, key) pairs the kernel computes per (batch, head): causal is bottom-right aligned and the
+    kernel skips fully masked tiles, so it does about the visible half of the square."""
+    sq, sk = q_shape[1], k_shape[1]
+    return sq * (sk - sq) + sq * (sq + 1) / 2 if causal and sk >= sq else sq * sk
+
+
+@register_flop_formula(torch.ops.parallel3d.flash_attention_fwd)
+def _fa_fwd_flops(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
+    """Two matmuls (q k^T, p v): 2 * 2 * b * hq * pairs * d (FlopCounterMode and the planner read it)."""
+    b, _, hq, d = q_shape
+    return int(4 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
+
+
+@register_flop_formula(torch.ops.parallel3d.flash_attention_bwd)
+def _fa_bwd_flops(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
+    """Five matmuls (recomputed q k^T, dv, dp, dq, dk): 2.5 times the forward."""
+    b, _, hq, d = q_shape
+    return int(10 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: Optional[float] = None

@@ -185,14 +185,14 @@ def test_kernel_occupancy_derates_the_roofline(monkeypatch):
     """The kernel report's table is what the planner reads; a kernel with few resident warps is slowed."""
     from parallel3d.planner import kernels
 
-    factor, warps = kernels.occupancy_factor("H100-SXM5-80GB", "_scaled_dot_product_flash_attention",
+    factor, warps = kernels.occupancy_factor("H100-SXM5-80GB", "flash_attention_fwd",
                                              "torch.bfloat16", 128, True)
     table = kernels._table()["90"]["_attn_fwd_kernel"]["bf16 d=128 causal"]
     assert warps == {"_attn_fwd_kernel": table["ctas_per_sm"] * table["num_warps"]}
     assert factor == min(1.0, warps["_attn_fwd_kernel"] / 8)
     low = {"90": {"_attn_fwd_kernel": {"bf16 d=128 causal": {"ctas_per_sm": 1, "num_warps": 4}}}}
     monkeypatch.setattr(kernels, "_table", lambda: low)
-    factor, _ = kernels.occupancy_factor("H100-SXM5-80GB", "_scaled_dot_product_flash_attention",
+    factor, _ = kernels.occupancy_factor("H100-SXM5-80GB", "flash_attention_fwd",
                                          "torch.bfloat16", 96, True)  # d=96 runs the d=128 variant
     assert factor == 0.5
     assert op_time(1e12, 0, 989e12, H100, factor) == pytest.approx(2 * op_time(1e12, 0, 989e12, H100))

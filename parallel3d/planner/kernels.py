@@ -6,8 +6,8 @@ Derating rule: a kernel reaches its roofline only with enough warps resident per
 tensor-core kernel needs two warpgroups (8 warps) per SM so that one issues matrix instructions while the
 other loads and runs the softmax (the ping-pong of FlashAttention-3 on Hopper; the same count keeps
 Ampere's four schedulers busy with two warps each), so its time is divided by min(1, warps per SM / 8).
-In the dry run only attention runs through an op that stands for our kernel (aten's flash-attention op on
-`meta`); the norms, RoPE, SwiGLU and cross-entropy are costed as their torch twins, without derating.
+On `meta` our kernels run as their custom ops (kernels/ops.py); only attention's are derated here (the
+norms, RoPE and SwiGLU are bandwidth-bound and need no tensor cores).
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from typing import Optional
 
 TABLE = Path(__file__).with_name("kernel_occupancy.json")
 WARPS_TO_SATURATE = 8
-# the dry run's op -> the Triton kernels that do its work on a GPU
-KERNELS_OF_OP = {"_scaled_dot_product_flash_attention": ("_attn_fwd_kernel",),
-                 "_scaled_dot_product_flash_attention_backward": ("_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")}
+# the dry run's op (kernels/ops.py custom ops) -> the Triton kernels that do its work on a GPU
+KERNELS_OF_OP = {"flash_attention_fwd": ("_attn_fwd_kernel",),
+                 "flash_attention_bwd": ("_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")}
+CAUSAL_ARG = {"flash_attention_fwd": 3, "flash_attention_bwd": 6}  # position of `causal` in the op's args
 ARCH_OF_GPU = {"A100-SXM4-80GB": 80, "H100-SXM5-80GB": 90, "H200-SXM-141GB": 90, "B200-SXM-180GB": 100}
 _DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 

@@ -33,20 +33,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from parallel3d.planner.kernels import CAUSAL_ARG
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 
 # ops that allocate or alias without moving data
 _FREE_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
              "lift_fresh", "_to_copy_meta", "set_", "resize_"}
-
-
-# attention ops whose FLOP formula counts the full (s x s) scores; causal kernels do half (is_causal's index)
-_CAUSAL_ATTENTION = {"_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_backward": 11}
-
-
-def _is_causal(name: str, args, kwargs) -> bool:
-    index = _CAUSAL_ATTENTION[name]
-    return bool(kwargs["is_causal"]) if "is_causal" in kwargs else len(args) > index and bool(args[index])
 
 
 @dataclass
@@ -172,12 +165,11 @@ class StepTracker(TorchDispatchMode):
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
         flops = 0.0
-        causal = name in _CAUSAL_ATTENTION and _is_causal(name, args, kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_registry.get(func._overloadpacket)  # our kernels' ops register theirs (kernels/ops.py)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
-            if causal:
-                flops /= 2  # the flash kernels skip the masked half of the score blocks
+        index = CAUSAL_ARG.get(name)
+        causal = index is not None and bool(args[index])
         dtype = next((t.dtype for t in ins if t.is_floating_point()), torch.float32)
         backward = torch._C._current_graph_task_id() != -1
         head_dim = int(ins[0].shape[-1]) if ins and ins[0].dim() else 0
