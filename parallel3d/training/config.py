@@ -44,6 +44,14 @@ class TransformerShape(Protocol):
     moe_ffn_hidden_size: int
     num_shared_experts: int
     first_k_dense: int
+    qk_norm: bool                # RMSNorm over each query and key head (adds 2 * head_dim per layer)
+    attention_type: str          # mha | mla (Multi-Latent Attention counts its own projections)
+    q_lora_rank: int             # mla dims (read only when attention_type == "mla")
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mtp_depth: int               # multi-token prediction modules (count as more MoE layers)
 
     def validate(self) -> None: ...
 

@@ -39,7 +39,7 @@ def _mla_attention_params(m: TransformerShape) -> int:
 
 
 def _is_mla(m: TransformerShape) -> bool:
-    return getattr(m, "attention_type", "mha") == "mla"
+    return m.attention_type == "mla"
 
 
 def param_counts(m: TransformerShape) -> dict[str, int]:
@@ -47,8 +47,8 @@ def param_counts(m: TransformerShape) -> dict[str, int]:
     experts_total, experts_active (routed top_k per token), shared_experts, router, norms, mtp.
     Multi-token prediction modules (mtp_depth D) count as D more MoE layers plus their projections and norms."""
     h, L, V = m.hidden_size, m.num_layers, m.vocab_size
-    mtp = getattr(m, "mtp_depth", 0)
-    head_dim = getattr(m, "head_dim", 0) or h // m.num_heads  # Qwen3 decouples it from h / heads
+    mtp = m.mtp_depth
+    head_dim = m.head_dim or h // m.num_heads  # Qwen3 decouples it from h / heads
     kv = m.num_kv_heads
     experts = m.num_experts
     moe_layers = max(0, L - m.first_k_dense) + mtp if experts else 0
@@ -65,7 +65,7 @@ def param_counts(m: TransformerShape) -> dict[str, int]:
         "experts_active": moe_layers * min(m.moe_top_k, experts) * expert,
         "shared_experts": moe_layers * m.num_shared_experts * expert,
         "router": moe_layers * experts * h,
-        "norms": (2 * L + 1) * h + (2 * L * head_dim if getattr(m, "qk_norm", False) else 0),
+        "norms": (2 * L + 1) * h + (2 * L * head_dim if m.qk_norm else 0),
         "mtp": mtp * (2 * h * h + 5 * h),  # projection [emb; hidden] -> h, its block's 2 norms and 3 of its own
     }
 
@@ -87,12 +87,12 @@ def flops_per_token(m: TransformerShape, seq_len: int) -> float:
     minus the input-embedding lookup plus the output projection (once, even when tied). The attention
     width is heads * head_dim, h unless head_dim is set apart from h / heads (Qwen3-30B-A3B: 4096, h 2048)."""
     c = param_counts(m)
-    mtp = getattr(m, "mtp_depth", 0)
+    mtp = m.mtp_depth
     n = active_params(m) - c["embedding"] - c["output"] + (1 + mtp) * m.vocab_size * m.hidden_size  # head per depth
     if _is_mla(m):  # scores over d_qk, values of width d_v, per head
         width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
         return 6.0 * n + 6.0 * (m.num_layers + mtp) * width * seq_len
-    attn_width = (getattr(m, "head_dim", 0) or m.hidden_size // m.num_heads) * m.num_heads  # h unless head_dim is set
+    attn_width = (m.head_dim or m.hidden_size // m.num_heads) * m.num_heads  # h unless head_dim is set
     return 6.0 * n + 12.0 * m.num_layers * attn_width * seq_len
 
 
