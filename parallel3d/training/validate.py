@@ -18,7 +18,7 @@ from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.tensor_parallel.fp8 import check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.data_parallel.quantize import check_zeropp
-from parallel3d.mesh import MeshSpec, check_hpz
+from parallel3d.mesh_spec import MeshSpec, check_hpz
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import check_schedule_config
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
