@@ -43,7 +43,7 @@ from typing import Any, Iterable
 import torch
 
 from models.hf_llama import DENSE_RULES
-from models.hf_experts import HF_FUSED, put_fused, stack_experts
+from models.hf_experts import HF_FUSED, OURS_EXPERTS, OURS_ROUTER, put_fused, split_experts, stack_experts
 from parallel3d.checkpoint.store import CheckpointError
 
 _ATTN = {"q_a_proj": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b_proj": "q_b_proj", "q_proj": "q_proj",
@@ -52,9 +52,7 @@ _ATTN = {"q_a_proj": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b_proj": "q_b_p
 _ATTN_BACK = {v: k for k, v in _ATTN.items()}
 _OURS_ATTN = re.compile(r"layers\.(\d+)\.attn\.(\w+)\.weight")
 _HF_ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(\w+)\.weight")
-_OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
 _HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)")
-_OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -207,10 +205,10 @@ class DeepseekV3Adapter:
     def to_hf(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if m := _OURS_ATTN.fullmatch(name):
             return {f"model.layers.{m[1]}.self_attn.{_ATTN[m[2]]}.weight": self._rope_rows(m[2], t, to_ours=False)}
-        if m := _OURS_ROUTER.fullmatch(name):
+        if m := OURS_ROUTER.fullmatch(name):
             return {f"model.layers.{m[1]}.mlp.gate.{'weight' if m[2] == 'weight' else 'e_score_correction_bias'}": t}
-        if m := _OURS_EXPERTS.fullmatch(name):
-            return {f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}.weight": t[e].contiguous() for e in range(t.shape[0])}
+        if m := OURS_EXPERTS.fullmatch(name):
+            return split_experts(f"model.layers.{m[1]}.mlp.experts.{{e}}.{m[2]}.weight", t)
         if _SHARED.fullmatch(name):
             return {f"model.{name}": t}
         try:

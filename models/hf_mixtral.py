@@ -21,21 +21,18 @@ Hugging Face's pools all layers and its f sums to k.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
 
 from models.hf_llama import DENSE_RULES, llama_config_to_fields
-from models.hf_experts import HF_FUSED, put_fused, stack_experts
+from models.hf_experts import plain_moe_to_ours, routed_moe_to_hf
 from parallel3d.checkpoint.store import CheckpointError
 
 _PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _W_TO_PROJ = {v: k for k, v in _PROJ_TO_W.items()}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _HF_GATE = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
-_OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
-_OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
 
 
 # ---- config -------------------------------------------------------------------------------------------------
@@ -83,24 +80,8 @@ def model_fields_to_mixtral_config(m: dict[str, Any]) -> dict[str, Any]:
 # ---- tensors (pure) -------------------------------------------------------------------------------------------
 def mixtral_to_ours(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face Mixtral tensors (saved or in-memory names) -> our global tensors, experts stacked."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
-    for name, t in tensors.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if m := _HF_EXPERT.fullmatch(name):
-            experts[(int(m[1]), _W_TO_PROJ[m[3]])][int(m[2])] = t
-        elif m := _HF_GATE.fullmatch(name):
-            out[f"layers.{m[1]}.mlp.router.weight"] = t
-        elif m := HF_FUSED.fullmatch(name):
-            put_fused(out, m, t)
-        else:
-            try:
-                out[DENSE_RULES.from_hf(name)] = t
-            except KeyError:
-                raise CheckpointError(f"unexpected tensor {name!r} in a Mixtral checkpoint") from None
-    stack_experts(out, experts, lambda proj: _PROJ_TO_W[proj])
-    return out
+    return plain_moe_to_ours(tensors.items(), "Mixtral", _HF_EXPERT, _HF_GATE, DENSE_RULES,
+                             _W_TO_PROJ.__getitem__, _PROJ_TO_W.__getitem__)
 
 
 def ours_to_mixtral(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -112,18 +93,8 @@ def ours_to_mixtral(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def _ours_tensor_to_mixtral(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    if m := _OURS_EXPERTS.fullmatch(name):
-        w = _PROJ_TO_W[m[2]]
-        return {f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{w}.weight": t[e].contiguous()
-                for e in range(t.shape[0])}
-    if m := _OURS_ROUTER.fullmatch(name):
-        if m[2] == "weight":
-            return {f"model.layers.{m[1]}.block_sparse_moe.gate.weight": t}
-        if torch.count_nonzero(t):
-            raise CheckpointError(f"{name} is non-zero: Mixtral has no router bias, routing would change")
-        return {}
-    if ".mlp.shared_experts." in name:
-        raise CheckpointError(f"{name}: Mixtral has no shared experts")
+    if (moe := routed_moe_to_hf(name, t, "Mixtral", "block_sparse_moe", _PROJ_TO_W.__getitem__)) is not None:
+        return moe
     try:
         return {DENSE_RULES.to_hf(name): t}
     except KeyError:

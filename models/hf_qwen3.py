@@ -25,12 +25,11 @@ differ in form as for Mixtral (ours per layer, summed; Hugging Face pools the la
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
 
-from models.hf_experts import HF_FUSED, put_fused, stack_experts
+from models.hf_experts import plain_moe_to_ours, routed_moe_to_hf
 from models.hf_llama import DENSE_RULES
 from parallel3d.checkpoint.hf import NameRules
 from parallel3d.checkpoint.store import CheckpointError
@@ -42,8 +41,6 @@ QWEN_RULES = NameRules(DENSE_RULES.rules + [
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _HF_GATE = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
-_OURS_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
-_OURS_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
 
 
 # ---- config ---------------------------------------------------------------------------------------------------
@@ -156,38 +153,13 @@ def fields_to_qwen3_moe_config(m: dict[str, Any]) -> dict[str, Any]:
 # ---- tensors --------------------------------------------------------------------------------------------------
 def qwen_to_ours(tensors: Iterable[tuple[str, torch.Tensor]], family: str) -> dict[str, torch.Tensor]:
     """Hugging Face Qwen tensors (saved or in-memory names) -> our global tensors, experts stacked."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
-    for name, t in tensors:
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if m := _HF_EXPERT.fullmatch(name):
-            experts[(int(m[1]), m[3])][int(m[2])] = t
-        elif m := _HF_GATE.fullmatch(name):
-            out[f"layers.{m[1]}.mlp.router.weight"] = t
-        elif m := HF_FUSED.fullmatch(name):
-            put_fused(out, m, t)
-        else:
-            try:
-                out[QWEN_RULES.from_hf(name)] = t
-            except KeyError:
-                raise CheckpointError(f"unexpected tensor {name!r} in a {family} checkpoint") from None
-    stack_experts(out, experts)
-    return out
+    return plain_moe_to_ours(tensors, family, _HF_EXPERT, _HF_GATE, QWEN_RULES)
 
 
 def ours_tensor_to_qwen(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """One of our global tensors -> its Hugging Face Qwen tensors (per-expert, as save_pretrained writes)."""
-    if m := _OURS_EXPERTS.fullmatch(name):
-        return {f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}.weight": t[e].contiguous() for e in range(t.shape[0])}
-    if m := _OURS_ROUTER.fullmatch(name):
-        if m[2] == "weight":
-            return {f"model.layers.{m[1]}.mlp.gate.weight": t}
-        if torch.count_nonzero(t):
-            raise CheckpointError(f"{name} is non-zero: Qwen3-MoE has no router bias, routing would change")
-        return {}
-    if ".mlp.shared_experts." in name:
-        raise CheckpointError(f"{name}: Qwen3-MoE has no shared experts")
+    if (moe := routed_moe_to_hf(name, t, "Qwen3-MoE", "mlp")) is not None:
+        return moe
     try:
         return {QWEN_RULES.to_hf(name): t}
     except KeyError:

@@ -12,7 +12,7 @@ from ckpt_helpers import build_trainer, context_for, make_config  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf import adapter_for_model, export_hf, import_hf  # noqa: E402
 from models.hf_qwen3 import (fields_to_qwen3_moe_config, qwen3_config_to_fields, qwen3_moe_config_to_fields,  # noqa: E402
-                             qwen_to_ours)
+                             ours_tensor_to_qwen, qwen_to_ours)
 from models.llama import Llama  # noqa: E402
 from models.moe import MoETransformer  # noqa: E402
 from parallel3d.checkpoint import save_checkpoint  # noqa: E402
@@ -246,3 +246,17 @@ def test_published_config_imports_as_the_preset_model(preset):
     fields = adapter_for_hf(PUBLISHED[preset]).config_from_hf(PUBLISHED[preset])
     model = dataclasses.asdict(load_config(f"configs/{preset}.yaml", [], ModelConfig).model)
     assert {k: model[k] for k in fields} == fields
+
+
+def test_qwen3_moe_export_refuses_what_it_cannot_express():
+    """A non-zero router bias or shared experts would change the model Qwen3-MoE loads: refused by name;
+    a zero bias (our default buffer) is dropped and the experts split per expert."""
+    with pytest.raises(CheckpointError, match="Qwen3-MoE has no router bias"):
+        ours_tensor_to_qwen("layers.0.mlp.router.expert_bias", torch.ones(4))
+    with pytest.raises(CheckpointError, match="Qwen3-MoE has no shared experts"):
+        ours_tensor_to_qwen("layers.0.mlp.shared_experts.gate_proj.weight", torch.ones(2, 2))
+    assert ours_tensor_to_qwen("layers.0.mlp.router.expert_bias", torch.zeros(4)) == {}
+    w = torch.arange(24.0).reshape(2, 3, 4)
+    out = ours_tensor_to_qwen("layers.1.mlp.experts.down_proj", w)
+    assert sorted(out) == ["model.layers.1.mlp.experts.0.down_proj.weight", "model.layers.1.mlp.experts.1.down_proj.weight"]
+    assert torch.equal(out["model.layers.1.mlp.experts.1.down_proj.weight"], w[1])
