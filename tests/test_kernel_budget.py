@@ -37,7 +37,8 @@ def rows() -> list[dict]:
 
 def test_every_launched_kernel_is_reported(rows):
     launched = set()  # every launched kernel is a module-level `_..._kernel` (helpers are not launched)
-    for name in ("rmsnorm", "swiglu", "rope", "cross_entropy", "flash_attention", "grouped_gemm"):
+    for name in ("rmsnorm", "swiglu", "rope", "cross_entropy", "flash_attention", "flash_attention_bwd",
+                 "grouped_gemm"):
         module = importlib.import_module(f"kernels.{name}")
         launched |= {n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")}
     assert {r["kernel"] for r in rows} == launched
