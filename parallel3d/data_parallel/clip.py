@@ -72,9 +72,12 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
 
 
 @torch.no_grad()
-def clip_(buckets: list[Bucket], norm: float, max_norm: float) -> None:
-    """Scale every held gradient by max_norm / (norm + 1e-6) when that is < 1 (torch's convention)."""
+def clip_(buckets: list[Bucket], norm: float, max_norm: float):
+    """Scale every held gradient by max_norm / (norm + 1e-6) when that is < 1 (torch's convention).
+    Returns the factor applied (None: none), which offloaded host copies of the gradients replay."""
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for b in buckets:
             b.grad.shard.mul_(coef)
+        return coef
+    return None

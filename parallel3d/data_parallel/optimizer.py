@@ -100,9 +100,21 @@ class DistributedOptimizer(BucketReduction):
         self.params = [s.param for b in self.buckets for s in b.slots]
         self.nvme = self.param_home = None   # offload homes (parallel3d/offload): NVMe Adam state, parameters
         self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
+        # offload: host <-> device copies beside compute (offload/streams.py); gradients leave per bucket
+        # as reduced (offload/host_grads.py), parameters come back per bucket (offload/publish.py)
+        self.copies = self.host_grads = self.published = None
+        self._clip_coef: Optional[float] = None
+        if (offload_optimizer, offload_params) != ("none", "none"):
+            from parallel3d.offload.publish import DevicePublish
+            from parallel3d.offload.streams import CopyEngine
+            self.copies = CopyEngine(ctx.device)
+            self.published = DevicePublish(self.copies)
+        if offload_optimizer == "cpu":
+            from parallel3d.offload.host_grads import HostGrads
+            self.host_grads = HostGrads(self.copies)
         if offload_optimizer == "nvme":       # before init_bucket: ZeRO-3 frees the parameters it reads
             from parallel3d.offload.nvme import NvmeAdam
-            self.nvme = NvmeAdam.create(self.buckets, ctx, offload_dir, offload_buffer_mb)
+            self.nvme = NvmeAdam.create(self.buckets, ctx, offload_dir, offload_buffer_mb, self.copies)
         for b in self.buckets:
             init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device, resident=self.nvme is None)
             b.adam.home = self.nvme
@@ -112,8 +124,11 @@ class DistributedOptimizer(BucketReduction):
             self.zero3 = Zero3(chains, gather, self.dtype, ZeroPP(quant_block if quantized_weights else 0, node))
         if offload_params != "none":          # takes each bucket's param_flat off the device
             from parallel3d.offload.params import ParamOffload
-            self.param_home = ParamOffload.create(self.buckets, offload_params, self.dtype, ctx, offload_dir)
+            self.param_home = ParamOffload.create(self.buckets, offload_params, self.dtype, ctx, offload_dir,
+                                                  self.copies)
             self.zero3.fetch = self.param_home.fetch
+        elif zero == 3 and self.published is not None:   # the shard may still be on its way from the step
+            self.zero3.fetch = self._published_shard
         self._chains = chains
         self.compressor = Compressor(grad_compression, self.buckets, powersgd_rank, topk_ratio,
                                      compression_start_step) if grad_compression != "none" else None
@@ -124,10 +139,15 @@ class DistributedOptimizer(BucketReduction):
         self._touched: set[int] = set()      # chunks whose gradients arrived during the running backward
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(b, s))
                        for b in self.buckets for s in b.slots]
+        if zero == 0 and self.published is not None:   # a module's forward waits for its own buckets only
+            self._hooks += self.published.hooks(self.buckets, self.modules)
         self._local_ties = _local_ties(self.buckets)
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        if self.host_grads is not None:   # copies of a skipped step may still read the buffers zeroed here
+            self.host_grads.drain(self.buckets)
+        self._clip_coef = None
         for b in self.buckets:
             if b.grad.work is not None:
                 wait_work(b.grad.work, b.group, "reduction")
@@ -164,7 +184,13 @@ class DistributedOptimizer(BucketReduction):
             self._launch_ready(seq)
         while self._inflight:
             self._finalize(self._inflight.popleft())
+        if self.host_grads is not None:   # the held gradients change in place below: copies first
+            self.host_grads.fence()
         self._reduce_extra_groups()
+        if self.host_grads is not None:
+            self.host_grads.fence()
+        if self.published is not None:    # backstop: every parameter copy of the last step has landed
+            self.published.wait_all()
         if self.zero3 is not None:
             self.zero3.free_all()
         self._synced = True
@@ -174,6 +200,7 @@ class DistributedOptimizer(BucketReduction):
             return
         self.finish_grad_sync()
         inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        self._inv = inv   # offload: the host copies of the gradients are unscaled by the same factor
         self._norm, self._found_inf = grad_stats(self.buckets, self.ctx, self.zero, inv)
         self._prepared = True
 
@@ -182,7 +209,7 @@ class DistributedOptimizer(BucketReduction):
         Collective over the world: every rank (every pipeline stage) must call it."""
         self._prepare()
         if max_norm > 0 and not self._found_inf and not self._clipped:
-            clip_(self.buckets, self._norm, max_norm)
+            self._clip_coef = clip_(self.buckets, self._norm, max_norm)
             self._clipped = True
         return self._norm
 
@@ -197,23 +224,33 @@ class DistributedOptimizer(BucketReduction):
             self.scaler.update(found)
         self._prepared = False
         if found:
+            if self.host_grads is not None:
+                self.host_grads.drain(self.buckets)
             return False
         self.step_count += 1
+        # offload: forward order (buckets are in backward order), so the first layers' parameters are
+        # back on the device first and the next forward can start on them (offload/publish.py)
+        order = self.buckets if self.copies is None else self.buckets[::-1]
         if self.nvme is not None:  # streamed: each updated master chunk is published as it is produced
-            self.nvme.step(self.buckets, lr, self.betas, self.eps, self.weight_decay, self.step_count,
+            self.nvme.step(order, lr, self.betas, self.eps, self.weight_decay, self.step_count,
                            self.publish_chunk)
             self.publish_params(streamed=True)
             return True
         pending = []
-        for b in self.buckets:
-            host_grad = None if self.state_device is None else b.grad.shard.to(self.state_device)
+        inv = None if self.scaler is None else torch.full((1,), self._inv, dtype=torch.float32)
+        for b in order:
+            host_grad = None if self.host_grads is None else self.host_grads.gradient(b, inv, self._clip_coef)
             adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
             if self.zero in (1, 2):   # the bucket's all-gather travels while the next buckets update
                 pending.append(self._start_publish(b))
+            elif self.published is not None and b.param_flat is not b.adam.master:
+                self.publish_chunk(b, 0, b.seg, b.adam.master)   # its copy travels while the next update
         if self.zero in (1, 2):
             self._finish_publish(pending)
-        else:
+        elif self.published is None:
             self.publish_params()
+        elif self.zero3 is not None:
+            self.zero3.invalidate()
         return True
 
     def skip_step(self) -> bool:
@@ -223,6 +260,8 @@ class DistributedOptimizer(BucketReduction):
         if self.scaler is not None:
             self.scaler.update(True)
         self._prepared = False
+        if self.host_grads is not None:
+            self.host_grads.drain(self.buckets)
         return False
 
     @property
@@ -231,17 +270,31 @@ class DistributedOptimizer(BucketReduction):
         return self._found_inf
 
     @torch.no_grad()
-    def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor) -> None:
+    def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor,
+                      staging: Optional[torch.Tensor] = None):
         """Elements [a, e) of b's updated master -> the parameters' home: the ZeRO-0/3 flat copy, the
-        parameter offload home, or (ZeRO-1/2) the device shard publish_params all-gathers."""
+        parameter offload home, or (ZeRO-1/2) the device shard publish_params all-gathers. With offload
+        the device copy is asynchronous: returns its ticket (`staging`: a pinned buffer for the
+        conversion to the compute dtype, kept by the caller until then)."""
         if self.param_home is not None:
             self.param_home.store(b, a, e, values)
-        elif self.zero in (0, 3):
-            b.param_flat[a:e].copy_(values)
+            return None
+        if self.zero in (0, 3):
+            dst = b.param_flat[a:e]
         else:  # the all-gather runs on the device (master may be on the host)
             if id(b) not in self._shards:
                 self._shards[id(b)] = torch.empty(b.seg, dtype=self.dtype, device=b.slots[0].param.device)
-            self._shards[id(b)][a:e].copy_(values)
+            dst = self._shards[id(b)][a:e]
+        if self.published is None:
+            dst.copy_(values)
+            return None
+        return self.published.copy(b, dst, values, staging)
+
+    def _published_shard(self, b: Bucket):
+        """ZeRO-3 with an offloaded optimizer: b's persistent shard, once the step's copy into it is ordered."""
+        from parallel3d.offload.streams import Fetched
+        self.published.wait(b)
+        return Fetched(b.param_flat)
 
     @torch.no_grad()
     def publish_params(self, streamed: bool = False) -> None:
@@ -252,7 +305,9 @@ class DistributedOptimizer(BucketReduction):
         if self.nvme is not None and not streamed:
             self.nvme.read_master(self.buckets, self.publish_chunk)
         for b in self.buckets if self.nvme is None else []:
-            if self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
+            if self.zero in (1, 2) and self.published is not None:
+                self.publish_chunk(b, 0, b.seg, b.adam.master)
+            elif self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
                 self._shards[id(b)] = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
             elif b.param_flat is not b.adam.master:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)
@@ -263,9 +318,13 @@ class DistributedOptimizer(BucketReduction):
     def _start_publish(self, b: Bucket) -> tuple:
         """ZeRO-1/2: launch the all-gather of a bucket's updated shard (step() calls it right after the
         bucket's AdamW, so the gather travels while the next buckets update)."""
+        if self.published is not None and id(b) not in self._shards:   # offload: the shard's copy, in flight
+            self.publish_chunk(b, 0, b.seg, b.adam.master)
         shard = self._shards.pop(id(b), None)
         if shard is None:  # the all-gather runs on the device (master may be on the host); no copy if it is one
             shard = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
+        if self.published is not None:
+            self.published.wait(b)
         full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
         return b, full, start_all_gather(full, shard, b.group)
 
@@ -296,7 +355,11 @@ class DistributedOptimizer(BucketReduction):
 
     def close(self) -> None:
         """Remove the offload files (also done at exit)."""
-        for home in (self.nvme, self.param_home):
+        if self.published is not None:
+            self.published.wait_all()
+        if self.host_grads is not None:
+            self.host_grads.drain(self.buckets)
+        for home in (self.nvme, self.param_home, self.copies):
             if home is not None:
                 home.close()
 
@@ -310,6 +373,8 @@ class DistributedOptimizer(BucketReduction):
 
     # ---- checkpoint state, gradients for tests, memory (state.py) ---------------------------------------
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
+        if self.published is not None:   # a checkpoint also reads the parameters
+            self.published.wait_all()
         return _state.state_tensors(self.buckets, self.ctx, self.zero)
 
     def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],

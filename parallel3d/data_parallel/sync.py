@@ -51,7 +51,7 @@ class BucketReduction:
         for chunk in touched:
             if self.zero3 is not None:
                 for unit in self._chains[chunk]:
-                    if unit.gathered or unit.pending is not None:
+                    if unit.gathered or unit.pending is not None or unit.fetched:
                         self.zero3.free(unit)
             if self._last[chunk]:
                 for seq in self._chunk_seqs.get(chunk, []):
@@ -104,14 +104,18 @@ class BucketReduction:
         elif self.zero >= 2:
             b.grad.shard, b.grad.full = b.grad.out, None
         b.grad.out = None
+        if self.host_grads is not None:   # offload cpu: the held gradient leaves for the host now
+            self.host_grads.start(b)
 
     def _reduce_extra_groups(self) -> None:
         """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each.
         A tied pair held by this one rank (the V placement's embedding and head) is summed here instead."""
         views: dict[str, list[torch.Tensor]] = {}
+        changed: dict[int, tuple[Bucket, Slot]] = {}
         for (b, source), (cb, copy) in self._local_ties:
             total = source.flat(b.grad.shard).add_(copy.flat(cb.grad.shard))
             copy.flat(cb.grad.shard).copy_(total)
+            changed[id(source)], changed[id(copy)] = (b, source), (cb, copy)
         tied = {id(s) for pair in self._local_ties for _, s in pair}
         for b in self.buckets:
             for s in b.slots:
@@ -121,8 +125,12 @@ class BucketReduction:
                     g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
                     if g is not None and g.size > 1:
                         views.setdefault(name, []).append(s.flat(b.grad.shard))
+                        changed[id(s)] = (b, s)
         for name in sorted(views):
             flat = torch.cat(views[name])
             comm.all_reduce(flat, getattr(self.ctx, name))
             for v, part in zip(views[name], flat.split([v.numel() for v in views[name]])):
                 v.copy_(part)
+        if self.host_grads is not None:   # those rows left for the host before this sum: send them again
+            for b, s in changed.values():
+                self.host_grads.refresh(b, s)

@@ -11,6 +11,12 @@ only the chunk's own forward brackets their use).
               (grad of block i output) wait block i, prefetch block i-1
               a unit is freed once every one of its parameters has received its gradient
 
+With a `fetch` (parameter offload, or an offloaded optimizer's parameter copies in flight) the persistent
+shard comes from elsewhere, and the prefetch reaches one unit further: when unit i starts, unit i+1's
+gather is launched and unit i+2's fetch is issued (`start_fetch`: a host->device copy, NVMe reads on I/O
+threads), so the gather of a unit waits only for a fetch issued a whole unit earlier (`read_ahead=False`
+issues it with the gather instead, for benchmarks).
+
 Per step and microbatch every parameter is gathered twice (forward, backward) and its gradient
 reduce-scattered once: 3x the parameter bytes, vs 2x for DP's all-reduce (counted as 2x in ring terms).
 
@@ -30,7 +36,7 @@ then the unit is gathered but neither freed nor re-hooked.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -72,6 +78,7 @@ class Unit:
     buckets: list[Bucket] = field(default_factory=list)
     gathered: bool = False
     pending: Optional[list] = None
+    fetched: Optional[list] = None    # Fetched (offload/streams.py) per bucket, issued ahead of the gather
     grads_left: int = 0
     next_fwd: Optional["Unit"] = None
     next_bwd: Optional["Unit"] = None
@@ -93,7 +100,8 @@ class Zero3:
                  pp: Optional[ZeroPP] = None) -> None:
         self.units = [u for chain in chains for u in chain]
         self.groups, self.dtype, self.pp = groups, dtype, pp or ZeroPP()
-        self.fetch: Optional[Callable[[Bucket], torch.Tensor]] = None  # offload/params.py: shard -> device
+        self.fetch: Optional[Callable[[Bucket], Any]] = None  # offload: bucket -> Fetched shard on the device
+        self.read_ahead = True
         self.secondary: dict[int, torch.Tensor] = {}   # hpZ: id(bucket) -> this rank's slice of the gathered bucket
         self.handles = []
         for chain in chains:               # chain = [root, block0, block1, ...]
@@ -109,12 +117,20 @@ class Zero3:
                 self.handles.append(u.module.register_forward_hook(self._post_forward(u)))
 
     # ---- gather / free ------------------------------------------------------------------------------
+    def start_fetch(self, unit: Optional[Unit]) -> None:
+        """Issue the transfers that bring the unit's shards to the device (nothing to do without `fetch`)."""
+        if self.fetch is None or unit is None or unit.gathered or unit.pending is not None or unit.fetched:
+            return
+        unit.fetched = [self.fetch(b) for b in unit.buckets]
+
     def start_gather(self, unit: Optional[Unit]) -> None:
         if unit is None or unit.gathered or unit.pending is not None:
             return
         pend, backward = [], in_backward()
-        for b in unit.buckets:
-            shard = b.param_flat if self.fetch is None else self.fetch(b)  # the work keeps a fetched copy alive
+        self.start_fetch(unit)
+        fetched, unit.fetched = unit.fetched or [None] * len(unit.buckets), None
+        for b, f in zip(unit.buckets, fetched):
+            shard = b.param_flat if f is None else f.wait()   # the work keeps a fetched copy alive
             full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)   # (N*S,)
             group, secondary = self.groups[b.expert], self.secondary.get(id(b))
             if backward and secondary is not None:     # hpZ: the backward copy comes from inside the node
@@ -153,6 +169,9 @@ class Zero3:
             for _, _, group, work, _ in unit.pending:
                 wait_work(work, group, "all_gather")
             unit.pending = None
+        for f in unit.fetched or []:  # a fetch that was not used: its transfers end before its buffers go
+            f.wait()
+        unit.fetched = None
         for p in unit.params:
             p.data.untyped_storage().resize_(0)
         unit.gathered = False
@@ -163,7 +182,7 @@ class Zero3:
 
     def free_all(self) -> None:
         for u in self.units:
-            if u.gathered or u.pending is not None:
+            if u.gathered or u.pending is not None or u.fetched:
                 self.free(u)
 
     def on_grad(self, unit: Unit) -> None:
@@ -177,8 +196,14 @@ class Zero3:
         def hook(module, args):
             self.gather(unit)
             if not in_backward():
-                self.start_gather(unit.next_fwd)
+                self._prefetch(unit.next_fwd, "next_fwd")
         return hook
+
+    def _prefetch(self, nxt: Optional[Unit], direction: str) -> None:
+        """Launch the next unit's gather; issue the fetch of the one after it (read-ahead)."""
+        self.start_gather(nxt)
+        if self.read_ahead and nxt is not None:
+            self.start_fetch(getattr(nxt, direction))
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
@@ -194,7 +219,7 @@ class Zero3:
     def _pre_backward(self, unit: Unit):
         def hook(grad):
             self.gather(unit)
-            self.start_gather(unit.next_bwd)
+            self._prefetch(unit.next_bwd, "next_bwd")
         return hook
 
     def remove(self) -> None:

@@ -1,0 +1,81 @@
+"""Updated parameters back to the device after the CPU AdamW step, without making the next forward wait for all.
+
+The offloaded step updates bucket after bucket on the host (forward order: the first layers' buckets first);
+each bucket's new values leave on the copy engine (streams.py) as soon as its update is done, while the
+host updates the next bucket. Who reads a bucket's device parameters first waits for that bucket only:
+
+    ZeRO-0     the forward pre-hook of every module that owns one of its parameters (`hooks`)
+    ZeRO-1/2   the bucket's all-gather (optimizer._start_publish)
+    ZeRO-3     the unit's gather, through the prefetcher's fetch (zero3.py), one unit ahead of use
+
+`wait_all` is the backstop for any other reader (checkpoints, the end of the backward pass).
+A conversion to the compute dtype happens on the host, into a pinned staging buffer (a non_blocking copy
+that converts would stage through pageable memory): per bucket here, or a slot of the NVMe pool.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from parallel3d.data_parallel.buffer import Bucket
+from parallel3d.offload.files import host_buffer
+from parallel3d.offload.streams import CopyEngine, Ticket
+
+
+class DevicePublish:
+    """Per-bucket tickets of the parameter copies in flight (see the module docstring)."""
+
+    def __init__(self, engine: CopyEngine) -> None:
+        self.engine = engine
+        self.tickets: dict[int, list[Ticket]] = {}
+        self.staging: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def copy(self, b: Bucket, dst: torch.Tensor, values: torch.Tensor,
+             staging: Optional[torch.Tensor] = None) -> Ticket:
+        """dst (device, compute dtype) <- values (host fp32). `staging`: a pinned host buffer of at least
+        dst's bytes that the caller keeps until the ticket completes; default: the bucket's own."""
+        src = values
+        if values.dtype != dst.dtype:
+            n = dst.numel()
+            if staging is None:
+                for t in self.tickets.get(id(b), []):   # the bucket's buffer is still being read
+                    t.synchronize()
+                staging = self.staging.get(id(b))
+                if staging is None or staging.numel() < n * dst.element_size():
+                    staging = self.staging[id(b)] = host_buffer(n * dst.element_size(), torch.uint8,
+                                                                self.engine.device.type == "cuda")
+            src = staging.view(torch.uint8)[: n * dst.element_size()].view(dst.dtype).copy_(values)
+        ticket = self.engine.copy(dst, src)
+        self.tickets.setdefault(id(b), []).append(ticket)
+        return ticket
+
+    def wait(self, b: Bucket) -> None:
+        """The device's next use of b's parameters comes after its copies."""
+        for t in self.tickets.pop(id(b), []):
+            t.wait()
+
+    def wait_all(self) -> None:
+        for key in list(self.tickets):
+            for t in self.tickets.pop(key):
+                t.wait()
+
+    def hooks(self, buckets: Sequence[Bucket], modules: Sequence[nn.Module]) -> list:
+        """ZeRO-0: a forward pre-hook on each module owning parameters of `buckets` waits for their buckets."""
+        owner = {id(s.param): b for b in buckets for s in b.slots}
+        handles = []
+        for root in modules:
+            for m in root.modules():
+                mine = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+                if mine:
+                    handles.append(m.register_forward_pre_hook(self._waiter(list(mine.values()))))
+        return handles
+
+    def _waiter(self, bs: list[Bucket]):
+        def hook(module, args):
+            for b in bs:
+                if id(b) in self.tickets:
+                    self.wait(b)
+        return hook
