@@ -2,6 +2,7 @@
 
     python benchmarks/offload.py adamw  [--params 16000000] [--threads 1 2]
     python benchmarks/offload.py modes  [--steps 4]
+    python benchmarks/offload.py overlap [--steps 5]
 
 adamw: parameters per second of one AdamW step on fp32 host tensors, for
     ours       data_parallel/adamw.adamw_flat_ (blocked single-tensor arithmetic, the update every home runs)
@@ -13,6 +14,9 @@ and whether each result is bit-identical to torch's single-tensor AdamW (the on-
 modes: one process per mode (world 1, a ~34M-parameter model, fp32, ZeRO-1; ZeRO-3 for parameter
 offload): median step time, resident memory in use after the steps (after malloc_trim) and the state
 bytes the optimizer keeps in tensors.
+overlap: the same step with the offload copies beside compute (the default: copy engine, ZeRO-3 fetches
+one unit ahead, NVMe parameter reads on the I/O thread ahead of use) and without (every copy done where
+it is issued, on the main thread; each unit's fetch issued with its gather and waited for at once).
 """
 from __future__ import annotations
 
@@ -153,6 +157,10 @@ from ckpt_helpers import build_trainer, context_for, make_config
 torch.set_num_threads(1)
 cfg = make_config(json.loads(sys.argv[1]), 1)
 trainer = build_trainer(cfg, context_for(cfg))
+if len(sys.argv) > 3 and sys.argv[3] == "serial":   # benchmarks only: the offload copies without overlap
+    trainer.optimizer.copies.synchronous = True
+    if trainer.optimizer.zero3 is not None:
+        trainer.optimizer.zero3.read_ahead = False
 times = []
 for _ in range(int(sys.argv[2])):
     t0 = time.perf_counter(); trainer.train_step(); times.append(time.perf_counter() - t0)
@@ -164,15 +172,41 @@ print(json.dumps({"times": times, "rss": rss, "optimizer_tensors": mem["optimize
 """
 
 
+def _one(overrides: list[str], steps: int, how: str = "") -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    with tempfile.TemporaryDirectory() as d:
+        args = [*WIDE, *(o.format(d=d) for o in overrides)]
+        out = subprocess.run([sys.executable, "-c", ONE_MODE, json.dumps(args), str(steps), how], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+OVERLAP = {  # what the overlap hides: the gradient/parameter copies, the NVMe parameter reads
+    "optimizer cpu, ZeRO-1": ["parallel.zero=1", "parallel.offload_optimizer=cpu"],
+    "optimizer cpu, ZeRO-0 bf16": ["parallel.zero=0", "parallel.offload_optimizer=cpu", "train.precision=bf16"],
+    "ZeRO-3 params nvme + optimizer cpu, 4 layers": ["parallel.zero=3", "parallel.offload_params=nvme",
+                                                     "parallel.offload_optimizer=cpu", "parallel.offload_dir={d}",
+                                                     "model.num_layers=4"],
+}
+
+
+def bench_overlap(steps: int, repeat: int = 2) -> list[dict]:
+    """Median step time without and with overlap, the two runs interleaved `repeat` times (load drifts)."""
+    rows = []
+    for name, overrides in OVERLAP.items():
+        times = {"serial": [], "overlap": []}
+        for _ in range(repeat):
+            for how in times:
+                times[how] += _one(overrides, steps, how)["times"][1:]
+        serial, overlap = statistics.median(times["serial"]), statistics.median(times["overlap"])
+        rows.append({"mode": name, "serial_s": serial, "overlap_s": overlap, "speedup": serial / overlap})
+    return rows
+
+
 def bench_modes(steps: int) -> list[dict]:
     rows = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     for name, overrides in MODES.items():
-        with tempfile.TemporaryDirectory() as d:
-            args = [*WIDE, *(o.format(d=d) for o in overrides)]
-            out = subprocess.run([sys.executable, "-c", ONE_MODE, json.dumps(args), str(steps)], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = _one(overrides, steps)
         rows.append({"mode": name, "step_s": statistics.median(r["times"][1:]), "rss_mb": r["rss"] / 2 ** 20,
                      "optimizer_tensor_mb": r["optimizer_tensors"] / 2 ** 20, "param_tensor_mb": r["params_tensors"] / 2 ** 20})
     return rows
@@ -180,7 +214,7 @@ def bench_modes(steps: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["adamw", "modes"])
+    ap.add_argument("what", choices=["adamw", "modes", "overlap"])
     ap.add_argument("--params", type=int, default=16_000_000)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=4)
@@ -195,6 +229,11 @@ def main() -> None:
             else:
                 print(f"| {r['impl']} | {r['threads']} | {r['ms']:.1f} | {r['params_per_s'] / 1e6:.1f} | "
                       f"{'yes' if r['exact'] else 'no'} |")
+    elif a.what == "overlap":
+        rows = bench_overlap(a.steps)
+        print("| mode | step s, copies serial | step s, overlapped (default) | speedup |\n|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['mode']} | {r['serial_s']:.3f} | {r['overlap_s']:.3f} | {r['speedup']:.2f}x |")
     else:
         rows = bench_modes(a.steps)
         print("| mode | step s | RSS in use MB | optimizer state in tensors MB | parameter tensors MB |\n"

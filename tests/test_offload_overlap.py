@@ -179,3 +179,18 @@ def test_nvme_reads_run_ahead_of_the_forward(tmp_path):
     log, *_ = _order(tmp_path, read_ahead=False)
     first = {e: log.index(e) for e in reversed(log)}
     assert all(first[("fetch", i + 1)] > first[("start", i)] for i in range(3)), log
+
+
+@pytest.mark.gpu
+def test_cuda_engine_orders_the_consumer_stream():
+    """CUDA: copies on the side stream, the consumer's stream waits on the event (not run without a GPU)."""
+    from parallel3d.offload.files import host_buffer
+    engine = CopyEngine(torch.device("cuda", torch.cuda.current_device()))
+    src = torch.randn(1 << 24, device="cuda")
+    host = host_buffer(src.numel(), torch.float32, pin=True)
+    engine.copy(host, src * 2).synchronize()            # device -> host; the source is a temporary
+    assert torch.equal(host, (src * 2).cpu())
+    back = torch.empty_like(src)
+    engine.copy(back, host).wait()                       # host -> device, then used on the current stream
+    assert torch.equal(back * 1, src * 2)
+    engine.close()

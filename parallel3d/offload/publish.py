@@ -31,6 +31,7 @@ class DevicePublish:
         self.engine = engine
         self.tickets: dict[int, list[Ticket]] = {}
         self.staging: dict[int, torch.Tensor] = {}
+        self.last: dict[int, Ticket] = {}        # the copy that last read a bucket's own staging buffer
 
     @torch.no_grad()
     def copy(self, b: Bucket, dst: torch.Tensor, values: torch.Tensor,
@@ -41,8 +42,8 @@ class DevicePublish:
         if values.dtype != dst.dtype:
             n = dst.numel()
             if staging is None:
-                for t in self.tickets.get(id(b), []):   # the bucket's buffer is still being read
-                    t.synchronize()
+                if id(b) in self.last:                  # the bucket's buffer may still be being read
+                    self.last.pop(id(b)).synchronize()
                 staging = self.staging.get(id(b))
                 if staging is None or staging.numel() < n * dst.element_size():
                     staging = self.staging[id(b)] = host_buffer(n * dst.element_size(), torch.uint8,
@@ -50,6 +51,8 @@ class DevicePublish:
             src = staging.view(torch.uint8)[: n * dst.element_size()].view(dst.dtype).copy_(values)
         ticket = self.engine.copy(dst, src)
         self.tickets.setdefault(id(b), []).append(ticket)
+        if src is not values and staging is self.staging.get(id(b)):
+            self.last[id(b)] = ticket
         return ticket
 
     def wait(self, b: Bucket) -> None:

@@ -109,8 +109,8 @@ class CopyEngine:
         if self.worker is not None:
             return Ticket(future=self.worker.submit(_copy, dst, src), keep=(dst, src))
         start = after if after is not None else self.mark()
-        self.stream.wait_event(start)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):   # also from I/O threads
+            self.stream.wait_event(start)
             dst.copy_(src, non_blocking=True)
             for t in (dst, src):
                 if t.device.type == "cuda":  # the allocator must not reuse it before the side stream is done
