@@ -190,7 +190,7 @@ OVERLAP = {  # what the overlap hides: the gradient/parameter copies, the NVMe p
 }
 
 
-def bench_overlap(steps: int, repeat: int = 2) -> list[dict]:
+def bench_overlap(steps: int, repeat: int = 3) -> list[dict]:
     """Median step time without and with overlap, the two runs interleaved `repeat` times (load drifts)."""
     rows = []
     for name, overrides in OVERLAP.items():

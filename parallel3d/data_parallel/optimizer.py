@@ -21,12 +21,12 @@ already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradien
           around each unit's fwd and bwd (zero3.py)
 
 Buckets, shard layout and why it is rank-major: buffer.py, build.py. Gradient hooks and each bucket's
-reduction (HSDP, compression, qgZ): sync.py. Norm and clipping: clip.py; AdamW: adamw.py.
-Checkpoint state, gradient views and memory accounting: state.py. The optimizer only assumes its
-`modules` list (the model chunks on this rank): it works under any TP/PP/CP/EP layout whose parameters
-carry `meta`. Construct it after the weights are final (initialised or loaded): it copies them into its
-master weights (and under ZeRO-3 frees the unsharded parameters); later loads go through
-`load_state_tensors`.
+reduction (HSDP, compression, qgZ): sync.py. Parameters from the updated master: publishing.py.
+Norm and clipping: clip.py; AdamW: adamw.py. Checkpoint state, gradient views and memory accounting:
+state.py. The optimizer only assumes its `modules` list (the model chunks on this rank): it works under
+any TP/PP/CP/EP layout whose parameters carry `meta`. Construct it after the weights are final
+(initialised or loaded): it copies them into its master weights (and under ZeRO-3 frees the unsharded
+parameters); later loads go through `load_state_tensors`.
 """
 from __future__ import annotations
 
@@ -37,20 +37,21 @@ import torch
 from torch import nn
 
 from parallel3d.data_parallel import state as _state
-from parallel3d.data_parallel.buffer import Bucket, Slot, copy_rows_out
+from parallel3d.data_parallel.buffer import Bucket, Slot
 from parallel3d.data_parallel.build import init_bucket, plan
 from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.data_parallel.compression import Compressor, check_compression
-from parallel3d.comm import start_all_gather, wait_work
+from parallel3d.comm import wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
 from parallel3d.data_parallel.quantize import check_zeropp
+from parallel3d.data_parallel.publishing import ParamPublishing
 from parallel3d.data_parallel.sync import BucketReduction
 from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
 from parallel3d.mesh import ParallelContext, check_hpz
 
 
-class DistributedOptimizer(BucketReduction):
+class DistributedOptimizer(BucketReduction, ParamPublishing):
     """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
     and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads)."""
 
@@ -268,71 +269,6 @@ class DistributedOptimizer(BucketReduction):
     def overflowed(self) -> bool:
         """The prepared gradients hold inf/nan (after clip_grad_norm or step preparation)."""
         return self._found_inf
-
-    @torch.no_grad()
-    def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor,
-                      staging: Optional[torch.Tensor] = None):
-        """Elements [a, e) of b's updated master -> the parameters' home: the ZeRO-0/3 flat copy, the
-        parameter offload home, or (ZeRO-1/2) the device shard publish_params all-gathers. With offload
-        the device copy is asynchronous: returns its ticket (`staging`: a pinned buffer for the
-        conversion to the compute dtype, kept by the caller until then)."""
-        if self.param_home is not None:
-            self.param_home.store(b, a, e, values)
-            return None
-        if self.zero in (0, 3):
-            dst = b.param_flat[a:e]
-        else:  # the all-gather runs on the device (master may be on the host)
-            if id(b) not in self._shards:
-                self._shards[id(b)] = torch.empty(b.seg, dtype=self.dtype, device=b.slots[0].param.device)
-            dst = self._shards[id(b)][a:e]
-        if self.published is None:
-            dst.copy_(values)
-            return None
-        return self.published.copy(b, dst, values, staging)
-
-    def _published_shard(self, b: Bucket):
-        """ZeRO-3 with an offloaded optimizer: b's persistent shard, once the step's copy into it is ordered."""
-        from parallel3d.offload.streams import Fetched
-        self.published.wait(b)
-        return Fetched(b.param_flat)
-
-    @torch.no_grad()
-    def publish_params(self, streamed: bool = False) -> None:
-        """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2).
-        streamed: the NVMe step already passed every chunk to publish_chunk."""
-        if self.zero3 is not None:
-            self.zero3.invalidate()   # hpZ's secondary copies are stale
-        if self.nvme is not None and not streamed:
-            self.nvme.read_master(self.buckets, self.publish_chunk)
-        for b in self.buckets if self.nvme is None else []:
-            if self.zero in (1, 2) and self.published is not None:
-                self.publish_chunk(b, 0, b.seg, b.adam.master)
-            elif self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
-                self._shards[id(b)] = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
-            elif b.param_flat is not b.adam.master:
-                self.publish_chunk(b, 0, b.seg, b.adam.master)
-        if self.zero in (0, 3):
-            return
-        self._finish_publish([self._start_publish(b) for b in self.buckets])
-
-    def _start_publish(self, b: Bucket) -> tuple:
-        """ZeRO-1/2: launch the all-gather of a bucket's updated shard (step() calls it right after the
-        bucket's AdamW, so the gather travels while the next buckets update)."""
-        if self.published is not None and id(b) not in self._shards:   # offload: the shard's copy, in flight
-            self.publish_chunk(b, 0, b.seg, b.adam.master)
-        shard = self._shards.pop(id(b), None)
-        if shard is None:  # the all-gather runs on the device (master may be on the host); no copy if it is one
-            shard = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
-        if self.published is not None:
-            self.published.wait(b)
-        full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
-        return b, full, start_all_gather(full, shard, b.group)
-
-    def _finish_publish(self, pending: list[tuple]) -> None:
-        for b, full, work in pending:
-            wait_work(work, b.group, "all_gather")
-            for s in b.slots:
-                copy_rows_out(full, b.seg, b.nshard, s, s.param.data)
 
     @property
     def loss_scale(self) -> float:

@@ -1,0 +1,86 @@
+"""The parameter half of DistributedOptimizer: updated master weights back into the model parameters.
+
+    zero  where the updated master goes                         then
+    0     the flat parameter buffer (params are views of it)    -
+    1/2   a device shard per bucket                             all-gathered into the parameters
+    3     the persistent shard (or the parameter offload home)  gathered around each unit's use (zero3.py)
+
+With optimizer or parameter offload the device copies are asynchronous (offload/publish.py): each bucket's
+copy is issued right after its update and its first reader waits for that bucket only.
+`ParamPublishing` is a mixin: the optimizer owns the state it uses (buckets, zero, dtype, nvme, ...).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from parallel3d.comm import start_all_gather, wait_work
+from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+
+
+class ParamPublishing:
+    @torch.no_grad()
+    def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor,
+                      staging: Optional[torch.Tensor] = None):
+        """Elements [a, e) of b's updated master -> the parameters' home: the ZeRO-0/3 flat copy, the
+        parameter offload home, or (ZeRO-1/2) the device shard publish_params all-gathers. With offload
+        the device copy is asynchronous: returns its ticket (`staging`: a pinned buffer for the
+        conversion to the compute dtype, kept by the caller until then)."""
+        if self.param_home is not None:
+            self.param_home.store(b, a, e, values)
+            return None
+        if self.zero in (0, 3):
+            dst = b.param_flat[a:e]
+        else:  # the all-gather runs on the device (master may be on the host)
+            if id(b) not in self._shards:
+                self._shards[id(b)] = torch.empty(b.seg, dtype=self.dtype, device=b.slots[0].param.device)
+            dst = self._shards[id(b)][a:e]
+        if self.published is None:
+            dst.copy_(values)
+            return None
+        return self.published.copy(b, dst, values, staging)
+
+    def _published_shard(self, b: Bucket):
+        """ZeRO-3 with an offloaded optimizer: b's persistent shard, once the step's copy into it is ordered."""
+        from parallel3d.offload.streams import Fetched
+        self.published.wait(b)
+        return Fetched(b.param_flat)
+
+    @torch.no_grad()
+    def publish_params(self, streamed: bool = False) -> None:
+        """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2).
+        streamed: the NVMe step already passed every chunk to publish_chunk."""
+        if self.zero3 is not None:
+            self.zero3.invalidate()   # hpZ's secondary copies are stale
+        if self.nvme is not None and not streamed:
+            self.nvme.read_master(self.buckets, self.publish_chunk)
+        for b in self.buckets if self.nvme is None else []:
+            if self.zero in (1, 2) and self.published is not None:
+                self.publish_chunk(b, 0, b.seg, b.adam.master)
+            elif self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
+                self._shards[id(b)] = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
+            elif b.param_flat is not b.adam.master:
+                self.publish_chunk(b, 0, b.seg, b.adam.master)
+        if self.zero in (0, 3):
+            return
+        self._finish_publish([self._start_publish(b) for b in self.buckets])
+
+    def _start_publish(self, b: Bucket) -> tuple:
+        """ZeRO-1/2: launch the all-gather of a bucket's updated shard (step() calls it right after the
+        bucket's AdamW, so the gather travels while the next buckets update)."""
+        if self.published is not None and id(b) not in self._shards:   # offload: the shard's copy, in flight
+            self.publish_chunk(b, 0, b.seg, b.adam.master)
+        shard = self._shards.pop(id(b), None)
+        if shard is None:  # the all-gather runs on the device (master may be on the host); no copy if it is one
+            shard = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
+        if self.published is not None:
+            self.published.wait(b)
+        full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
+        return b, full, start_all_gather(full, shard, b.group)
+
+    def _finish_publish(self, pending: list[tuple]) -> None:
+        for b, full, work in pending:
+            wait_work(work, b.group, "all_gather")
+            for s in b.slots:
+                copy_rows_out(full, b.seg, b.nshard, s, s.param.data)
