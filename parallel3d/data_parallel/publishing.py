@@ -42,10 +42,10 @@ class ParamPublishing:
         return self.published.copy(b, dst, values, staging)
 
     def _published_shard(self, b: Bucket):
-        """ZeRO-3 with an offloaded optimizer: b's persistent shard, once the step's copy into it is ordered."""
+        """ZeRO-3 with an offloaded optimizer: b's persistent shard with the step's copies into it still to
+        wait for (the gather waits when it starts, not the read-ahead: on CUDA a wait orders the stream)."""
         from parallel3d.offload.streams import Fetched
-        self.published.wait(b)
-        return Fetched(b.param_flat)
+        return Fetched(b.param_flat, self.published.take(b))
 
     @torch.no_grad()
     def publish_params(self, streamed: bool = False) -> None:

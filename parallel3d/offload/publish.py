@@ -55,6 +55,10 @@ class DevicePublish:
             self.last[id(b)] = ticket
         return ticket
 
+    def take(self, b: Bucket) -> list[Ticket]:
+        """b's copies in flight, handed to a consumer that waits for them later (ZeRO-3's gather)."""
+        return self.tickets.pop(id(b), [])
+
     def wait(self, b: Bucket) -> None:
         """The device's next use of b's parameters comes after its copies."""
         for t in self.tickets.pop(id(b), []):
