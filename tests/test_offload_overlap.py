@@ -125,6 +125,27 @@ def test_cpu_offload_fp16_overflow_skip_identical(worlds):
         assert_identical(plain, off)
 
 
+def test_gradient_copies_leave_during_backward():
+    """Each bucket's copy to the host is issued when its reduction completes, inside backward (world 1:
+    reductions complete at once), not at the optimizer step; the run is still the plain one."""
+    from parallel3d.params import in_backward
+    layout = ["parallel.zero=1", "parallel.bucket_size_mb=0.01"]   # ~2.5k-element buckets: many of them
+    torch.set_num_threads(1)
+    cfg = make_config([*PARITY, *layout, *CPU], 1)
+    trainer = build_trainer(cfg, context_for(cfg))
+    issued = []
+    start = trainer.optimizer.host_grads.start
+    trainer.optimizer.host_grads.start = lambda b: (issued.append(in_backward()), start(b))
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    n = len(trainer.optimizer.buckets)
+    trainer.optimizer.close()
+    assert n >= 4 and len(issued) == 2 * n
+    assert all(issued), issued   # every bucket (ZeRO-1 world 1: the last one too) left inside backward
+    cfg = make_config([*PARITY, *layout], 1)
+    plain = build_trainer(cfg, context_for(cfg))
+    assert [plain.train_step()["loss"] for _ in range(2)] == losses
+
+
 # ---- NVMe parameter read-ahead ---------------------------------------------------------------------------
 def _order(tmp_path, read_ahead: bool, delay: float = 0.0):
     """One training step of a 4-layer ZeRO-3 model with parameters on NVMe; the log of fetch issues and
