@@ -238,3 +238,18 @@ def test_dry_run_flops_follow_the_model_formula(moe):
     run = run_role(cfg, 0, _stage_builder, H100, 8)
     want = flops_per_token(cfg.model, 128) * cfg.train.global_batch_size * 128
     assert 0.95 * want <= run.flops <= want, (run.flops, want)
+
+
+def test_offload_copies_hide_behind_the_compute_beside_them():
+    """The code overlaps each gradient bucket's copy down with the last backward and each parameter bucket's
+    copy up with the next forward (offload/streams.py); the plan exposes only what exceeds that compute,
+    at least one bucket each way, and the host AdamW in full."""
+    from parallel3d.planner.offload import exposed_offload
+    moved = {"offload_s": 7.0, "grads_down_s": 4.0, "params_up_s": 2.0, "host_s": 1.0, "bucket_copy_s": 0.1,
+             "param_fetch_s": 0.0}
+    assert exposed_offload(moved, 0.0, 0.0, 0.0) == pytest.approx(7.0)          # nothing to hide behind
+    assert exposed_offload(moved, 3.0, 1.5, 10.0) == pytest.approx(1.0 + 0.5 + 1.0)
+    assert exposed_offload(moved, 9.0, 9.0, 10.0) == pytest.approx(0.1 + 0.1 + 1.0)  # one bucket each way
+    moved.update(offload_s=0.0, host_s=0.0, param_fetch_s=3.0)   # parameters offloaded, optimizer kept
+    assert exposed_offload(moved, 0.0, 0.0, 2.0) == pytest.approx(1.0)
+    assert exposed_offload({**moved, "param_fetch_s": 0.0}, 0.0, 0.0, 0.0) == 0.0

@@ -26,7 +26,7 @@ from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed
 from parallel3d.planner.hardware import GPU
-from parallel3d.planner.offload import apply_offload, without_offload
+from parallel3d.planner.offload import apply_offload, exposed_offload, without_offload
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
 
@@ -155,7 +155,10 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         memory["peak"] = int(memory["peak"] + extra)
         memory, moved = apply_offload(cfg, memory, run.model_state, run.param_shard_bytes, gpu)
         compute = sum(c.compute_s for c in run.actions.values()) * m
-        moved["exposed_s"] = moved["offload_s"] + exposed(moved["param_fetch_s"] * m, compute)
+        phase = {k: sum(c.compute_s for (kind, _), c in run.actions.items() if kind in kinds)
+                 for k, kinds in (("fwd", ("FORWARD",)), ("bwd", ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")))}
+        moved["param_fetch_s"] *= m
+        moved["exposed_s"] = exposed_offload(moved, phase["bwd"], phase["fwd"], compute)
         if not offload or moved["exposed_s"] > offload["exposed_s"]:
             offload = moved
         roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full})

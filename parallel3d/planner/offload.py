@@ -4,8 +4,11 @@ The stand-in device cannot copy to the host (meta tensors hold no values), so a 
 `parallel.offload_optimizer` / `parallel.offload_params` is dry-run with both off, and then:
   - memory: the optimizer state the dry run measured (fp32 master, m, v of this rank's shard) leaves the
     device for the host (cpu) or the disk (nvme); with `offload_params` the ZeRO-3 parameter shard leaves too;
-  - time, after the pipeline: the reduced gradient shard goes down and the updated parameter shard comes up
-    over PCIe, AdamW runs on the host's cores, and with nvme the state is read and written once per step;
+  - time (`exposed_offload`), as the code overlaps it (parallel3d/offload/streams.py): each reduced
+    gradient bucket goes down over PCIe while the last microbatch's backward goes on, so only what exceeds
+    that backward is exposed, and at least the last bucket's copy; AdamW runs on the host's cores (and with
+    nvme the state is read and written once per step), exposed; the updated parameters come up bucket by
+    bucket in forward order while the next step's first forward runs, again at least one bucket exposed;
     with `offload_params` each ZeRO-3 gather first fetches its shard over PCIe, which the prefetcher
     overlaps with compute (exposed only where it exceeds it).
 
@@ -38,7 +41,9 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
                   gpu: GPU) -> tuple[dict, dict]:
     """(device memory after offload, {"host_bytes", "offload_s"}) for one rank, from its dry-run numbers."""
     p = cfg.parallel
-    memory, extra = dict(memory), {"host_bytes": 0, "offload_s": 0.0, "param_fetch_s": 0.0}
+    memory = dict(memory)
+    extra = {"host_bytes": 0, "offload_s": 0.0, "grads_down_s": 0.0, "params_up_s": 0.0, "host_s": 0.0,
+             "bucket_copy_s": 0.0, "param_fetch_s": 0.0}
     if p.offload_optimizer != "none":
         state = model_state["optimizer"]             # fp32 master + m + v of the shard: 12 bytes/param
         shard_params = state / 12
@@ -46,11 +51,12 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
         memory["peak"] -= state
         extra["host_bytes"] += state if p.offload_optimizer == "cpu" else 0
         pcie = gpu.pcie_bytes_per_s * PCIE_EFFICIENCY
-        grads_down, params_up = 4 * shard_params, 2 * shard_params
-        seconds = (grads_down + params_up) / pcie + shard_params / HOST_ADAM_PARAMS_PER_S
+        extra["grads_down_s"], extra["params_up_s"] = 4 * shard_params / pcie, 2 * shard_params / pcie
+        extra["bucket_copy_s"] = min(p.bucket_size_mb * 2 ** 20 / pcie, extra["grads_down_s"])
+        extra["host_s"] = shard_params / HOST_ADAM_PARAMS_PER_S
         if p.offload_optimizer == "nvme":
-            seconds += 2 * state / NVME_BYTES_PER_S   # read and write back master, m, v
-        extra["offload_s"] = seconds
+            extra["host_s"] += 2 * state / NVME_BYTES_PER_S   # read and write back master, m, v
+        extra["offload_s"] = extra["grads_down_s"] + extra["params_up_s"] + extra["host_s"]  # all serial
     if p.offload_params != "none":
         shard = param_shard_bytes                    # ZeRO-3's persistent parameter shard
         memory["params"] -= shard                    # gathered parameters in use stay on the device
@@ -58,3 +64,16 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
         extra["host_bytes"] += shard if p.offload_params == "cpu" else 0
         extra["param_fetch_s"] = 2 * shard / (gpu.pcie_bytes_per_s * PCIE_EFFICIENCY)  # forward + backward
     return memory, extra
+
+
+def exposed_offload(moved: dict, last_backward_s: float, first_forward_s: float, compute_s: float) -> float:
+    """Seconds the offload adds to a step (module docstring): copies hidden behind the compute that runs
+    beside them, never less than one bucket's copy each way; host AdamW / NVMe time in full."""
+    if not moved["offload_s"] and not moved["param_fetch_s"]:
+        return 0.0
+    copies = 0.0
+    if moved["offload_s"]:
+        one = moved["bucket_copy_s"]
+        copies = (max(one, moved["grads_down_s"] - last_backward_s) +
+                  max(one, moved["params_up_s"] - first_forward_s))
+    return copies + moved["host_s"] + max(0.0, moved["param_fetch_s"] - compute_s)
