@@ -2,9 +2,12 @@
 come back, and the run is identical to the run without offload (copies preserve values exactly)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from parallel3d.offload import ActivationOffload
 from test_trainer_regressions import run
 
 
@@ -72,3 +75,52 @@ def _resume(worker, root):
 def test_offloaded_optimizer_state_checkpoints_and_resumes(worlds, tmp_path):
     for full, resumed in worlds.run(2, _resume, str(tmp_path / "ckpt")):
         assert resumed == pytest.approx(full, rel=1e-6)
+
+
+def _chain_grads(offload=None, layers=6):
+    """A chain of tanh(linear) layers, forward + backward under `offload`'s hooks: (loss, grads)."""
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(layers)]
+    x = torch.randn(32, 64)
+    with offload.scope() if offload is not None else contextlib.nullcontext():
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)  # (32, 64): saved for backward (8 KiB each)
+        loss = h.square().sum()
+        loss.backward()
+    return loss.detach(), [w.grad for w in ws]
+
+
+def test_backward_prefetches_the_activations_it_reaches_next(monkeypatch):
+    """unpack(record j) issues the copies up of the records saved before j (what backward reaches next)
+    before waiting for its own, bounded by prefetch_bytes; every copy is slowed so the copies really are
+    in flight when the consumers run, and the gradients stay exact."""
+    from test_offload_overlap import _slow
+    from parallel3d.offload import streams
+
+    plain_loss, plain_grads = _chain_grads()
+    seen = []  # per unpack of an offloaded tensor: how many copies up had been issued when it was called
+
+    def logged(off):
+        orig = off._unpack
+        def unpack(packed):
+            if not isinstance(packed, torch.Tensor):  # weights (leaves) stay on the device as they are
+                seen.append(len(off.fetch_log))
+            return orig(packed)
+        monkeypatch.setattr(off, "_unpack", unpack)
+        return off
+
+    for window, expect in ((1 << 30, "all at the first unpack"), (0, "one per unpack")):
+        seen.clear()
+        off = ActivationOffload(min_bytes=1024, prefetch_bytes=window)
+        logged(off)
+        with _slow(streams, "_copy", 0.01):
+            loss, grads = _chain_grads(off)
+        assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+        n = off.offloaded_tensors
+        assert n >= 6 and sorted(off.fetch_log) == list(range(n)), off.fetch_log   # each fetched once
+        unpacks = list(seen)
+        if window:  # the first unpack (the last record) fetched itself and then every earlier record
+            assert off.fetch_log == list(range(n - 1, -1, -1)) and unpacks[1:] == [n] * (len(unpacks) - 1), expect
+        else:       # no window: each record is fetched when it is unpacked, none ahead
+            assert unpacks == list(range(len(unpacks))), expect

@@ -100,14 +100,16 @@ class CopyEngine:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Ticket:
-        """dst <- src, beside the caller's work; `after`: a mark() the copy must follow (default: now)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, release_source: bool = False) -> Ticket:
+        """dst <- src, beside the caller's work; `after`: a mark() the copy must follow (default: now).
+        release_source: the ticket does not keep `src` alive (the caller drops it to free device memory;
+        on CUDA record_stream keeps the allocator from reusing it before the copy is done)."""
         check_copy(self.device, dst, src)
         if self.synchronous:
             dst.copy_(src)
             return Ticket()
         if self.worker is not None:
-            return Ticket(future=self.worker.submit(_copy, dst, src), keep=(dst, src))
+            return Ticket(future=self.worker.submit(_copy, dst, src), keep=(dst,) if release_source else (dst, src))
         start = after if after is not None else self.mark()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):   # also from I/O threads
             self.stream.wait_event(start)
@@ -117,7 +119,7 @@ class CopyEngine:
                     t.record_stream(self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
-        return Ticket(event=done, keep=(dst, src), device=self.device)
+        return Ticket(event=done, keep=(dst,) if release_source else (dst, src), device=self.device)
 
     def close(self) -> None:
         if self.worker is not None:
