@@ -79,14 +79,16 @@ def test_offloaded_optimizer_state_checkpoints_and_resumes(worlds, tmp_path):
 
 def _chain_grads(offload=None, layers=6):
     """A chain of tanh(linear) layers, forward + backward under `offload`'s hooks: (loss, grads)."""
-    torch.manual_seed(0)
-    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(layers)]
-    x = torch.randn(32, 64)
-    with offload.scope() if offload is not None else contextlib.nullcontext():
-        h = x
+    def forward(ws):  # no activation outlives it but in the graph: each comes back from the host
+        h = torch.randn(32, 64)
         for w in ws:
             h = torch.tanh(h @ w)  # (32, 64): saved for backward (8 KiB each)
-        loss = h.square().sum()
+        return h.square().sum()
+
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(layers)]
+    with offload.scope() if offload is not None else contextlib.nullcontext():
+        loss = forward(ws)
         loss.backward()
     return loss.detach(), [w.grad for w in ws]
 
@@ -124,3 +126,46 @@ def test_backward_prefetches_the_activations_it_reaches_next(monkeypatch):
             assert off.fetch_log == list(range(n - 1, -1, -1)) and unpacks[1:] == [n] * (len(unpacks) - 1), expect
         else:       # no window: each record is fetched when it is unpacked, none ahead
             assert unpacks == list(range(len(unpacks))), expect
+
+
+def test_prefetch_goes_one_block_ahead_and_kept_tensors_come_back_as_themselves():
+    """With blocks attached (the trainer passes each chunk's transformer blocks) an unpack fetches the rest
+    of its block and the block before it, nothing further; a saved tensor something else still holds comes
+    back as itself (no copy up); modified in place since pack, it is refused as autograd refuses it."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
+    off = ActivationOffload(min_bytes=1024)
+    off.attach(blocks)
+
+    def forward():
+        h = torch.randn(32, 64)
+        for b in blocks:
+            h = b(h)  # saves the block's input (32, 64) and its tanh output
+        return h.square().sum()
+
+    with off.scope():
+        loss = forward()
+        groups = {}
+        for ref in off._saved:
+            groups.setdefault(ref().group, []).append(ref().index)
+        loss.backward()
+    last, before = sorted(groups)[-1], sorted(groups)[-2]
+    first_unpack = len(groups[last]) + len(groups[before])  # the first unpack's own block and the one before
+    assert sorted(off.fetch_log[:first_unpack]) == sorted(groups[last] + groups[before]), (off.fetch_log, groups)
+    assert len(groups) == 5 and sorted(off.fetch_log)  # 4 blocks and the loss after them == sorted(i for g in groups.values() for i in g)
+
+    kept = torch.randn(32, 64, requires_grad=True) * 1.0   # non-leaf, held by this test
+    changed = torch.randn(32, 64, requires_grad=True) * 1.0
+    a = kept.detach().requires_grad_()
+    expected = torch.autograd.grad(a.square().sum() + (a * 2).tanh().sum(), [a])[0]
+    off = ActivationOffload(min_bytes=1024)
+    with off.scope():
+        loss = kept.square().sum() + (kept * 2).tanh().sum()  # tanh saves its output (held by no one)
+        grad = torch.autograd.grad(loss, [kept])[0]
+        assert off.offloaded_tensors == 2 and len(off.fetch_log) == 1   # kept came back as itself
+        assert torch.equal(grad, expected)
+        loss = changed.square().sum()
+        with torch.no_grad():
+            changed.mul_(0.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(loss, [changed])

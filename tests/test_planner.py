@@ -253,3 +253,21 @@ def test_offload_copies_hide_behind_the_compute_beside_them():
     moved.update(offload_s=0.0, host_s=0.0, param_fetch_s=3.0)   # parameters offloaded, optimizer kept
     assert exposed_offload(moved, 0.0, 0.0, 2.0) == pytest.approx(1.0)
     assert exposed_offload({**moved, "param_fetch_s": 0.0}, 0.0, 0.0, 0.0) == 0.0
+
+
+def test_plan_runs_activation_offload_and_prices_its_copies():
+    """train.activation_offload runs in the dry run itself (on the stand-in the hooks drop each saved tensor
+    and allocate it again at unpack): the device activations drop, the saved bytes of every microbatch in
+    flight sit in host memory, and the step pays for the copies that its compute does not hide."""
+    from parallel3d.planner.offload import exposed_activation_copies
+
+    base = ["parallel.pp=2", "parallel.tp=1", "train.precision=bf16", *SMALL, "train.seq_len=256",
+            "model.max_seq_len=256", "model.num_layers=8"]  # saved tensors above min_bytes, 4 blocks a stage
+    plain = plan(make_config(base, 2), _stage_builder, H100, 8)
+    off = plan(make_config([*base, "train.activation_offload=true"], 2), _stage_builder, H100, 8)
+    assert off.memory["activations"] < 0.55 * plain.memory["activations"]  # 0.50: 2 of 4 blocks, fetched together
+    assert off.memory["peak"] < plain.memory["peak"]
+    moved = off.breakdown["offload"]
+    assert moved["host_bytes"] > plain.memory["activations"] // 4 and "activations_s" in moved
+    assert off.step_time_s >= plain.step_time_s
+    assert exposed_activation_copies(int(H100.pcie_bytes_per_s * 0.8), 0.25, 2.0, H100) == pytest.approx(0.75)

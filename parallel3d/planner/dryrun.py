@@ -88,6 +88,7 @@ class RoleRun:
     flops: float = 0.0
     derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
     param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
+    activation_offload_bytes: int = 0  # train.activation_offload: saved bytes sent to the host, per microbatch
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -128,6 +129,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
         result.param_shard_bytes = sum(st.nbytes() for st in shards)
+    result.activation_offload_bytes = out["activation_offload_bytes"] // max(1, cfg.train.num_microbatches)
     return result
 
 

@@ -26,7 +26,7 @@ from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed
 from parallel3d.planner.hardware import GPU
-from parallel3d.planner.offload import apply_offload, exposed_offload, without_offload
+from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
 
@@ -150,7 +150,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         # the run stands for stage r but ran as stage run.pp_rank: scale by what that stage kept in flight
         ran = peak_in_flight(run_schedule[run.pp_rank], until_weight=keeps_weights)
         memory = dict(run.memory)
-        extra = memory["activations"] * (full / max(ran, 1) - 1)
+        # offloaded activations leave the device as they are saved: what stays is one microbatch's working set
+        extra = 0 if t.activation_offload else memory["activations"] * (full / max(ran, 1) - 1)
         memory["activations"] = int(memory["activations"] + extra)
         memory["peak"] = int(memory["peak"] + extra)
         memory, moved = apply_offload(cfg, memory, run.model_state, run.param_shard_bytes, gpu)
@@ -159,6 +160,11 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                  for k, kinds in (("fwd", ("FORWARD",)), ("bwd", ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")))}
         moved["param_fetch_s"] *= m
         moved["exposed_s"] = exposed_offload(moved, phase["bwd"], phase["fwd"], compute)
+        if run.activation_offload_bytes:
+            moved["host_bytes"] += run.activation_offload_bytes * full
+            moved["activations_s"] = m * exposed_activation_copies(run.activation_offload_bytes, phase["fwd"],
+                                                                   phase["bwd"], gpu)
+            moved["exposed_s"] += moved["activations_s"]
         if not offload or moved["exposed_s"] > offload["exposed_s"]:
             offload = moved
         roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full})

@@ -11,6 +11,11 @@ The stand-in device cannot copy to the host (meta tensors hold no values), so a 
     bucket in forward order while the next step's first forward runs, again at least one bucket exposed;
     with `offload_params` each ZeRO-3 gather first fetches its shard over PCIe, which the prefetcher
     overlaps with compute (exposed only where it exceeds it).
+  - activation offload (`train.activation_offload`) is not removed: the dry run runs it, and on the stand-in
+    its hooks drop each saved tensor and allocate it again at unpack (offload/activations.py), so the
+    measured device memory is already the offloaded one. Time: each microbatch's saved bytes go down
+    beside its forward and come up beside its backward (`exposed_activation_copies`); host memory holds
+    them for every microbatch in flight.
 
 Rates, with their basis (per GPU; a DGX-class node shares its host among 8 GPUs):
   PCIe Gen4/Gen5 x16: `GPU.pcie_bytes_per_s` at 80% (pinned-memory copy benchmarks);
@@ -77,3 +82,10 @@ def exposed_offload(moved: dict, last_backward_s: float, first_forward_s: float,
         copies = (max(one, moved["grads_down_s"] - last_backward_s) +
                   max(one, moved["params_up_s"] - first_forward_s))
     return copies + moved["host_s"] + max(0.0, moved["param_fetch_s"] - compute_s)
+
+
+def exposed_activation_copies(bytes_per_microbatch: int, forward_s: float, backward_s: float, gpu: GPU) -> float:
+    """Seconds per microbatch the activation copies add: down during the forward, up during the backward,
+    each hidden behind its pass's compute."""
+    one_way = bytes_per_microbatch / (gpu.pcie_bytes_per_s * PCIE_EFFICIENCY)
+    return max(0.0, one_way - forward_s) + max(0.0, one_way - backward_s)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parallel3d import comm
+from parallel3d.data_parallel.zero3 import find_units
 from parallel3d.mesh import ParallelContext
 from parallel3d.offload import ActivationOffload
 from parallel3d.pipeline.partition import partition_layers
@@ -105,7 +106,10 @@ class Trainer:
             self.dataset = make_dataset(cfg, cfg.data.path)
             self.sampler = BatchSampler(self.dataset, cfg.train.global_batch_size, cfg.train.seed)
         self.step = 0
-        self.activation_offload = ActivationOffload() if cfg.train.activation_offload else None
+        self.activation_offload = None
+        if cfg.train.activation_offload:  # prefetch block by block (the chunks' transformer blocks)
+            self.activation_offload = ActivationOffload()
+            self.activation_offload.attach([b for c in self.chunks for b in find_units(c)])
         self.schedules = ScheduleCache()  # each (schedule, p, m, v) built and verified once
 
     def run_config(self) -> dict:
