@@ -89,18 +89,24 @@ def test_fp8_gather_refuses_what_it_cannot_do(bad, match):
         make_config([*BASE, "parallel.zero3_fp8_gather=true", *bad], 2)
 
 
-def test_fp8_gather_with_recompute_tensorwise_is_exact(worlds):
-    over = ["train.fp8=tensorwise", "train.activation_checkpointing=full"]
-    got = worlds.run(2, _run, [*over, "parallel.zero3_fp8_gather=true"], 3)
-    ref = worlds.run(2, _run, over, 3)
+@pytest.mark.parametrize("over", [["train.activation_checkpointing=full"], ["parallel.pp=2"]],
+                         ids=["recompute", "pp2"])
+def test_fp8_gather_tensorwise_is_exact_with_recompute_and_pipeline(worlds, over):
+    """A forward recomputed in backward takes the backward gather's (identical) tensorwise copy; pipeline
+    stages gather their own units per microbatch."""
+    over = ["train.fp8=tensorwise", *over]
+    world = 4 if "parallel.pp=2" in over else 2
+    got = worlds.run(world, _run, [*over, "parallel.zero3_fp8_gather=true"], 4)
+    ref = worlds.run(world, _run, over, 4)
     assert [g["loss"] for g in got] == [r["loss"] for r in ref]
+    assert all(g["bytes"][0]["dp_cp.all_gather"] < r["bytes"][0]["dp_cp.all_gather"] for g, r in zip(got, ref))
 
 
 def test_fp8_gather_under_compile_is_exact(worlds):
     """Compiled blocks read the gathered copy too (it changes every gather: no stale constant baked in)."""
     over = ["train.fp8=tensorwise", "train.compile=true"]
-    got = worlds.run(2, _run, [*over, "parallel.zero3_fp8_gather=true"], 3)
-    ref = worlds.run(2, _run, over, 3)
+    got = worlds.run(2, _run, [*over, "parallel.zero3_fp8_gather=true"], 2)
+    ref = worlds.run(2, _run, over, 2)
     assert [g["loss"] for g in got] == [r["loss"] for r in ref]
 
 
