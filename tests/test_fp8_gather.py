@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_helpers import build_trainer, context_for, make_config
+from ckpt_helpers import context_for, make_config
 from parallel3d.training.config import ConfigError
 
 STEPS = 12
