@@ -46,6 +46,7 @@ from parallel3d.comm import wait_work
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.data_parallel.publishing import ParamPublishing
+from parallel3d.data_parallel.fp8_gather import check_fp8_gather, fp8_slots
 from parallel3d.data_parallel.sync import BucketReduction
 from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
 from parallel3d.mesh import ParallelContext, check_hpz
@@ -63,7 +64,8 @@ class DistributedOptimizer(BucketReduction, ParamPublishing):
                  offload_optimizer: str = "none", offload_params: str = "none", offload_dir: Optional[str] = None,
                  offload_buffer_mb: float = 64.0, grad_compression: str = "none", powersgd_rank: int = 4,
                  topk_ratio: float = 0.01, compression_start_step: int = 0, quantized_weights: bool = False,
-                 hpz: bool = False, quantized_gradients: bool = False, quant_block: int = 256) -> None:
+                 hpz: bool = False, quantized_gradients: bool = False, quant_block: int = 256,
+                 fp8_gather: bool = False) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
@@ -97,6 +99,9 @@ class DistributedOptimizer(BucketReduction, ParamPublishing):
         self.seqs, chains = plan(self.modules, ctx, zero, no_decay, bucket_size_mb * 2 ** 20,
                                  torch.finfo(self.grad_dtype).bits // 8)
         self.buckets = [b for bs in self.seqs for b in bs]
+        if fp8_gather:  # the recipe of the fp8 linears (convert_to_fp8 tags their weights); "none": there are none
+            recipe = next((s.param.fp8.recipe for b in self.buckets for s in fp8_slots(b)), "none")
+            check_fp8_gather(fp8_gather, zero, recipe, quantized_weights, hpz, "none")
         self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
         self.params = [s.param for b in self.buckets for s in b.slots]
         self.nvme = self.param_home = None   # offload homes (parallel3d/offload): NVMe Adam state, parameters
@@ -122,7 +127,9 @@ class DistributedOptimizer(BucketReduction, ParamPublishing):
         if zero == 3:
             gather = {e: ctx.clone("edp_shard" if e else "dp_shard") for e in (False, True)}
             node = {e: ctx.clone("edp_node" if e else "dp_node") for e in (False, True)} if hpz else None
-            self.zero3 = Zero3(chains, gather, self.dtype, ZeroPP(quant_block if quantized_weights else 0, node))
+            self.zero3 = Zero3(chains, gather, self.dtype, ZeroPP(quant_block if quantized_weights else 0, node,
+                                                                  fp8_gather))
+
         if offload_params != "none":          # takes each bucket's param_flat off the device
             from parallel3d.offload.params import ParamOffload
             self.param_home = ParamOffload.create(self.buckets, offload_params, self.dtype, ctx, offload_dir,

@@ -30,7 +30,9 @@ ZeRO++ (`ZeroPP`): qwZ gathers int8 blocks + scales instead of the compute dtype
 persistent shard, i.e. the master, stays exact); hpZ keeps, after each forward gather, this rank's 1/M
 slice of the gathered bucket (M = the shard group's members on this node) and gathers the backward copy
 from those secondary slices over the node group only; the copies are dropped when the parameters change
-(`invalidate`, after every optimizer step or load). Activation recomputation re-enters a unit's forward inside backward:
+(`invalidate`, after every optimizer step or load). fp8 gathers (`ZeroPP.fp8`, fp8_gather.py): the
+weights of the fp8 linears travel as e4m3 bytes with a scale consistent across the shards and stay in that
+form (the parameter's storage stays freed). Activation recomputation re-enters a unit's forward inside backward:
 then the unit is gathered but neither freed nor re-hooked.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from parallel3d.comm import Group, start_all_gather, wait_work
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.data_parallel.fp8_gather import drop, fp8_all_gather, fp8_slots
 from parallel3d.data_parallel.quantize import quantized_all_gather
 from parallel3d.params import in_backward
 
@@ -51,9 +54,10 @@ from parallel3d.params import in_backward
 @dataclass
 class ZeroPP:
     """ZeRO++ options of the parameter gathers: quant_block > 0 turns on qwZ; `node` (expert-ness ->
-    the shard group's members on this node) turns on hpZ."""
+    the shard group's members on this node) turns on hpZ; fp8 gathers the fp8 linears' weights in fp8."""
     quant_block: int = 0
     node: Optional[dict[bool, Group]] = None
+    fp8: bool = False
 
 
 def find_units(root: nn.Module) -> list[nn.Module]:
@@ -104,6 +108,8 @@ class Zero3:
         self.read_ahead = True
         self.secondary: dict[int, torch.Tensor] = {}   # hpZ: id(bucket) -> this rank's slice of the gathered bucket
         self.handles = []
+        # fp8 gathers: per bucket, the slots that travel (and stay) as fp8 instead of being written back
+        self.fp8 = {id(b): fp8_slots(b) for u in self.units for b in u.buckets} if self.pp.fp8 else {}
         for chain in chains:               # chain = [root, block0, block1, ...]
             root, blocks = chain[0], chain[1:]
             fwd = [root] + blocks
@@ -136,6 +142,9 @@ class Zero3:
             if backward and secondary is not None:     # hpZ: the backward copy comes from inside the node
                 group = self.pp.node[b.expert]
                 pend.append((b, full, group, start_all_gather(full, secondary, group), False))
+            elif self.fp8.get(id(b)):                # fp8 weights (synchronous: the scales need a reduction)
+                fp8_all_gather(b, shard, full, self.fp8[id(b)], group, backward)
+                pend.append((b, full, group, None, True))
             elif self.pp.quant_block:                  # qwZ (synchronous: dequantised on arrival)
                 scale_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
                 quantized_all_gather(full, shard, group, self.pp.quant_block, scale_dtype)
@@ -154,7 +163,10 @@ class Zero3:
                 node = self.pp.node[b.expert]
                 part = full.numel() // node.size
                 self.secondary[id(b)] = full[node.rank * part: (node.rank + 1) * part].clone()
+            in_fp8 = {id(s) for s in self.fp8.get(id(b), ())}
             for s in b.slots:
+                if id(s) in in_fp8:                    # consumed from s.param.fp8.gathered
+                    continue
                 data = s.param.data
                 storage = data.untyped_storage()
                 if storage.nbytes() == 0:
@@ -174,6 +186,8 @@ class Zero3:
         unit.fetched = None
         for p in unit.params:
             p.data.untyped_storage().resize_(0)
+        for b in unit.buckets:
+            drop(self.fp8.get(id(b), ()))
         unit.gathered = False
 
     def invalidate(self) -> None:

@@ -22,10 +22,15 @@ the world-size-1 run (layout-independent numerics up to summation order):
 Under sequence parallelism x is all-gathered before the column-parallel matmul, so it is whole.
 The LM head (and the fused head) and the MoE expert GEMMs stay in bf16; replicated KV projections
 (tp > num_kv_heads) scale on their own rank. Layers are switched by
-parallel3d.tensor_parallel.layers.convert_to_fp8.
+parallel3d.tensor_parallel.layers.convert_to_fp8, which also tags each column/row weight with an
+`Fp8Weight` (`weight.fp8`): what ZeRO-3 needs to gather that weight already in fp8
+(parallel.zero3_fp8_gather, data_parallel/fp8_gather.py). While such a gathered copy is present the GEMMs
+take it (bytes and inverse scale) instead of quantising the weight; the copy holds exactly the bytes the
+quantisation here would produce, so the results are bit-identical.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -49,6 +54,31 @@ def check_fp8(recipe: str, precision: str, local_dims: Optional[dict] = None) ->
     if recipe != "none" and bad:
         raise ValueError(f"train.fp8={recipe} needs every linear's per-rank feature size divisible by 16 "
                          f"(float8 matmuls); not: " + ", ".join(f"{k}={v}" for k, v in bad.items()))
+
+
+@dataclass
+class Fp8Weight:
+    """The fp8 identity of a column/row-parallel weight (`layer.weight.fp8`, set by convert_to_fp8) and the
+    copies ZeRO-3 gathered in fp8: axis -> (e4m3 (out, in), fp32 inverse scale). Axis None: one scale
+    (tensorwise); 1: one per row (out, 1) (rowwise forward); 0: one per column (1, in) (rowwise dx)."""
+    recipe: str
+    kind: str                       # "column" | "row": which of its dimensions TP splits
+    group: Optional[Group]
+    gathered: dict = field(default_factory=dict)
+
+
+def weight_axes(recipe: str, backward: bool) -> tuple[Optional[int], ...]:
+    """The scale axes of the weight operand the GEMMs of one pass use (forward: y; backward: dx)."""
+    return (None,) if recipe == "tensorwise" else ((0,) if backward else (1,))
+
+
+def weight_reduce_group(kind: str, group: Optional[Group], axis: Optional[int]) -> Optional[Group]:
+    """The group over which the weight's amax along `axis` is MAX-reduced (None: no reduction): the TP
+    group exactly where the reduced dimension is TP-split (module docstring)."""
+    tp = group if group is not None and group.size > 1 and kind != "local" else None
+    if axis is None:
+        return tp
+    return tp if kind == ("row" if axis == 1 else "column") else None
 
 
 def _amax(t: torch.Tensor, dim: Optional[int], group: Optional[Group]) -> torch.Tensor:
@@ -79,6 +109,19 @@ def _mm(a8: torch.Tensor, a_inv: torch.Tensor, b8: torch.Tensor, b_inv: torch.Te
                             out_dtype=out_dtype)
 
 
+def _weight8(weight: torch.Tensor, axis: Optional[int], kind: str, group: Optional[Group],
+             tag: Optional[Fp8Weight] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in e4m3 with scales along `axis`: ZeRO-3's gathered fp8 copy when there is one (its bytes
+    are what this quantisation gives: fp8_gather.py), else quantised here."""
+    tag = tag if tag is not None else getattr(weight, "fp8", None)
+    if tag is not None and tag.gathered:
+        if axis not in tag.gathered:
+            raise RuntimeError(f"the weight was gathered in fp8 with scale axes {list(tag.gathered)}, this GEMM "
+                               f"needs axis {axis} (a forward recomputed in backward under rowwise?)")
+        return tag.gathered[axis]
+    return quantize(weight, _amax(weight, axis, weight_reduce_group(kind, group, axis)), E4M3)
+
+
 class Fp8Linear(torch.autograd.Function):
     """y = x @ W^T with fp8 operands; kind "column" | "row" | "local" says which operands are TP-sharded
     (local: none reduced); see the module docstring for the scales and reductions."""
@@ -91,32 +134,33 @@ class Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (n, in)
         if recipe == "tensorwise":
             x8, x_inv = quantize(x2, _amax(x2, None, row), E4M3)
-            w8, w_inv = quantize(weight, _amax(weight, None, tp), E4M3)  # (out, in)
+            w8, w_inv = _weight8(weight, None, kind, group)  # (out, in)
             y = _mm(x8, x_inv, w8.t(), w_inv, x.dtype)  # (n, out)
         else:
             x8, x_inv = quantize(x2, _amax(x2, 1, row), E4M3)  # scales (n, 1)
-            w8, w_inv = quantize(weight, _amax(weight, 1, row), E4M3)  # scales (out, 1)
+            w8, w_inv = _weight8(weight, 1, kind, group)  # scales (out, 1)
             y = _mm(x8, x_inv, w8.t(), w_inv.t(), x.dtype)  # (n, out)
         ctx.save_for_backward(x, weight)  # x itself: a saved view (x2) trips torch.compile's autograd capture
-        ctx.args = (recipe, row, col, tp, x.shape)
+        ctx.args = (recipe, row, col, kind, group, x.shape)
+        ctx.fp8w = getattr(weight, "fp8", None)  # ZeRO-3's fp8 copy is read again in backward, if gathered
         return y.view(*x.shape[:-1], weight.shape[0])
 
     # dx = dy @ W contracts over out; dW = dy^T @ x contracts over the n tokens.
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
-        recipe, row, col, tp, x_shape = ctx.args
+        recipe, row, col, kind, group, x_shape = ctx.args
         x2 = x.reshape(-1, x.shape[-1])  # (n, in)
         dy2 = dy.reshape(-1, dy.shape[-1])  # (n, out)
         if recipe == "tensorwise":
             g8, g_inv = quantize(dy2, _amax(dy2, None, col), E5M2)
-            w8, w_inv = quantize(weight, _amax(weight, None, tp), E4M3)
+            w8, w_inv = _weight8(weight, None, kind, group, ctx.fp8w)
             x8, x_inv = quantize(x2, _amax(x2, None, row), E4M3)
             dx = _mm(g8, g_inv, w8, w_inv, dy.dtype)  # (n, in)
             dw = _mm(g8.t(), g_inv, x8, x_inv, weight.dtype)  # (out, in)
         else:
             g8, g_inv = quantize(dy2, _amax(dy2, 1, col), E4M3)  # (n, 1): rows over out
-            w8, w_inv = quantize(weight, _amax(weight, 0, col), E4M3)  # (1, in): columns over out
+            w8, w_inv = _weight8(weight, 0, kind, group, ctx.fp8w)  # (1, in): columns over out
             dx = _mm(g8, g_inv, w8, w_inv, dy.dtype)  # (n, in)
             gt8, gt_inv = quantize(dy2, _amax(dy2, 0, None), E4M3)  # (1, out): columns over n
             x8, x_inv = quantize(x2, _amax(x2, 0, None), E4M3)  # (1, in)

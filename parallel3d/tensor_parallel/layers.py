@@ -203,4 +203,7 @@ def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear)) and name != "lm_head":
             module.fp8 = recipe
             n += 1
+            if getattr(module, "row_range", None) is None:  # the whole weight is the GEMM operand: ZeRO-3
+                kind = "row" if isinstance(module, RowParallelLinear) else "column"  # may gather it in fp8
+                module.weight.fp8 = fp8.Fp8Weight(recipe, kind, module.group)
     return n

@@ -84,6 +84,7 @@ class ParallelConfig:
     zero_hpz: bool = False       # ZeRO++ hpZ: backward gathers from a secondary copy sharded inside the node
     zero_quantized_gradients: bool = False  # ZeRO++ qgZ: gradient reduce-scatter as int8 all-to-all
     quant_block: int = 256       # values per quantisation scale (qwZ, qgZ)
+    zero3_fp8_gather: bool = False  # ZeRO-3 gathers the fp8 linears' weights as e4m3 + scales (train.fp8 on)
     gpus_per_node: int = 8       # ranks per node (consecutive), for hpZ's intra-node groups
 
 

@@ -131,7 +131,8 @@ class Trainer:
                                     powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
                                     compression_start_step=p.compression_start_step,
                                     quantized_weights=p.zero_quantized_weights, hpz=p.zero_hpz,
-                                    quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block)
+                                    quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block,
+                                    fp8_gather=p.zero3_fp8_gather)
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:

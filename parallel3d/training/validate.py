@@ -19,6 +19,7 @@ from parallel3d.tensor_parallel.fp8 import check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.mesh_spec import MeshSpec, check_hpz
+from parallel3d.data_parallel.fp8_gather import check_fp8_gather
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import check_schedule_config
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
@@ -106,6 +107,8 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                                 p.quant_block))
     if p.zero_hpz:
         _owned(lambda: check_hpz(spec))
+    _owned(lambda: check_fp8_gather(p.zero3_fp8_gather, p.zero, t.fp8, p.zero_quantized_weights, p.zero_hpz,
+                                    t.activation_checkpointing))
 
     # --- attention heads under TP / Ulysses CP
     heads, kv = m.num_heads, m.num_kv_heads
