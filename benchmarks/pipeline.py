@@ -159,12 +159,12 @@ def _step_time(per_rank: list[dict], name: str) -> float:
 
 def _bubbles(per_rank: list[dict], schedule: str, p: int, m: int):
     from parallel3d.pipeline import build_schedule, chunks_per_rank
-    from parallel3d.pipeline.timeline import mean_costs, measured_and_simulated
+    from parallel3d.pipeline.timeline import breakdown, mean_costs, measured_and_simulated
 
     records = [rec for r in per_rank for rec in r["record"]]
     sched = build_schedule(schedule, p, m, chunks_per_rank(schedule, 2))
     measured, simulated = measured_and_simulated(records, sched)
-    return measured, simulated, mean_costs(records)
+    return measured, simulated, mean_costs(records), breakdown(records, p)
 
 
 def simulated_table(pps: list[int], m: int) -> None:
@@ -229,7 +229,7 @@ def main() -> None:
                 res = pool.run(p, _bench, shape, schedule, args.iters, timeout=900)
                 t_ours, t_strict = _step_time(res, "ours"), _step_time(res, "strict")
                 theirs = _step_time(res, "theirs") if schedule in THEIRS else float("nan")
-                measured, simulated, avg = _bubbles(res, schedule, p, args.microbatches)
+                measured, simulated, avg, spent = _bubbles(res, schedule, p, args.microbatches)
                 costs = " ".join("/".join(f"{avg[(r, k)] * 1e3:.1f}" for k in (K.FORWARD, K.BACKWARD,
                                           K.BACKWARD_INPUT, K.BACKWARD_WEIGHT) if (r, k) in avg)
                                  for r in range(p))
@@ -237,6 +237,10 @@ def main() -> None:
                       f"{theirs * 1e3:>14.1f} {t_ours / theirs:>6.2f} "
                       f"{float(measured.bubble_fraction):>13.1%} "
                       f"{float(simulated.bubble_fraction):>12.1%}  {costs}", flush=True)
+                total = sum(spent[0].values())
+                print(f"{'':>15} where the recorded step went, % per rank (compute/recv wait/send/"
+                      f"between actions/outside): " + "  ".join(
+                          "/".join(f"{100 * row[k] / total:.0f}" for k in row) for row in spent), flush=True)
                 last = (schedule, p, measured, simulated)
     finally:
         pool.close()

@@ -69,8 +69,18 @@ def test_live_activations_and_measured_timeline(worlds):
         if name == "gpipe":
             assert peaks[0] == m
         records = [rec for r in results for rec in r[i][1]]
-        for rank in range(p):  # every action ran, in schedule order
-            assert [a for r, a, *_ in records if r == rank] == schedule[rank]
+        for rank in range(p):  # every action ran once; computes and sends in schedule order, receives
+            mine = [a for r, a, *_ in records if r == rank]  # where the compute reading them waited
+            assert sorted(mine, key=str) == sorted(schedule[rank], key=str)
+            assert [a for a in mine if not a.kind.is_recv] == [a for a in schedule[rank] if not a.kind.is_recv]
+            if not lazy:  # strict sends: every group posted and waited whole, as scheduled
+                assert mine == schedule[rank]
+            start = {(a.kind, a.microbatch, a.chunk): s0 for r, a, s0, _ in records if r == rank}
+            for r, a, _, end in records:  # a receive is complete before the compute that reads it
+                if r == rank and a.kind.is_recv:
+                    reader = [k for k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+                              if (k, a.microbatch, a.chunk) in start and (k is ActionKind.FORWARD) == (a.kind is ActionKind.RECV_ACT)]
+                    assert reader and end <= start[(reader[0], a.microbatch, a.chunk)], (name, rank, a)
         for rank in range(p):  # one rank computes one action at a time: compute intervals never overlap
             spans = sorted((s0, s1) for r, a, s0, s1 in records if r == rank and a.kind.is_compute)
             assert all(s1 >= s0 for s0, s1 in spans) and all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))

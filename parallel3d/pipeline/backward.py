@@ -31,6 +31,12 @@ def _node(t: torch.Tensor) -> Node:
     return t.view_as(t).grad_fn.next_functions[0][0]  # leaves create their accumulator lazily
 
 
+def _root(output: torch.Tensor | GradientEdge) -> Node:
+    """The node an output's gradient enters: a tensor's grad_fn, or the node of its edge (the runtime
+    keeps only the edge of a stage output it has sent, see ``runtime.py``)."""
+    return output.node if isinstance(output, GradientEdge) else output.grad_fn
+
+
 def _consumers(root: Node) -> dict[Node, list[Node]]:
     """Reverse edges of the graph below ``root``: node -> nodes that pass it a gradient."""
     rev: dict[Node, list[Node]] = {root: []}
@@ -78,20 +84,21 @@ class WeightWork:
     """What :func:`backward_weight` needs; holds the graph (activations) until it runs."""
     groups: list[_Group]
     rest: list[torch.Tensor]             # params reached by no intermediate: full backward
-    output: torch.Tensor | None = None   # kept only when ``rest`` needs the whole graph
+    output: torch.Tensor | GradientEdge | None = None   # kept only when ``rest`` needs the whole graph
     grad: torch.Tensor | None = None
 
 
-def backward_input(output: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor | None,
+def backward_input(output: torch.Tensor | GradientEdge, grad: torch.Tensor, inp: torch.Tensor | None,
                    params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightWork]:
     """Gradient of ``output`` (seeded with ``grad``) w.r.t. ``inp``; weight work for later.
 
-    ``inp`` is the stage input (a leaf requiring grad) or None. Nothing is written to any .grad.
+    ``output`` is the stage output or its gradient edge; ``inp`` the stage input (a leaf requiring
+    grad) or None. Nothing is written to any .grad.
     """
     params = [p for p in params if p.requires_grad]
     if inp is None or not inp.requires_grad:
         return None, WeightWork([], params, output, grad)
-    rev = _consumers(output.grad_fn)
+    rev = _consumers(_root(output))
     on_input_path, _ = _closure([_node(inp)], rev, set())
     by_node: dict[Node, _Group] = {}
     rest = []

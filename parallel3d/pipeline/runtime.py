@@ -1,13 +1,12 @@
-"""Execute a pipeline schedule on this rank: a plain dispatch over its list of actions.
+"""Execute a pipeline schedule on this rank: a plain dispatch over its plan.
 
 The schedule (``schedules.py``) decides *what* runs *when*; this module only does each action.
-``run_pipeline_step`` builds and verifies the schedule, then walks this rank's list: a compute
-action runs one model chunk forward or backward on one microbatch, and every maximal run of
-communication actions is posted as ONE ``batch_isend_irecv`` group whose receives are waited
-before the next compute (rule 2 of the schedule contract, which the verifier proved deadlock-free;
-sends finish in the background by default, ``p2p.py``). Messages carry no tags: between two
-ranks they pair in list order (rule 3), so each receive buffer is simply allocated with the known
-activation shape.
+``run_pipeline_step`` builds and verifies the schedule once (``ScheduleCache``), turns this rank's
+list once into a plan (``runtime_schedules.rank_plan``: compute actions, and each maximal run of
+communication actions posted as ONE ``batch_isend_irecv`` group), then walks it. Sends finish in
+the background; receives are waited by the compute that reads them, and where the backend allows
+(gloo) they are posted one group early, so they travel while the compute before them runs
+(``p2p.py``, ``mailbox.py``).
 
 Tensors between stages are the residual stream ``(micro_batch, s_local, h)``: ``s_local = s / cp``
 (the microbatch's ``ids`` are already this rank's CP shard) and ``/ tp`` more when the chunk runs
@@ -15,10 +14,12 @@ Megatron sequence parallelism (``chunk.sp``), in the dtype of the chunk's parame
 is any module with ``forward(x, position_ids, labels=None)``, a ``cfg.hidden_size`` and
 optionally ``sp``; on the last stage it returns the summed token loss.
 
-Each (microbatch, chunk) keeps its received input (a leaf that collects the input gradient) and its
-output (the graph, i.e. the activations) in a slot from its forward until its backward (or, for
-zero-bubble schedules, its weight pass) is done; then the slot is dropped. The number of slots
-alive at once is the activation memory the schedule promises (``PipelineStats.peak_live``).
+Each (microbatch, chunk) keeps its received input (a leaf that collects the input gradient) and the
+gradient edge of its output (the graph, i.e. the activations) in a slot from its forward until its
+backward (or, for zero-bubble schedules, its weight pass) is done; then the slot is dropped. The
+output tensor itself is not kept: once sent its storage is freed (Megatron's output deallocation),
+and backward seeds the edge with the received gradient. The number of slots alive at once is the
+activation memory the schedule promises (``PipelineStats.peak_live``).
 """
 from __future__ import annotations
 
@@ -28,17 +29,16 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
-from parallel3d.comm import P2P
 from parallel3d import comm
 from parallel3d.mesh import ParallelContext
 
 from .backward import WeightWork, backward_input, backward_weight
-from .p2p import P2PQueue
-from .placement import locate, placement_for, placement_of, stage_of
-from .runtime_schedules import ScheduleCache, forward_only_schedule  # noqa: F401  (re-exported)
+from .mailbox import Mailboxes
+from .placement import placement_for, placement_of, stage_of
+from .runtime_schedules import Post, ScheduleCache, Step, forward_only_schedule, rank_plan  # noqa: F401
 from .schedules import Action, ActionKind
-from .simulate import split_steps
 from .stage import AuxObjective  # the stage contract a chunk meets: stage.PipelineStage
 
 K = ActionKind
@@ -50,24 +50,28 @@ class PipelineStats:
     """Filled in by the runs it is passed to (counts add up, the peak is the largest seen).
 
     ``peak_live``: most (microbatch, chunk) activations this rank held at once, from a forward
-    until its backward (or, when backward is split, its weight pass) released them."""
+    until its backward (or, when backward is split, its weight pass) released them. ``trace``, when
+    a list, gets ``("post", action)`` as each message is posted, ``("wait", action)`` as a receive
+    is waited and ``("run", action)`` before each compute, in the order they happen."""
     peak_live: int = 0
     forwards: int = 0
     backwards: int = 0   # B and I actions
     messages: int = 0
+    trace: list | None = None
 
 
 @dataclass
 class _Slot:
     """Everything one (microbatch, chunk) keeps between its forward and its last backward."""
     input: torch.Tensor | None   # received activation (leaf requiring grad); None on stage 0
-    output: torch.Tensor         # chunk output, or loss_sum * loss_scale on the last stage
-    weight: WeightWork | None = None
+    output: torch.Tensor | GradientEdge  # loss_sum * loss_scale on the last stage; elsewhere the
+    weight: WeightWork | None = None     # output's gradient edge (the output itself is freed once sent)
 
 
 @dataclass
 class _Executor:
-    """Runs one rank's action list. Mailboxes are keyed by (microbatch, local chunk)."""
+    """Runs one rank's plan (``runtime_schedules.rank_plan``). Mailboxes are keyed by (microbatch,
+    local chunk); an inbox holds a tensor, or a posted receive (``Incoming``) its reader waits for."""
     ctx: ParallelContext
     chunks: Sequence[nn.Module]
     mbs: Sequence[dict]
@@ -83,91 +87,50 @@ class _Executor:
     def __post_init__(self) -> None:
         self.p, self.v, self.rank = self.ctx.spec.pp, len(self.chunks), self.ctx.coords.pp
         self.last = self.p * self.v - 1
-        self.inbox_act: dict[tuple[int, int], torch.Tensor] = {}    # inputs ready for F
-        self.inbox_grad: dict[tuple[int, int], torch.Tensor] = {}   # output grads ready for B/I
-        self.outbox_act: dict[tuple[int, int], torch.Tensor] = {}   # outputs waiting for SEND_ACT
-        self.outbox_grad: dict[tuple[int, int], torch.Tensor] = {}  # input grads for SEND_GRAD
+        self.stages = [stage_of(self.rank, c, self.p, self.placement) for c in range(self.v)]
+        self.params = [list(c.parameters()) for c in self.chunks]
+        self.mail = Mailboxes(self.ctx, self.chunks, self.mbs, self.placement, self.lazy_sends,
+                              self.record, self.stats.trace, self.clock)
         self.slots: dict[tuple[int, int], _Slot] = {}
-        self.queue = P2PQueue(self.ctx.pp, self.lazy_sends)
         self.total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         self._objective_scale: float | None = None
         self.dispatch = {K.FORWARD: self.forward, K.BACKWARD: self.backward_full,
                          K.BACKWARD_INPUT: self.backward_input, K.BACKWARD_WEIGHT: self.backward_weight}
 
-    # ------------------------------------------------------------------ the loop
     def clock(self) -> float:
         """Wall time for ``record``; on a GPU the queue is drained first so that it is real."""
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         return time.perf_counter()
 
-    def run(self, actions: Sequence[Action]) -> torch.Tensor:
-        timed = self.record is not None
-        for step in split_steps(actions):
+    def run(self, plan: Sequence[Step]) -> torch.Tensor:
+        mail, timed, trace = self.mail, self.record is not None, self.stats.trace
+        for step in plan:
             start = self.clock() if timed else 0.0
-            if isinstance(step, list):
-                self.communicate(step)
+            if type(step) is Post:
+                waited = mail.communicate(step.ops)
+                if timed:
+                    end = self.clock()
+                    self.record += [(self.rank, a, start, end) for a in step.ops if waited or a.kind.is_send]
             else:
+                if trace is not None:
+                    trace.append(("run", step))
+                mail.resumed = start
                 self.dispatch[step.kind](step)
-            if timed:
-                end = self.clock()
-                self.record += [(self.rank, a, start, end)
-                                for a in (step if isinstance(step, list) else [step])]
-        self.queue.finish()
-        leftovers = [name for name, box in (("activations to send", self.outbox_act),
-                                            ("gradients to send", self.outbox_grad),
-                                            ("saved activations", self.slots)) if box]
+                if timed:  # the compute starts once its inputs are here (mail.take records the wait)
+                    self.record.append((self.rank, step, mail.resumed, self.clock()))
+        leftovers = mail.finish() + (["saved activations"] if self.slots else [])
+        self.stats.messages += mail.messages
         if leftovers:
             raise RuntimeError(f"pipeline rank {self.rank}: schedule ended with unconsumed "
                                f"{', '.join(leftovers)} (a schedule/runtime mismatch)")
         return self.total
 
-    # ------------------------------------------------------------------ communication
-    def shape(self, mb: int, chunk: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the residual stream between stages: (b, s_local[/tp], h)."""
-        module = self.chunks[chunk]
-        b, s = self.mbs[mb]["ids"].shape[:2]
-        param = next(module.parameters(), None)
-        dtype = param.dtype if param is not None else torch.float32
-        return tuple(module.boundary_shape(b, s)), dtype
-
-    def communicate(self, group: list[Action]) -> None:
-        """Post the whole group at once; wait for its receives (sends: see ``p2p.py``)."""
-        ops, arrivals = [], []
-        for a in group:
-            key, peer = (a.microbatch, a.chunk), self.ctx.pp.ranks[a.peer]
-            if a.kind is K.SEND_ACT:
-                ops.append(P2P("send", self.outbox_act.pop(key), peer))
-            elif a.kind is K.SEND_GRAD:
-                ops.append(P2P("send", self.outbox_grad.pop(key), peer))
-            else:
-                shape, dtype = self.shape(*key)
-                buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-                ops.append(P2P("recv", buf, peer))
-                arrivals.append((self.inbox_act if a.kind is K.RECV_ACT else self.inbox_grad,
-                                 key, buf))
-        self.queue.exchange(ops)
-        self.stats.messages += len(ops)
-        for box, key, buf in arrivals:
-            box[key] = buf
-
-    def hand_over(self, tensor: torch.Tensor, mb: int, chunk: int, forward: bool) -> None:
-        """Queue an output (input grad) for the next (previous) stage: for its SEND action, or
-        straight into this rank's own inbox when that stage is local (p == 1, or the turn of a V)."""
-        rank, local_chunk = locate(self.stage(chunk) + (1 if forward else -1), self.p, self.placement)
-        if rank != self.rank:
-            (self.outbox_act if forward else self.outbox_grad)[(mb, chunk)] = tensor
-        else:
-            (self.inbox_act if forward else self.inbox_grad)[(mb, local_chunk)] = tensor
-
-    def stage(self, chunk: int) -> int:
-        return stage_of(self.rank, chunk, self.p, self.placement)
-
     # ------------------------------------------------------------------ compute
     def forward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
-        stage, batch = self.stage(c), self.mbs[mb]
-        x = batch["ids"] if stage == 0 else self.inbox_act.pop((mb, c))
+        stage, batch = self.stages[c], self.mbs[mb]
+        x = batch["ids"] if stage == 0 else self.mail.take(self.mail.inbox_act, (mb, c))
         if stage > 0 and self.train:
             x.requires_grad_()  # a leaf: its .grad is the gradient to send back
         labels = batch["labels"] if stage == self.last else None
@@ -181,17 +144,23 @@ class _Executor:
             out = out * self.loss_scale if self.train else out
             self.total += out.detach().float()
         else:
-            shape, dtype = self.shape(mb, c)
+            shape, dtype = self.mail.shape(mb, c), self.mail.dtypes[c]
             if out.shape != shape or out.dtype != dtype:  # the peer would misread the bytes
                 raise RuntimeError(f"pipeline stage {stage} produced {tuple(out.shape)} {out.dtype}"
                                    f" but stages exchange {shape} {dtype} (b, s_local, h)")
-            self.hand_over(out.detach().contiguous(), mb, c, forward=True)  # (b, s_local, h)
-        if self.train:
-            if aux is not None:  # part of the objective: reported, and its gradient joins the backward
-                self.total += aux.detach().float() * self.loss_scale
-                out = AuxObjective.apply(out, aux, self.objective_scale())
-            self.slots[(mb, c)] = _Slot(x if stage > 0 else None, out)
-            self.stats.peak_live = max(self.stats.peak_live, len(self.slots))
+            self.mail.hand_over(out.detach().contiguous(), mb, c, forward=True)  # (b, s_local, h)
+        if not self.train:
+            return
+        if aux is not None:  # part of the objective: reported, and its gradient joins the backward
+            self.total += aux.detach().float() * self.loss_scale
+            out = AuxObjective.apply(out, aux, self.objective_scale())
+        if stage != self.last and out.grad_fn is not None:
+            # Keep only the edge into the graph, not the output: once sent (or handed to the next
+            # local chunk) its storage is freed unless the graph itself saved it (Megatron's output
+            # deallocation). Backward seeds the edge; its shape is checked against the node's record.
+            out = GradientEdge(out.grad_fn, out.output_nr)
+        self.slots[(mb, c)] = _Slot(x if stage > 0 else None, out)
+        self.stats.peak_live = max(self.stats.peak_live, len(self.slots))
 
     def objective_scale(self) -> float:
         """d(what backward minimises)/d(loss_sum): loss_scale times what the caller's backward multiplies a
@@ -208,8 +177,8 @@ class _Executor:
         """Gradient of what is minimised w.r.t. this chunk's output: the received output grad, or
         on the last stage d(backward's objective)/d(loss), found by letting the caller's callback
         backpropagate through a detached copy (loss scaling is linear)."""
-        if self.stage(a.chunk) != self.last:
-            return self.inbox_grad.pop((a.microbatch, a.chunk))
+        if self.stages[a.chunk] != self.last:
+            return self.mail.take(self.mail.inbox_grad, (a.microbatch, a.chunk))
         probe = slot.output.detach().requires_grad_()
         self.backward(probe)
         if probe.grad is None:
@@ -220,7 +189,7 @@ class _Executor:
         if slot.input is not None:
             if grad is None:  # the chunk ignored its input: the gradient is zero
                 grad = torch.zeros_like(slot.input)
-            self.hand_over(grad.contiguous(), a.microbatch, a.chunk, forward=False)
+            self.mail.hand_over(grad.contiguous(), a.microbatch, a.chunk, forward=False)
         slot.input = None
 
     def backward_full(self, a: Action) -> None:
@@ -228,10 +197,10 @@ class _Executor:
         slot = self.slots.pop(key)
         if self.before_backward is not None:
             self.before_backward(*key)
-        if self.stage(a.chunk) == self.last:
+        if self.stages[a.chunk] == self.last:
             self.backward(slot.output)
         else:
-            torch.autograd.backward(slot.output, self.inbox_grad.pop(key))
+            torch.autograd.backward(slot.output, self.mail.take(self.mail.inbox_grad, key))
         self.stats.backwards += 1
         self._send_input_grad(a, slot, None if slot.input is None else slot.input.grad)
 
@@ -241,8 +210,7 @@ class _Executor:
         if self.before_backward is not None:
             self.before_backward(*key)
         seed = self._seed(a, slot)
-        grad, slot.weight = backward_input(slot.output, seed, slot.input,
-                                           list(self.chunks[a.chunk].parameters()))
+        grad, slot.weight = backward_input(slot.output, seed, slot.input, self.params[a.chunk])
         self.stats.backwards += 1
         slot.output = None  # the weight work holds what W needs
         self._send_input_grad(a, slot, grad)
@@ -288,12 +256,12 @@ def run_pipeline_step(ctx: ParallelContext, chunks: Sequence[nn.Module], schedul
     ``lazy_sends=False`` waits for every send where it is posted (the verifier's strict model).
     """
     _check_chunks(ctx, chunks, mbs, placement_of(schedule))
-    lists = (schedules or ScheduleCache()).get(schedule, ctx.spec.pp, len(mbs), len(chunks))
-    placement = placement_for(lists)
+    cache = schedules or ScheduleCache()
+    placement = placement_for(cache.get(schedule, ctx.spec.pp, len(mbs), len(chunks)))
     run = _Executor(ctx, chunks, mbs, loss_scale, backward, before_backward, record,
                     stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends,
                     placement=placement)
-    return run.run(lists[ctx.coords.pp])
+    return run.run(cache.plan(schedule, ctx.spec.pp, len(mbs), len(chunks), ctx.coords.pp, run.mail.queue.early))
 
 
 @torch.no_grad()
@@ -303,5 +271,5 @@ def run_pipeline_forward(ctx: ParallelContext, chunks: Sequence[nn.Module], mbs:
     ``placement``: which rank holds which stage (``placement.placement_of(schedule)``)."""
     _check_chunks(ctx, chunks, mbs, placement)
     lists = forward_only_schedule(ctx.spec.pp, len(mbs), len(chunks), placement)
-    return _Executor(ctx, chunks, mbs, record=record, train=False,
-                     placement=placement).run(lists[ctx.coords.pp])
+    run = _Executor(ctx, chunks, mbs, record=record, train=False, placement=placement)
+    return run.run(rank_plan(lists[ctx.coords.pp], run.mail.queue.early))

@@ -1,21 +1,64 @@
 """The schedules a runtime runs: training schedules built and verified once (:class:`ScheduleCache`),
-and the forward-only order of evaluation (:func:`forward_only_schedule`)."""
+each rank's list turned once into the steps the runtime walks (:func:`rank_plan`), and the
+forward-only order of evaluation (:func:`forward_only_schedule`)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
 
 from .actions import Action, ActionKind
 from .placement import locate, stage_of
 from .schedules import build_schedule
+from .simulate import split_steps
 from .verify import verify
 
 K = ActionKind
 
 
+@dataclass(frozen=True)
+class Post:
+    """Communication posted together: ``ops`` in posting order (sends of the computes before, and the
+    receives of the group as scheduled, or with early receives those of the next group)."""
+    ops: tuple[Action, ...]
+
+
+Step = Union[Action, Post]
+
+
+def rank_plan(actions: Sequence[Action], early: bool) -> tuple[Step, ...]:
+    """One rank's list as the runtime walks it: compute actions and :class:`Post` groups.
+
+    ``early``: every group's receives move to the group before it (the first group's to a new one
+    at the start of the list), so a receive is posted before the compute that precedes its own
+    group and travels while that compute runs; it is waited by the compute that reads it. Sends
+    stay where they are (after the compute that produced them) and receives keep their order."""
+    steps = split_steps(actions)
+    if not early:
+        return tuple(Post(tuple(s)) if isinstance(s, list) else s for s in steps)
+    if not steps or not isinstance(steps[0], list):
+        steps = [[]] + steps
+    groups = [i for i, s in enumerate(steps) if isinstance(s, list)]
+    nth = {i: n for n, i in enumerate(groups)}
+    out: list[Step] = []
+    for i, s in enumerate(steps):
+        if not isinstance(s, list):
+            out.append(s)
+            continue
+        n = nth[i]
+        own = s if n == 0 else [a for a in s if not a.kind.is_recv]
+        ahead = [a for a in steps[groups[n + 1]] if a.kind.is_recv] if n + 1 < len(groups) else []
+        if own or ahead:
+            out.append(Post(tuple(own + ahead)))
+    return tuple(out)
+
+
 class ScheduleCache:
-    """Built and verified schedules by (name, p, m, v): verification replays the whole schedule,
-    so a trainer that keeps one of these pays for it once instead of every step."""
+    """Built and verified schedules by (name, p, m, v), and each rank's plan: verification replays
+    the whole schedule, so a trainer that keeps one of these pays for it once instead of every step."""
 
     def __init__(self) -> None:
         self._lists: dict[tuple[str, int, int, int], list[list[Action]]] = {}
+        self._plans: dict[tuple, tuple[Step, ...]] = {}
 
     def get(self, name: str, p: int, m: int, v: int) -> list[list[Action]]:
         key = (name, p, m, v)
@@ -24,6 +67,12 @@ class ScheduleCache:
             verify(lists, p, m, v)
             self._lists[key] = lists
         return self._lists[key]
+
+    def plan(self, name: str, p: int, m: int, v: int, rank: int, early: bool) -> tuple[Step, ...]:
+        key = (name, p, m, v, rank, early)
+        if key not in self._plans:
+            self._plans[key] = rank_plan(self.get(name, p, m, v)[rank], early)
+        return self._plans[key]
 
 
 def forward_only_schedule(p: int, m: int, v: int = 1, placement: str = "loop") -> list[list[Action]]:

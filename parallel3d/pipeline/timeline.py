@@ -75,3 +75,32 @@ def write_timeline(path: str | Path, measured: Timeline, simulated: Timeline, ti
             for row in to_rows(timeline.records()):
                 out.writerow([source, *row])
     return path
+
+
+def breakdown(records: Sequence[tuple[int, Action, float, float]], num_ranks: int) -> list[dict[str, float]]:
+    """Where each rank's step went, in seconds over the whole step (first start to last end, all ranks):
+    ``compute`` (F/B/I/W), ``recv`` (blocked waiting for a receive), ``send`` (posting / waiting sends),
+    ``between`` (Python between consecutive actions on the rank) and ``outside`` (before its first and
+    after its last action). A communication group is one span, booked to ``recv`` when it receives."""
+    if not records:
+        return [dict(compute=0.0, recv=0.0, send=0.0, between=0.0, outside=0.0) for _ in range(num_ranks)]
+    t0, t1 = min(s for _, _, s, _ in records), max(e for _, _, _, e in records)
+    spans: list[dict[tuple[float, float], str]] = [{} for _ in range(num_ranks)]
+    for rank, a, s, e in records:
+        kind = "compute" if a.kind.is_compute else "recv" if a.kind.is_recv else "send"
+        if spans[rank].get((s, e)) != "recv":  # a group that receives is booked as a wait
+            spans[rank][(s, e)] = kind
+    out = []
+    for rank in range(num_ranks):
+        row = dict(compute=0.0, recv=0.0, send=0.0, between=0.0, outside=0.0)
+        events = sorted(spans[rank].items())
+        for (s, e), kind in events:
+            row[kind] += e - s
+        if events:
+            first, last = events[0][0][0], max(e for (_, e), _ in events)
+            row["outside"] = (first - t0) + (t1 - last)
+            row["between"] = (t1 - t0) - row["outside"] - row["compute"] - row["recv"] - row["send"]
+        else:
+            row["outside"] = t1 - t0
+        out.append(row)
+    return out
