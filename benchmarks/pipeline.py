@@ -94,8 +94,8 @@ class _Stage(nn.Module):
         return self.chunk(x, self.positions)
 
 
-THEIRS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb-v": "ScheduleZBVZeroBubble",
-          "dualpipe-v": "ScheduleDualPipeV"}
+THEIRS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
+          "zb-v": "ScheduleZBVZeroBubble", "dualpipe-v": "ScheduleDualPipeV"}
 
 
 def _theirs(ctx, chunks: list[nn.Module], mbs: list[dict], schedule: str):
@@ -203,7 +203,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1", "zb-v", "dualpipe-v"],
+    ap.add_argument("--schedules", nargs="+",
+                    default=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"],
                     choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
     ap.add_argument("--simulate-only", action="store_true", help="only the simulated table")
     ap.add_argument("--out", default=None, help="side-by-side Gantt PNG (last run)")
