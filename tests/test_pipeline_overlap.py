@@ -181,3 +181,30 @@ def test_trainer_with_freed_outputs_matches_world_size_1(worlds, schedule, model
     ref = run(None, model)
     got = worlds.run(2, run, ["parallel.pp=2", *schedule, *model])
     assert_parity(got, ref)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_dry_run_frees_sent_outputs(schedule):
+    """The planner's stand-in (meta tensors, simulated groups; planner/dryrun.py) frees a stage output once it
+    is sent, as the real run does, so the dry run's activation memory counts what a GPU would hold."""
+    from ckpt_helpers import build_trainer, make_config
+    from parallel3d.mesh import ParallelContext
+
+    cfg = make_config(["parallel.pp=2", f"parallel.schedule={schedule}", "model.num_layers=4",
+                       "train.global_batch_size=4"], 2)
+    ctx = ParallelContext.simulated(MeshSpec(pp=2), 0, "meta")
+    trainer = build_trainer(cfg, ctx)
+    sent = trainer.chunks[0]  # stage 0: its outputs go to pipeline rank 1
+    refs: list[StorageWeakRef] = []
+    sent.register_forward_hook(lambda m, args, out: refs.append(StorageWeakRef(out.untyped_storage())))
+    checked, inner = [], trainer.optimizer.set_last_microbatch
+
+    def before_backward(last: bool, chunk: int) -> None:
+        # by any backward, every stage-0 output but perhaps the newest has been sent: all freed
+        checked.append([r.expired() for r in refs[:-1]])
+        inner(last, chunk)
+
+    trainer.optimizer.set_last_microbatch = before_backward
+    trainer.train_step()
+    assert len(refs) == 4 and len(checked[-1]) == 3, (len(refs), checked)
+    assert all(all(c) for c in checked), checked
