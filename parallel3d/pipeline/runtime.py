@@ -64,8 +64,10 @@ class PipelineStats:
 class _Slot:
     """Everything one (microbatch, chunk) keeps between its forward and its last backward."""
     input: torch.Tensor | None   # received activation (leaf requiring grad); None on stage 0
-    output: torch.Tensor | GradientEdge  # loss_sum * loss_scale on the last stage; elsewhere the
-    weight: WeightWork | None = None     # output's gradient edge (the output itself is freed once sent)
+    # loss_sum * loss_scale on the last stage; elsewhere the output's gradient edge (the output
+    # itself is freed once sent)
+    output: torch.Tensor | GradientEdge
+    weight: WeightWork | None = None
 
 
 @dataclass

@@ -41,8 +41,10 @@ Communication convention (what the runtime must do, and what the verifier proves
    the next compute action. The verifier proves this cannot deadlock even if every send blocks
    until its receive is posted. A runtime may wait less (only for the group's receives, finishing
    sends before their buffers are reused or at the end of the step): that is safe as well, and
-   ``simulate(..., lazy_sends=True)`` models it. Posting a group's actions one by one with
-   blocking calls is NOT safe.
+   ``simulate(..., lazy_sends=True)`` models it. Where every op completes by itself (gloo), a
+   runtime may also post a group's receives earlier, in their per-peer order, and wait for each
+   only when its tensor is read (``runtime_schedules.rank_plan``): every rank then gets at least
+   as far as in the model. Posting a group's actions one by one with blocking calls is NOT safe.
 3. Messages between an ordered pair of ranks are matched first-in first-out: the k-th send from
    ``a`` to ``b`` pairs with the k-th receive on ``b`` from ``a`` (NCCL has no tags). The verifier
    checks that both sides list the same messages in the same order, so no tags are needed.
