@@ -208,3 +208,18 @@ def test_dry_run_frees_sent_outputs(schedule):
     trainer.train_step()
     assert len(refs) == 4 and len(checked[-1]) == 3, (len(refs), checked)
     assert all(all(c) for c in checked), checked
+
+
+def test_breakdown_books_each_span_once():
+    """timeline.breakdown (the benchmark's per-rank split): hand-made records, known answer."""
+    from parallel3d.pipeline import Action
+    from parallel3d.pipeline.timeline import breakdown
+
+    f0, b0 = Action(K.FORWARD, 0), Action(K.BACKWARD, 0)
+    sa, rg = Action(K.SEND_ACT, 0, 0, 1), Action(K.RECV_GRAD, 0, 0, 1)
+    records = [(0, f0, 0.0, 2.0), (0, sa, 2.0, 2.5), (0, rg, 3.0, 5.0), (0, b0, 5.0, 8.0),
+               (1, sa, 1.0, 3.0), (1, rg, 1.0, 3.0), (1, f0, 3.0, 4.0)]  # rank 1: one group, receiving
+    r0, r1 = breakdown(records, 2)
+    assert r0 == dict(compute=5.0, recv=2.0, send=0.5, between=0.5, outside=0.0)
+    assert r1 == dict(compute=1.0, recv=2.0, send=0.0, between=0.0, outside=1.0 + 4.0)
+    assert all(sum(r.values()) == 8.0 for r in (r0, r1))
