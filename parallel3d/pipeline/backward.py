@@ -137,39 +137,45 @@ def backward_input(output: torch.Tensor | GradientEdge, grad: torch.Tensor, inp:
 def backward_weight(work: WeightWork) -> None:
     """Accumulate the weight gradients into ``param.grad`` (hooks fire); frees the graph.
 
-    All groups run in *one* engine call: a gradient consumer (the DistributedOptimizer) sees one
-    backward per microbatch, as with a plain ``backward()``, and its end-of-backward callback fires
-    once, after every weight gradient has arrived. Intermediates lie on one path, so the gradient
-    from one group's intermediate would flow into another's and be counted twice; a pre-hook pins
-    every intermediate to the gradient recorded during the input pass (the exact value it would
-    have received).
+    Each group is differentiated on its own (``autograd.grad`` from its intermediates to its params):
+    one engine call over every group would also run the input-gradient GEMMs between intermediates (an
+    earlier group's params lie below a later intermediate, so the engine must propagate dX to reach them),
+    redoing most of the input pass. A group with several intermediates on one path pins each of them to
+    the gradient recorded in the input pass, so nothing is counted twice. The results then enter the
+    params' accumulators in *one* engine call (seeded at the AccumulateGrad nodes): a gradient consumer
+    (the DistributedOptimizer's post-accumulate hooks and end-of-backward callback) sees one backward per
+    microbatch, as with a plain ``backward()``.
+
+        dW_g = d(loss)/dW_g  with the seeds  dL/d(out of N) = recorded(N)  for N in group g's intermediates
     """
-    edges, grads, inputs = [], [], []
-    pinned: dict[Node, tuple] = {}
+    params, grads = [], []
+    if work.rest:  # parameters off the input path: the whole backward from the output reaches them
+        multi = bool(work.groups)   # the groups still need the graph below the output
+        params += work.rest
+        grads += _grad([work.output], [work.grad], work.rest, retain_graph=multi)
     for group in work.groups:
-        seeded = False
+        edges, seeds = [], []
         for node in group.nodes:
-            recorded = group.grads.get(node, ())
-            for i, g in enumerate(recorded):
+            for i, g in enumerate(group.grads.get(node, ())):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
-                    grads.append(g)
-                    seeded = True
-            if recorded:
-                pinned[node] = recorded
-        if seeded:
-            inputs += group.params
-    if work.rest:  # parameters off the input path: the whole backward from the output reaches them
-        edges.append(work.output)
-        grads.append(work.grad)
-        inputs += work.rest
-    if edges:
-        multi = len(edges) > 1
-        handles = [n.register_prehook(lambda _, saved=saved: saved) for n, saved in pinned.items()] if multi else []
+                    seeds.append(g)
+        if not edges:
+            continue
+        pinned = [n.register_prehook(lambda _, saved=group.grads[n]: saved)
+                  for n in group.nodes if group.grads.get(n)] if len(group.nodes) > 1 else []
         try:
-            torch.autograd.backward(edges, grads, inputs=inputs)
+            params += group.params
+            grads += _grad(edges, seeds, group.params, retain_graph=False)
         finally:
-            for h in handles:
+            for h in pinned:
                 h.remove()
+    keep = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if keep:  # one engine call through the accumulators: post-accumulate hooks and callbacks fire once
+        torch.autograd.backward([GradientEdge(_node(p), 0) for p, _ in keep], [g for _, g in keep])
     work.groups.clear()
     work.output = work.grad = None
+
+
+def _grad(outputs: list, seeds: list, params: list[torch.Tensor], retain_graph: bool) -> list:
+    return list(torch.autograd.grad(outputs, params, seeds, retain_graph=retain_graph, allow_unused=True))
