@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from parallel3d.comm import Group
-from parallel3d.data_parallel.buffer import Bucket, layout, make_slot, split_buckets
+from parallel3d.data_parallel.buffer import Bucket, Slot, layout, make_slot, split_buckets
 from parallel3d.data_parallel.zero3 import Unit, find_units
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import ParamMeta, full_slices
@@ -158,3 +158,17 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
         for s in b.slots:
             s.param.data = torch.empty(s.param.shape, dtype=dtype, device=dev)
             s.param.data.untyped_storage().resize_(0)
+
+
+def local_ties(buckets: list[Bucket]) -> list[tuple[tuple[Bucket, Slot], tuple[Bucket, Slot]]]:
+    """Tied copies (meta.tied_to, reduced over the embedding group) whose source is on this rank as well:
+    the V pipeline placement puts the first and the last stage on one rank. Their gradients are summed
+    locally, and the copy is marked so that norms and checkpoints count the shared rows once."""
+    by_name = {s.name: (b, s) for b in buckets for s in b.slots if "embedding" in s.meta.grad_reduce}
+    ties = []
+    for b, s in by_name.values():
+        source = by_name.get(s.meta.tied_to) if s.meta.tied_to else None
+        if source is not None:
+            s.local_copy = True
+            ties.append((source, (b, s)))
+    return ties

@@ -36,9 +36,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from parallel3d.data_parallel import state as _state
-from parallel3d.data_parallel.buffer import Bucket, Slot
-from parallel3d.data_parallel.build import init_bucket, plan
+from parallel3d.data_parallel.state import OptimizerState
+from parallel3d.data_parallel.buffer import Bucket
+from parallel3d.data_parallel.build import init_bucket, local_ties, plan
 from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.data_parallel.compression import Compressor, check_compression
@@ -52,7 +52,7 @@ from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
 from parallel3d.mesh import ParallelContext, check_hpz
 
 
-class DistributedOptimizer(BucketReduction, ParamPublishing):
+class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
     """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
     and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads)."""
 
@@ -149,7 +149,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing):
                        for b in self.buckets for s in b.slots]
         if zero == 0 and self.published is not None:   # a module's forward waits for its own buckets only
             self._hooks += self.published.hooks(self.buckets, self.modules)
-        self._local_ties = _local_ties(self.buckets)
+        self._local_ties = local_ties(self.buckets)
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -285,17 +285,6 @@ class DistributedOptimizer(BucketReduction, ParamPublishing):
     def grad_norm(self) -> float:
         return self._norm
 
-    def scalar_state(self) -> dict:
-        out = {"step": self.step_count}
-        if self.scaler is not None:
-            out.update(self.scaler.state())
-        return out
-
-    def load_scalar_state(self, d: dict) -> None:
-        self.step_count = int(d.get("step", 0))
-        if self.scaler is not None:
-            self.scaler.load(d)
-
     def close(self) -> None:
         """Remove the offload files (also done at exit)."""
         if self.published is not None:
@@ -313,50 +302,3 @@ class DistributedOptimizer(BucketReduction, ParamPublishing):
         self._hooks.clear()
         if self.zero3 is not None:
             self.zero3.remove()
-
-    # ---- checkpoint state, gradients for tests, memory (state.py) ---------------------------------------
-    def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
-        if self.published is not None:   # a checkpoint also reads the parameters
-            self.published.wait_all()
-        return _state.state_tensors(self.buckets, self.ctx, self.zero)
-
-    def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],
-                           kinds: tuple[str, ...] = _state.KINDS) -> None:
-        _state.load_state_tensors(self.buckets, read, kinds)
-        if "master" in kinds:
-            self.publish_params()
-
-    def local_state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's own state (not a slice of a global tensor): gradient-compression residuals and
-        PowerSGD's Q. Checkpoints keep it per rank and restore it under the same layout."""
-        return self.compressor.local_state() if self.compressor is not None else {}
-
-    def load_local_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
-        if self.compressor is not None:
-            self.compressor.load_local_state(state)
-
-    def grad_slices(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple]]:
-        self.finish_grad_sync()
-        inv = 1.0 if self._prepared or self.scaler is None else 1.0 / self.scaler.scale
-        return _state.grad_slices(self.buckets, inv)
-
-    def memory_bytes(self) -> dict[str, int]:
-        return _state.memory_bytes(self.buckets, self.params)
-
-    def state_by_category(self) -> dict[str, list[torch.Tensor]]:
-        """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
-        return _state.state_by_category(self.buckets, self.params)
-
-
-def _local_ties(buckets: list[Bucket]) -> list[tuple[tuple[Bucket, Slot], tuple[Bucket, Slot]]]:
-    """Tied copies (meta.tied_to, reduced over the embedding group) whose source is on this rank as well:
-    the V pipeline placement puts the first and the last stage on one rank. Their gradients are summed
-    locally, and the copy is marked so that norms and checkpoints count the shared rows once."""
-    by_name = {s.name: (b, s) for b in buckets for s in b.slots if "embedding" in s.meta.grad_reduce}
-    ties = []
-    for b, s in by_name.values():
-        source = by_name.get(s.meta.tied_to) if s.meta.tied_to else None
-        if source is not None:
-            s.local_copy = True
-            ties.append((source, (b, s)))
-    return ties

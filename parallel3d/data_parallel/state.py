@@ -111,3 +111,51 @@ def memory_bytes(buckets: Sequence[Bucket], params: Sequence[torch.Tensor]) -> d
                 total += st.nbytes()
         out[category] = total
     return out
+
+
+class OptimizerState:
+    """The DistributedOptimizer's checkpoint and accounting API (a mixin over its buckets, params, scaler,
+    compressor and published parameters): what checkpoint.protocol's optimizer side and the planner read."""
+
+    def scalar_state(self) -> dict:
+        out = {"step": self.step_count}
+        if self.scaler is not None:
+            out.update(self.scaler.state())
+        return out
+
+    def load_scalar_state(self, d: dict) -> None:
+        self.step_count = int(d.get("step", 0))
+        if self.scaler is not None:
+            self.scaler.load(d)
+
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
+        if self.published is not None:   # a checkpoint also reads the parameters
+            self.published.wait_all()
+        return state_tensors(self.buckets, self.ctx, self.zero)
+
+    def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],
+                           kinds: tuple[str, ...] = KINDS) -> None:
+        load_state_tensors(self.buckets, read, kinds)
+        if "master" in kinds:
+            self.publish_params()
+
+    def local_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (not a slice of a global tensor): gradient-compression residuals and
+        PowerSGD's Q. Checkpoints keep it per rank and restore it under the same layout."""
+        return self.compressor.local_state() if self.compressor is not None else {}
+
+    def load_local_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        if self.compressor is not None:
+            self.compressor.load_local_state(state)
+
+    def grad_slices(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple]]:
+        self.finish_grad_sync()
+        inv = 1.0 if self._prepared or self.scaler is None else 1.0 / self.scaler.scale
+        return grad_slices(self.buckets, inv)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return memory_bytes(self.buckets, self.params)
+
+    def state_by_category(self) -> dict[str, list[torch.Tensor]]:
+        """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
+        return state_by_category(self.buckets, self.params)
