@@ -5,14 +5,14 @@
     sdpa         torch SDPA; on the CPU aten's fused flash attention        CPU: aten's flash op, which returns
                  (`_scaled_dot_product_flash_attention_for_cpu`)            the lse and has a backward taking
                                                                             (out, lse); CUDA: the Triton kernel
-    flash_attn   the flash-attn package (CUDA, fp16/bf16)                   the Triton kernel (flash-attn has no
-                                                                            stable backward-from-(out, lse) API)
+    flash_attn   the flash-attn package (CUDA, fp16/bf16, head dim <= 256):   the Triton kernel (flash-attn has no
+                 `flash_attn_func` / `flash_attn_varlen_func`, (b, s, h, d)  public backward-from-(out, lse) API)
     reference    exact einsum reference (fp64 for fp64 inputs): tests, and whatever no fused kernel covers
 
 `select_attention(backend, q, need_lse)` maps the model's setting to one of these. `backend` is the
 model.attention value, or model.kernels ("auto" | "triton" | "torch") when model.attention is "auto":
-  auto   fp64 -> reference (exact); CUDA -> flash_attn when installed (16-bit, head dim <= 256, no lse
-         needed), else triton; CPU and the meta stand-in -> sdpa
+  auto   fp64 -> reference (exact); CUDA -> flash_attn when `why_not_flash_attn` finds no reason against it
+         (installed, 16-bit, head dim <= 256) and no lse is needed, else triton; CPU -> sdpa; the meta stand-in -> triton (its custom op)
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
 The CPU flash op aligns a causal mask top-left; for blocks with more keys than queries (the ring's and the
 all-gather mode's bottom-right aligned blocks) the keys are split into a fully visible prefix and a causal
@@ -32,6 +32,24 @@ _KERNEL_SETTINGS = ("auto", "triton", "torch", "reference")
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def on_gpu(q: torch.Tensor) -> bool:
+    """The selector's one question about the device (tests stand a CPU tensor in for a GPU by patching it)."""
+    return q.is_cuda
+
+
+def why_not_flash_attn(q: torch.Tensor) -> str:
+    """Why the flash-attn package cannot run attention on q (b, s, h, d); empty when it can."""
+    if not flash_attn_available():
+        return "the flash-attn package is not installed"
+    if not on_gpu(q):
+        return f"it runs on CUDA devices only (got {q.device.type})"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16/bf16 activations only (got {q.dtype})"
+    if q.shape[-1] > 256:
+        return f"it takes head dims up to 256 (got {q.shape[-1]})"
+    return ""
 
 
 def attention_setting(attention: str, kernels: str) -> str:
@@ -56,20 +74,19 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
                                "environment before kernels are imported (DESIGN.md section 5)")
         return "triton"
     if backend == "flash_attn":
-        if not (flash_attn_available() and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
-            raise ValueError("model.attention=flash_attn needs the flash-attn package, a CUDA device and "
-                             f"fp16/bf16 activations (got {q.device.type}, {q.dtype})")
+        why_not = why_not_flash_attn(q)
+        if why_not:
+            raise ValueError(f"model.attention=flash_attn cannot run here: {why_not}")
         return "triton" if need_lse else "flash_attn"
     if backend == "sdpa":
-        return "triton" if q.is_cuda and need_lse else "sdpa"
+        return "triton" if on_gpu(q) and need_lse else "sdpa"
     if backend == "torch":
-        return "reference" if exact or (q.is_cuda and need_lse) else "sdpa"
+        return "reference" if exact or (on_gpu(q) and need_lse) else "sdpa"
     # auto
     if exact:
         return "reference"
-    if q.is_cuda:
-        fa_ok = flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-        return "flash_attn" if fa_ok and not need_lse else "triton"
+    if on_gpu(q):
+        return "flash_attn" if not why_not_flash_attn(q) and not need_lse else "triton"
     return "sdpa"
 
 
