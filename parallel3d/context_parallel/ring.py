@@ -132,7 +132,7 @@ class RingAttention(torch.autograd.Function):
             lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, own, kv, out, lse)  # kv: the last block received
-        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.group, ctx.scale, ctx.backend = group, scale, backend
         ctx.docs, ctx.plans = docs, plans
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -142,13 +142,13 @@ class RingAttention(torch.autograd.Function):
         # Each block's (dq_i, dk_i, dv_i) comes from the merged (out, lse) (blocks.py); summed over blocks it
         # is the full gradient. dQ sums locally; dK/dV of a block sum along the ring (module docstring).
         q, own, last, out, lse = ctx.saved_tensors  # own / last (2, b, s/cp, hk, d)
-        group, causal, scale, backend, docs = ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.docs
+        group, scale, backend, docs = ctx.group, ctx.scale, ctx.backend, ctx.docs  # causality: in ctx.plans
         cp, r = group.size, group.rank
         s = q.shape[1]
         dt = acc_dtype(q.dtype)
         dq: Optional[torch.Tensor] = None  # (b, s/cp, hq, d) acc dtype
         acc: Optional[torch.Tensor] = None  # (2, b, s/cp, hk, d) dK/dV accumulator of the current block
-        kv_pending = acc_pending = None
+        kv_pending = acc_pending = kv_next = None  # transfers in flight and the block arriving
         q_doc = docs.local(cp, r) if docs is not None else None
         for j in range(cp):
             i = cp - 1 - j  # the forward step whose block this is
