@@ -5,18 +5,18 @@
     sdpa         torch SDPA; on the CPU aten's fused flash attention        CPU: aten's flash op, which returns
                  (`_scaled_dot_product_flash_attention_for_cpu`)            the lse and has a backward taking
                                                                             (out, lse); CUDA: the Triton kernel
-    flash_attn   the flash-attn package (CUDA, fp16/bf16)                   the Triton kernel (flash-attn has no
-                                                                            stable backward-from-(out, lse) API)
+    flash_attn   the flash-attn package (CUDA, fp16/bf16, head dim <= 256):   the Triton kernel (flash-attn has no
+                 `flash_attn_func` / `flash_attn_varlen_func`, (b, s, h, d)  public backward-from-(out, lse) API)
     reference    exact einsum reference (fp64 for fp64 inputs): tests, and whatever no fused kernel covers
 
 `select_attention(backend, q, need_lse)` maps the model's setting to one of these. `backend` is the
 model.attention value, or model.kernels ("auto" | "triton" | "torch") when model.attention is "auto":
-  auto   fp64 -> reference (exact); CUDA -> flash_attn when installed (16-bit, head dim <= 256, no lse
-         needed), else triton; CPU and the meta stand-in -> sdpa
+  auto   fp64 -> reference (exact); CUDA -> flash_attn when `why_not_flash_attn` finds no reason against it
+         (installed, 16-bit, head dim <= 256) and no lse is needed, else triton; CPU -> sdpa; the meta stand-in -> triton (its custom op)
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
-The CPU flash op aligns a causal mask top-left; for blocks with more keys than queries (the ring's and the
-all-gather mode's bottom-right aligned blocks) the keys are split into a fully visible prefix and a causal
-square, and the two partial results are merged through their lse.
+The CPU flash op aligns a causal mask top-left and skips only whole 512-key blocks: a causal call (bottom-right
+aligned, sk >= sq: the ring's and the all-gather mode's blocks too) runs in bands of CAUSAL_BAND query rows,
+each a fully visible key prefix plus a causal square, the two partial results merged through their lse.
 """
 from __future__ import annotations
 
@@ -27,11 +27,34 @@ from typing import Optional
 import torch
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
+# Rows per band of a causal call on the CPU. aten's CPU flash op skips only whole 512-key blocks above the
+# diagonal, so a causal square of n <= 512 costs as much as a full one; cut into bands of h rows (each a full
+# prefix plus an h x h causal square) it computes about (1/2 + h/2n) of the scores (fwd+bwd, 8 heads, d=64,
+# one thread: causal 512 from 24.4 to 15.1 ms, 1024 from 74.8 to 55.7 ms at h = 128; 256: 17.4, 59.7 ms).
+CAUSAL_BAND = 128
 _KERNEL_SETTINGS = ("auto", "triton", "torch", "reference")
 
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def on_gpu(q: torch.Tensor) -> bool:
+    """The selector's one question about the device (tests stand a CPU tensor in for a GPU by patching it)."""
+    return q.is_cuda
+
+
+def why_not_flash_attn(q: torch.Tensor) -> str:
+    """Why the flash-attn package cannot run attention on q (b, s, h, d); empty when it can."""
+    if not flash_attn_available():
+        return "the flash-attn package is not installed"
+    if not on_gpu(q):
+        return f"it runs on CUDA devices only (got {q.device.type})"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16/bf16 activations only (got {q.dtype})"
+    if q.shape[-1] > 256:
+        return f"it takes head dims up to 256 (got {q.shape[-1]})"
+    return ""
 
 
 def attention_setting(attention: str, kernels: str) -> str:
@@ -56,20 +79,19 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
                                "environment before kernels are imported (DESIGN.md section 5)")
         return "triton"
     if backend == "flash_attn":
-        if not (flash_attn_available() and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
-            raise ValueError("model.attention=flash_attn needs the flash-attn package, a CUDA device and "
-                             f"fp16/bf16 activations (got {q.device.type}, {q.dtype})")
+        why_not = why_not_flash_attn(q)
+        if why_not:
+            raise ValueError(f"model.attention=flash_attn cannot run here: {why_not}")
         return "triton" if need_lse else "flash_attn"
     if backend == "sdpa":
-        return "triton" if q.is_cuda and need_lse else "sdpa"
+        return "triton" if on_gpu(q) and need_lse else "sdpa"
     if backend == "torch":
-        return "reference" if exact or (q.is_cuda and need_lse) else "sdpa"
+        return "reference" if exact or (on_gpu(q) and need_lse) else "sdpa"
     # auto
     if exact:
         return "reference"
-    if q.is_cuda:
-        fa_ok = flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-        return "flash_attn" if fa_ok and not need_lse else "triton"
+    if on_gpu(q):
+        return "flash_attn" if not why_not_flash_attn(q) and not need_lse else "triton"
     return "sdpa"
 
 
@@ -93,27 +115,43 @@ def _cpu_flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
-def _split(sq: int, sk: int, causal: bool) -> Optional[int]:
-    """Keys visible to every query under the bottom-right causal mask (None: no split needed)."""
-    if causal and sk > sq:
-        return sk - sq
-    if causal and sk < sq:
+def _bands(sq: int, sk: int) -> list[tuple[int, int, int]]:
+    """Causal (bottom-right) attention of sq queries on sk keys as bands [(q0, q1, kc)]: rows [q0, q1) see keys
+    [0, kc) fully and keys [kc, kc + q1 - q0) through a causal square (top-left = bottom-right on a square)."""
+    if sk < sq:
         raise ValueError(f"causal block with fewer keys ({sk}) than queries ({sq}): rows without keys are "
                          f"not supported by the sdpa backend")
-    return None
+    return [(q0, min(q0 + CAUSAL_BAND, sq), sk - sq + q0) for q0 in range(0, sq, CAUSAL_BAND)]
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def sdpa_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32) through aten's flash op, causal bottom-right."""
-    cut = _split(q.shape[1], k.shape[1], causal)
-    if cut is None:
-        return _cpu_flash(q, k, v, causal, scale)
-    o1, l1 = _cpu_flash(q, k[:, :cut], v[:, :cut], False, scale)  # keys every query sees
-    o2, l2 = _cpu_flash(q, k[:, cut:], v[:, cut:], True, scale)  # the causal square
-    lse = torch.logaddexp(l1, l2)  # (b, hq, sq): every row sees at least key 0
-    w1, w2 = (torch.exp(l - lse).transpose(1, 2)[..., None] for l in (l1, l2))  # (b, sq, hq, 1)
-    return (w1 * o1 + w2 * o2).to(q.dtype), lse
+    """CPU: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32) through aten's flash op, causal bottom-right.
+    A causal call runs band by band (module docstring): each band's full prefix and causal square merge
+    through their lse, lse = logaddexp(l1, l2), out = o1 + exp(l2 - lse) * (o2 - o1)."""
+    if not causal:
+        return _cpu_flash(q, k, v, False, scale)
+    bands = _bands(q.shape[1], k.shape[1])
+    if bands == [(0, q.shape[1], 0)]:
+        return _cpu_flash(q, k, v, True, scale)
+    b, sq, hq, _ = q.shape
+    out = torch.empty_like(q)  # (b, sq, hq, d)
+    lse = torch.empty((b, hq, sq), dtype=_acc(q.dtype), device=q.device)
+    for q0, q1, kc in bands:
+        rows, diag = slice(q0, q1), slice(kc, kc + q1 - q0)
+        o2, l2 = _cpu_flash(q[:, rows], k[:, diag], v[:, diag], True, scale)  # the band's causal square
+        if kc == 0:
+            out[:, rows], lse[..., rows] = o2, l2
+            continue
+        o1, l1 = _cpu_flash(q[:, rows], k[:, :kc], v[:, :kc], False, scale)  # keys every row of the band sees
+        lse[..., rows] = torch.logaddexp(l1, l2)  # (b, hq, n): every row sees at least one key
+        w2 = torch.exp(l2 - lse[..., rows]).transpose(1, 2)[..., None]  # (b, n, hq, 1)
+        out[:, rows] = torch.lerp(o1.to(w2.dtype), o2.to(w2.dtype), w2)
+    return out, lse
 
 
 def sdpa_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,14 +159,31 @@ def sdpa_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's (dq, dk, dv) given the final (merged) out and lse of its query rows (see
     parallel3d.context_parallel.blocks: with the global lse each block's P is its slice of the full softmax,
-    so the per-piece gradients add up)."""
+    so the per-piece gradients add up: per band, dq of the rows from both pieces, dk/dv summed per key)."""
     do, out = do.to(q.dtype), out.to(q.dtype)
-    cut = _split(q.shape[1], k.shape[1], causal)
-    if cut is None:
-        return _cpu_flash_backward(do, q, k, v, out, lse, causal, scale)
-    dq1, dk1, dv1 = _cpu_flash_backward(do, q, k[:, :cut], v[:, :cut], out, lse, False, scale)
-    dq2, dk2, dv2 = _cpu_flash_backward(do, q, k[:, cut:], v[:, cut:], out, lse, True, scale)
-    return dq1 + dq2, torch.cat([dk1, dk2], 1), torch.cat([dv1, dv2], 1)
+    if not causal:
+        return _cpu_flash_backward(do, q, k, v, out, lse, False, scale)
+    bands = _bands(q.shape[1], k.shape[1])
+    if bands == [(0, q.shape[1], 0)]:
+        return _cpu_flash_backward(do, q, k, v, out, lse, True, scale)
+    acc = _acc(q.dtype)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)  # (b, sq, hq, d)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # (b, sk, hk, d)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for q0, q1, kc in bands:
+        rows, diag = slice(q0, q1), slice(kc, kc + q1 - q0)
+        part = (do[:, rows], q[:, rows])
+        dq2, dk2, dv2 = _cpu_flash_backward(*part, k[:, diag], v[:, diag], out[:, rows], lse[..., rows], True, scale)
+        dk[:, diag] += dk2
+        dv[:, diag] += dv2
+        if kc == 0:
+            dq[:, rows] = dq2
+            continue
+        dq1, dk1, dv1 = _cpu_flash_backward(*part, k[:, :kc], v[:, :kc], out[:, rows], lse[..., rows], False, scale)
+        dq[:, rows] = dq1.to(acc) + dq2
+        dk[:, :kc] += dk1
+        dv[:, :kc] += dv1
+    return dq, dk, dv
 
 
 class SdpaBlockFunction(torch.autograd.Function):

@@ -159,7 +159,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         if not causal:
             raise ValueError("document-masked attention is causal")
         host = doc_ids.cpu() if doc_ids_host is None else doc_ids_host
-        if backend in ("auto", "flash_attn") and varlen.flash_attn_available(q):  # pragma: no cover - CUDA
+        if impl == "flash_attn":  # model.attention=flash_attn, or auto on CUDA with the package (select_attention)
             return varlen.flash_attn_varlen(q, k, v, host, scale)
         if impl == "triton":
             from kernels.flash_attention import flash_attention

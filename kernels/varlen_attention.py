@@ -8,7 +8,8 @@ per document (a token sees only earlier tokens of its own run). Three ways to co
                          (b, block, span) boolean mask): exact, O(block * span) memory, skips what no query
                          of the block can see
     flash_attn_varlen    the flash-attn package's `flash_attn_varlen_func` on the flattened (b*s) tokens,
-                         one sequence per document (CUDA only; used when installed)
+                         one sequence per document (CUDA only; chosen by
+                         kernels.attention_backend.select_attention)
     kernels.flash_attention with q_doc/k_doc: the Triton kernel (forward and backward with lse)
 
 The block plan and cu_seqlens come from a host copy of the ids, so deciding what to skip never reads
@@ -16,7 +17,6 @@ the device (no sync; the meta-device dry run works).
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
@@ -68,14 +68,8 @@ def cu_seqlens(doc_host: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def flash_attn_available(x: torch.Tensor) -> bool:
-    """flash-attn's kernels: CUDA tensors in fp16/bf16 and the package installed."""
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and importlib.util.find_spec("flash_attn") is not None)
-
-
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_host: torch.Tensor,
-                      scale: Optional[float] = None) -> torch.Tensor:  # pragma: no cover - CUDA + flash-attn
+                      scale: Optional[float] = None) -> torch.Tensor:
     """Causal document-masked attention through `flash_attn_varlen_func` (one sequence per document)."""
     from flash_attn import flash_attn_varlen_func
 

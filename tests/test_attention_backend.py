@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.attention_backend import select_attention
+from kernels.attention_backend import CAUSAL_BAND, select_attention
 from kernels.flash_attention import attention_reference
 from parallel3d.context_parallel.blocks import block_backward
 
@@ -22,7 +22,7 @@ def test_selector_on_this_cpu():
     # the dry run's stand-in for CUDA takes the kernel's custom op whatever the setting (its fake and FLOPs)
     meta = torch.zeros(1, 8, 2, 8, device="meta")
     assert select_attention("auto", meta, need_lse=True) == select_attention("torch", meta, True) == "triton"
-    with pytest.raises(ValueError, match="flash_attn needs"):
+    with pytest.raises(ValueError, match="flash_attn cannot run here: the flash-attn package is not installed"):
         select_attention("flash_attn", f32, need_lse=False)
     with pytest.raises(ValueError, match="attention backend must be one of"):
         select_attention("xformers", f32, need_lse=False)
@@ -53,6 +53,24 @@ def test_backend_with_lse_matches_fp64_reference(backend, sq, sk, causal, dtype)
     do = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), do.to(dtype)), torch.autograd.grad(ref, (q64, k64, v64), do)):
         torch.testing.assert_close(a.double(), b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 300), (200, 333), (CAUSAL_BAND + 1, CAUSAL_BAND + 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sdpa_causal_bands_match_fp64_reference(sq, sk, dtype):
+    """Causal calls longer than a band run band by band (kernels.attention_backend.CAUSAL_BAND): out, lse and
+    the backward from them match the exact reference, including a last band of one row."""
+    assert sq > CAUSAL_BAND
+    q, k, v = _qkv(sq, sk, dtype=dtype)
+    out, lse = dispatch.attention_with_lse(q, k, v, True, None, "sdpa")
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = attention_reference(q64, k64, v64, True)
+    tol = TOL[torch.float32] if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)
+    do = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), do.to(dtype)), torch.autograd.grad(ref, (q64, k64, v64), do)):
+        torch.testing.assert_close(a.double(), b, **tol)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "torch", "auto"])

@@ -6,7 +6,8 @@ Every mode expects the load-balanced layout of sharding.py (rank r holds chunks 
     q (b, s/cp, hq, d), k/v (b, s/cp, hk, d)  ->  out (b, s/cp, hq, d)      [hq, hk: per-TP-rank heads]
 
     mode        communication per layer (forward)              K/V memory per rank
-    ring        cp-1 K/V blocks passed around the ring (p2p)    s/cp (one extra block in flight)
+    ring        cp-1 K/V blocks passed around the ring (p2p)    2 s/cp (the block in flight; the last one is kept
+                                                                for the backward, which walks the ring back)
     allgather   one all-gather of K/V                           s
     ulysses     all-to-alls of q, k, v and out                  s, for hk/cp heads (needs heads % cp == 0)
 

@@ -114,14 +114,14 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 def merge_into(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
     """In place: (out, lse) <- merge of (out, lse) with a partial (out_i, lse_i) over other keys.
 
-    out/out_i (b, sq, hq, d), lse/lse_i (b, hq, sq).  new = logaddexp(lse, lse_i);
-    out = exp(lse - new) * out + exp(lse_i - new) * out_i  (rows with new = -inf stay 0).
+    out/out_i (b, sq, hq, d), lse/lse_i (b, hq, sq).  new = logaddexp(lse, lse_i), w = exp(lse_i - new);
+    exp(lse - new) * out + w * out_i = out + w * (out_i - out) (the two weights sum to 1): one lerp_ over
+    out instead of two products, a sum and a copy. Rows with new = -inf (no key seen yet) give w = nan and
+    keep out (0) through nan_to_num.
     """
     new = torch.logaddexp(lse, lse_i)  # (b, hq, sq)
-    safe = _finite(new)
-    w_old = torch.exp(lse - safe).transpose(1, 2)[..., None]  # (b, sq, hq, 1)
-    w_new = torch.exp(lse_i - safe).transpose(1, 2)[..., None]
-    out.copy_(w_old * out + w_new * out_i.to(out.dtype))
+    w = torch.exp(lse_i - new).nan_to_num_(0.0).transpose(1, 2)[..., None]  # (b, sq, hq, 1)
+    out.lerp_(out_i.to(out.dtype), w)
     lse.copy_(new)
 
 

@@ -16,9 +16,14 @@ same 2c^2 work per step: that is the load balance).
 Forward: before computing on the current K/V block the send/recv of it to the next rank / from the
 previous one is posted (one batched p2p of the packed (2, b, s/cp, hk, d) K/V tensor), then each block's
 (out_i, lse_i) is merged into the running (out, lse): out = sum_i exp(lse_i - lse) * out_i.
-Backward: K/V travel the same way; each rank adds its block's dK/dV into an accumulator that travels
-with them and, after the last step, one more hop brings it home to the owner. dQ stays local.
-Per rank: forward sends cp-1 K/V blocks; backward sends cp-1 K/V blocks and cp dK/dV blocks.
+Backward walks the forward's steps in reverse (step i = cp-1 .. 0) and the ring the other way round:
+it starts on the last K/V block the forward received (saved with the rank's own block: one extra K/V
+block per layer) and ends on its own block, so the blocks in between travel from rank r+1 to rank r.
+Block X is visited by ranks X-1, X-2, ..., X+1 and last by its owner X, so the dK/dV accumulator travels
+the same way (each rank adds its share to the one that arrived) and its last hop lands on the owner
+just before the owner's own share: no extra hop home. dQ stays local.
+Per rank: forward sends cp-1 K/V blocks; backward sends max(cp-2, 0) K/V blocks and cp-1 dK/dV blocks
+(cp = 2: only the one dK/dV block, overlapped with the own block's gradient math).
 
 The next block's transfer is posted with `comm.start_batch_p2p` and waited only after this block's
 math, so communication overlaps compute (gloo and NCCL both progress the p2p in the background).
@@ -76,9 +81,15 @@ def step_plan(rank: int, src: int, cp: int, causal: bool, c: int, docs: Optional
     return kept
 
 
-def _ring_ops(send: torch.Tensor, recv: torch.Tensor, group: Group) -> list[comm.P2P]:
+def _ring_ops(send: torch.Tensor, recv: torch.Tensor, group: Group, shift: int = 1) -> list[comm.P2P]:
+    """Send to rank r+shift, receive from rank r-shift (shift -1: the backward's direction)."""
     r, n = group.rank, group.size
-    return [comm.P2P("send", send, group.ranks[(r + 1) % n]), comm.P2P("recv", recv, group.ranks[(r - 1) % n])]
+    return [comm.P2P("send", send, group.ranks[(r + shift) % n]),
+            comm.P2P("recv", recv, group.ranks[(r - shift) % n])]
+
+
+def _covers(sl: slice, n: int) -> bool:
+    return sl.start == 0 and sl.stop == n
 
 
 class RingAttention(torch.autograd.Function):
@@ -91,9 +102,9 @@ class RingAttention(torch.autograd.Function):
         b, s, hq, d = q.shape
         c = s // 2
         dt = acc_dtype(q.dtype)
-        out = torch.zeros((b, s, hq, d), dtype=dt, device=q.device)  # (b, s/cp, hq, d) running output
-        lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)  # (b, hq, s/cp)
-        kv = torch.stack([k, v])  # (2, b, s/cp, hk, d) packed: one message per step
+        out: Optional[torch.Tensor] = None  # (b, s/cp, hq, d) running output, acc dtype
+        lse: Optional[torch.Tensor] = None  # (b, hq, s/cp) running log-sum-exp
+        kv = own = torch.stack([k, v])  # (2, b, s/cp, hk, d) packed: one message per step, saved for backward
         q_doc = docs.local(cp, r) if docs is not None else None  # (b, s/cp) document ids of the local queries
         plans = []
         for i in range(cp):
@@ -106,53 +117,85 @@ class RingAttention(torch.autograd.Function):
             for qs, ks, blk_causal in plans[-1]:
                 o_i, l_i = block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], blk_causal, scale, backend,
                                          _doc_slice(q_doc, qs), _doc_slice(k_doc, ks))
+                if out is None and _covers(qs, s):  # the first block covering every row is the running result
+                    out, lse = o_i.to(dt), l_i  # (b, s/cp, hq, d), (b, hq, s/cp): fresh tensors, merged in place
+                    continue
+                if out is None:
+                    out = torch.zeros((b, s, hq, d), dtype=dt, device=q.device)
+                    lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)
                 merge_into(out[:, qs], lse[..., qs], o_i, l_i)  # out = sum_i exp(lse_i - lse) * out_i
             if i < cp - 1:
                 pending.wait()
                 kv = kv_next
+        if out is None:  # every block skipped (possible only with documents): no query saw a key
+            out = torch.zeros((b, s, hq, d), dtype=dt, device=q.device)
+            lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.save_for_backward(q, own, kv, out, lse)  # kv: the last block received
+        ctx.group, ctx.scale, ctx.backend = group, scale, backend
         ctx.docs, ctx.plans = docs, plans
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, backend, docs = ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.docs
+        # Each block's (dq_i, dk_i, dv_i) comes from the merged (out, lse) (blocks.py); summed over blocks it
+        # is the full gradient. dQ sums locally; dK/dV of a block sum along the ring (module docstring).
+        q, own, last, out, lse = ctx.saved_tensors  # own / last (2, b, s/cp, hk, d)
+        group, scale, backend, docs = ctx.group, ctx.scale, ctx.backend, ctx.docs  # causality: in ctx.plans
         cp, r = group.size, group.rank
         s = q.shape[1]
-        c = s // 2
         dt = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=dt, device=q.device)  # (b, s/cp, hq, d)
-        kv = torch.stack([k, v])  # (2, b, s/cp, hk, d)
-        dkv_in: Optional[torch.Tensor] = None  # accumulated dK/dV of the current block, from rank r-1
+        dq: Optional[torch.Tensor] = None  # (b, s/cp, hq, d) acc dtype
+        acc: Optional[torch.Tensor] = None  # (2, b, s/cp, hk, d) dK/dV accumulator of the current block
+        kv_pending = acc_pending = kv_next = None  # transfers in flight and the block arriving
         q_doc = docs.local(cp, r) if docs is not None else None
-        for i in range(cp):
+        for j in range(cp):
+            i = cp - 1 - j  # the forward step whose block this is
             src = (r - i) % cp
-            if i < cp - 1:
+            kv = last if j == 0 else own if i == 0 else _arrived(kv_pending, kv_next)
+            if i >= 2:  # rank r-1 needs this block at its next step (at its last step it uses its own)
                 kv_next = torch.empty_like(kv)
-                pending = comm.start_batch_p2p(_ring_ops(kv, kv_next, group), group)
-            dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # (2, b, s/cp, hk, d)
+                kv_pending = comm.start_batch_p2p(_ring_ops(kv, kv_next, group, -1), group)
             k_doc = docs.local(cp, src) if docs is not None else None
+            parts = []  # (key slice, dk_i, dv_i) of this step, added to the accumulator once it has arrived
             for qs, ks, blk_causal in ctx.plans[i]:  # the forward's plan: skipped blocks have no gradient
                 dq_i, dk_i, dv_i = block_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                   lse[..., qs], blk_causal, scale, backend,
                                                   _doc_slice(q_doc, qs), _doc_slice(k_doc, ks))
-                dq[:, qs] += dq_i
-                dkv[0][:, ks] += dk_i
-                dkv[1][:, ks] += dv_i
-            if dkv_in is not None:
-                dkv += dkv_in  # contributions of the ranks this block visited before
-            if i < cp - 1:
-                pending.wait()  # the K/V transfer overlapped this block's gradient math
-            # pass the accumulator on; after step cp-1 the one received is our own block's, complete
-            dkv_in = torch.empty_like(dkv)
-            comm.batch_p2p(_ring_ops(dkv, dkv_in, group), group)
-            if i < cp - 1:
-                kv = kv_next
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None, None
+                if dq is None and _covers(qs, s):
+                    dq = dq_i  # (b, s/cp, hq, d) fresh, acc dtype
+                else:
+                    if dq is None:
+                        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+                    dq[:, qs] += dq_i
+                parts.append((ks, dk_i, dv_i))
+            acc = _accumulate(None if j == 0 else _arrived(acc_pending, acc), parts, own.shape, dt, q.device)
+            if i > 0:  # not the own block yet: the accumulator goes on to rank r-1, ours comes from r+1
+                acc_out, acc = acc, torch.empty_like(acc)
+                acc_pending = comm.start_batch_p2p(_ring_ops(acc_out, acc, group, -1), group)
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+        return dq.to(q.dtype), acc[0].to(own.dtype), acc[1].to(own.dtype), None, None, None, None, None
+
+
+def _arrived(pending: comm.PendingP2P, buf: torch.Tensor) -> torch.Tensor:
+    pending.wait()  # the transfer overlapped the previous step's gradient math
+    return buf
+
+
+def _accumulate(acc: Optional[torch.Tensor], parts: list, shape: torch.Size, dt: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """acc (2, b, s/cp, hk, d) or None (the block's first visit) plus this step's (key slice, dk, dv) parts,
+    in place where acc exists; a single part covering every key becomes the accumulator (one stack)."""
+    if acc is None and len(parts) == 1 and _covers(parts[0][0], shape[2]):
+        return torch.stack([parts[0][1], parts[0][2]]).to(dt)
+    if acc is None:
+        acc = torch.zeros(shape, dtype=dt, device=device)
+    for ks, dk_i, dv_i in parts:
+        acc[0][:, ks] += dk_i
+        acc[1][:, ks] += dv_i
+    return acc
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool = True,
