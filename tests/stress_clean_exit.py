@@ -17,7 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [["parallel.tp=2"], ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"],
-           ["parallel.tp=1", "parallel.zero=3", "checkpoint.async_save=true"]]
+           ["parallel.tp=1", "parallel.zero=3", "checkpoint.async_save=true"],
+           # the offload copy engine's worker thread and activation offload's hooks must not hang the exit
+           ["parallel.tp=1", "parallel.zero=2", "parallel.offload_optimizer=cpu", "train.activation_offload=true"]]
 
 
 def _burn(stop) -> None:
