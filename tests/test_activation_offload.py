@@ -169,3 +169,19 @@ def test_prefetch_goes_one_block_ahead_and_kept_tensors_come_back_as_themselves(
             changed.mul_(0.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(loss, [changed])
+
+
+def test_a_changed_tensor_refuses_only_its_own_unpack():
+    """A saved tensor changed in place that backward never unpacks (a branch the loss does not reach) does
+    not break the prefetch scan of the records around it."""
+    w = torch.randn(64, 64, requires_grad=True)
+    off = ActivationOffload(min_bytes=1024)
+    with off.scope():
+        side = torch.randn(32, 64, requires_grad=True) * 1.0
+        dead = side.square()                                 # saves `side`; never reaches the loss
+        loss = torch.tanh(torch.randn(32, 64) @ w).sum()
+        with torch.no_grad():
+            side.mul_(2.0)
+        loss.backward()
+        del dead
+    assert w.grad is not None and w.grad.abs().sum() > 0

@@ -51,18 +51,21 @@ class _Saved:
     version: int = 0
     group: int = 0                      # the block (forward-hook count) it was saved in
 
-    def alive(self) -> Optional[torch.Tensor]:
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def held(self) -> Optional[torch.Tensor]:
+        """The device tensor if something else still holds it unchanged (None: gone, or modified since)."""
+        t = self.original() if self.original is not None else None
+        return t if t is not None and t._version == self.version else None
+
+    def check_unmodified(self) -> None:
         t = self.original() if self.original is not None else None
         if t is not None and t._version != self.version:
             raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
                                f"inplace operation: {tuple(self.shape)} {self.dtype}, saved at version "
                                f"{self.version}, now {t._version} (train.activation_offload)")
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
 
 @dataclass
 class ActivationOffload:
@@ -115,7 +118,8 @@ class ActivationOffload:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Saved):
             return packed
-        if (kept := packed.alive()) is not None:    # never freed (module docstring)
+        packed.check_unmodified()                   # only the record being unpacked: others may never be
+        if (kept := packed.held()) is not None:     # never freed (module docstring)
             packed.up, packed.used = None, True
             return kept
         if packed.up is None:
@@ -123,8 +127,8 @@ class ActivationOffload:
         ahead, previous = 0, None                    # the records backward reaches next: this group's
         for ref in reversed(self._saved[: packed.index]):   # rest, then the group saved before it
             rec = ref()
-            if rec is None or rec.used or rec.alive() is not None:  # freed with its graph, consumed, or
-                continue                                            # still on the device anyway
+            if rec is None or rec.used or rec.held() is not None:  # freed with its graph, consumed, or
+                continue                                           # still on the device anyway
             if rec.group != packed.group:
                 previous = rec.group if previous is None else previous
                 if rec.group != previous:
