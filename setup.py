@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Megatron-style TP x PP x DP x CP x EP parallelism for transformer pretraining",
     python_requires=">=3.10",
-    packages=find_packages(include=["parallel3d*", "models*", "kernels*"]),
+    packages=find_packages(include=["parallel3d*"]),  # models/ and kernels/ install as parallel3d.models, parallel3d.kernels (links)
     install_requires=["torch>=2.5", "triton>=3.0", "numpy>=1.24", "einops>=0.7", "safetensors>=0.4",
                       "pyyaml>=6.0", "matplotlib>=3.7"],
     extras_require={

@@ -26,7 +26,7 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "mode
 
 def trainer(overrides):
     from launch.common import stage_builder
-    from models.config import ModelConfig
+    from parallel3d.models.config import ModelConfig
     from parallel3d.mesh import ParallelContext
     from parallel3d.training.config import load_config
     from parallel3d.training.trainer import Trainer

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import ModelConfig  # noqa: E402
-from models.llama import Llama  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.models.llama import Llama  # noqa: E402
 from parallel3d.data_parallel import DistributedOptimizer  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext  # noqa: E402
 from parallel3d.testing import World  # noqa: E402

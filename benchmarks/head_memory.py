@@ -50,8 +50,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _head(fused: bool, vocab: int, hidden: int, device: str, dtype: torch.dtype):
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.models.llama import Llama
     from parallel3d.mesh import ParallelContext
 
     cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=1, num_heads=8, num_kv_heads=8,

@@ -95,12 +95,12 @@ def recording(variant: str, into: list[Launch]) -> Iterator[None]:
 
 def launches(quick: bool = False) -> list[Launch]:
     """Every launch the launchers make over the dtypes and shape classes they distinguish."""
-    from kernels.cross_entropy import cross_entropy_partial_grad, cross_entropy_partial_stats
-    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
-    from kernels.grouped_gemm import grouped_mm_forward, grouped_mm_weight_grad
-    from kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
-    from kernels.rope import rope_apply
-    from kernels.swiglu import swiglu_backward, swiglu_forward
+    from parallel3d.kernels.cross_entropy import cross_entropy_partial_grad, cross_entropy_partial_stats
+    from parallel3d.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from parallel3d.kernels.grouped_gemm import grouped_mm_forward, grouped_mm_weight_grad
+    from parallel3d.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
+    from parallel3d.kernels.rope import rope_apply
+    from parallel3d.kernels.swiglu import swiglu_backward, swiglu_forward
 
     out: list[Launch] = []
     dtypes = [torch.bfloat16] if quick else [torch.float32, torch.bfloat16, torch.float16]

@@ -85,7 +85,7 @@ def _setup(device: str, dtype: torch.dtype, tiny: bool) -> dict:
 
 
 def _rmsnorm_case(c: dict) -> Case:
-    from kernels import rmsnorm as rn
+    from parallel3d.kernels import rmsnorm as rn
     n, h = (64, 96) if c["tiny"] else (16384, 4096)
     x, w = c["rnd"](n, h), c["rnd"](h)
     ref = c["compile"](rn.rmsnorm_reference)
@@ -100,7 +100,7 @@ def _rmsnorm_case(c: dict) -> Case:
 
 
 def _swiglu_case(c: dict) -> Case:
-    from kernels import swiglu as sw
+    from parallel3d.kernels import swiglu as sw
     n, f = (64, 160) if c["tiny"] else (16384, 14336)
     g, u = c["rnd"](n, f), c["rnd"](n, f)
     ref = c["compile"](sw.swiglu_reference)
@@ -114,7 +114,7 @@ def _swiglu_case(c: dict) -> Case:
 
 
 def _rope_case(c: dict) -> Case:
-    from kernels import rope as rp
+    from parallel3d.kernels import rope as rp
     b, s, hq, hk, d = (1, 32, 4, 2, 16) if c["tiny"] else (4, 4096, 32, 8, 128)
     q, k = c["rnd"](b, s, hq, d), c["rnd"](b, s, hk, d)
     cos, sin = rp.rope_cos_sin(torch.arange(s, device=c["device"]), rp.rope_inv_freq(d, 500000.0))
@@ -133,7 +133,7 @@ def _rope_case(c: dict) -> Case:
 
 
 def _cross_entropy_case(c: dict) -> Case:
-    from kernels import cross_entropy as ce
+    from parallel3d.kernels import cross_entropy as ce
     n, v = (64, 300) if c["tiny"] else (8192, 128256)
     logits, tgt = c["rnd"](n, v), torch.randint(0, v, (n,), device=c["device"])
     ref = c["compile"](ce.cross_entropy_reference)
@@ -148,7 +148,7 @@ def _cross_entropy_case(c: dict) -> Case:
 
 
 def _fused_linear_ce_case(c: dict) -> Case:
-    from kernels import fused_linear_cross_entropy as fl
+    from parallel3d.kernels import fused_linear_cross_entropy as fl
     n, h, v = (64, 32, 300) if c["tiny"] else (8192, 4096, 128256)
     hid, wt, tgt = c["rnd"](n, h), c["rnd"](v, h), torch.randint(0, v, (n,), device=c["device"])
     chunk = 16 if c["tiny"] else 2048
@@ -165,7 +165,7 @@ def _fused_linear_ce_case(c: dict) -> Case:
 
 
 def _attention_case(c: dict) -> Case:
-    from kernels import flash_attention as fa
+    from parallel3d.kernels import flash_attention as fa
     b, s, hq, hk, d = (1, 48, 4, 2, 16) if c["tiny"] else (2, 4096, 32, 8, 128)
     q, k, v = c["rnd"](b, s, hq, d), c["rnd"](b, s, hk, d), c["rnd"](b, s, hk, d)
     ref = c["compile"](fa.attention_reference)

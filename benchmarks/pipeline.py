@@ -42,8 +42,8 @@ from torch import nn  # noqa: E402
 def _model_parts(w, shape: dict, schedule: str):
     """This rank's chunks of the shared Llama (even split, the schedule's placement) and the step's
     microbatches."""
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.models.llama import Llama
     from parallel3d.mesh import MeshSpec
     from parallel3d.pipeline import chunks_per_rank, partition_layers, placement_of, stage_ids
 

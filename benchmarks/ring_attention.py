@@ -68,7 +68,7 @@ def _time_sdpa(w, shape: dict, iters: int) -> float:
 def _time_ours(w, shape: dict, iters: int, backend: str) -> float:
     """Median seconds of our own world-1 attention (kernels.dispatch.attention, GQA native; on the CPU aten's
     flash op in causal bands) forward + backward on the whole sequence, one thread: the stricter ideal."""
-    from kernels import dispatch
+    from parallel3d.kernels import dispatch
 
     torch.set_num_threads(1)
     q, k, v = _inputs(shape, shape["seq"])  # (b, s, h, d)

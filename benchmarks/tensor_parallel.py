@@ -32,8 +32,8 @@ def _median_step(step, iters: int) -> float:
 
 
 def _ours(w, shape: dict, iters: int) -> float:
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.models.llama import Llama
     from parallel3d.data_parallel.grads import reduce_gradients
     from parallel3d.mesh import MeshSpec
 

@@ -58,7 +58,7 @@ def _time(step, steps: int, warmup: int, device: torch.device) -> tuple[float, f
 
 
 def config(name: str, precision: str, compile_blocks: bool):
-    from models.config import ModelConfig
+    from parallel3d.models.config import ModelConfig
     from parallel3d.training.config import load_config
     from parallel3d.training.validate import resolve_and_validate
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import acc_dtype, dot_dtype, interpreting, next_pow2
+from parallel3d.kernels._triton_utils import acc_dtype, dot_dtype, interpreting, next_pow2
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import acc_dtype, interpreting, next_pow2
+from parallel3d.kernels._triton_utils import acc_dtype, interpreting, next_pow2
 
 
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100

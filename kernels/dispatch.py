@@ -19,15 +19,15 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.attention_backend import (ATTENTION_BACKENDS, SdpaBlockFunction, flash_attn_attention,  # noqa: F401
+from parallel3d.kernels.attention_backend import (ATTENTION_BACKENDS, SdpaBlockFunction, flash_attn_attention,  # noqa: F401
                                       sdpa_attention_backward, select_attention)
-from kernels.cross_entropy import (cross_entropy_partial_grad_reference, cross_entropy_partial_stats_reference,
+from parallel3d.kernels.cross_entropy import (cross_entropy_partial_grad_reference, cross_entropy_partial_stats_reference,
                                    cross_entropy_reference)
-from kernels.flash_attention import attention_reference, sdpa_attention
-from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy as _fused_linear_ce
-from kernels.rmsnorm import rmsnorm_reference, rmsnorm_residual_reference
-from kernels.rope import rope_reference
-from kernels.swiglu import swiglu_reference
+from parallel3d.kernels.flash_attention import attention_reference, sdpa_attention
+from parallel3d.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy as _fused_linear_ce
+from parallel3d.kernels.rmsnorm import rmsnorm_reference, rmsnorm_residual_reference
+from parallel3d.kernels.rope import rope_reference
+from parallel3d.kernels.swiglu import swiglu_reference
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -54,7 +54,7 @@ def use_kernel_op(backend: str, x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
     if use_kernel_op(backend, x):
-        from kernels import ops
+        from parallel3d.kernels import ops
         return ops.rmsnorm(x, weight, eps)
     return rmsnorm_reference(x, weight, eps)
 
@@ -63,7 +63,7 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual): new_residual = x + residual, normed = rms_norm(new_residual)."""
     if use_kernel_op(backend, x):
-        from kernels import ops
+        from parallel3d.kernels import ops
         return ops.rmsnorm_residual(x, residual, weight, eps)
     return rmsnorm_residual_reference(x, residual, weight, eps)
 
@@ -71,14 +71,14 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
          ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernel_op(backend, q):
-        from kernels import ops
+        from parallel3d.kernels import ops
         return ops.rope(q, k, cos, sin)
     return rope_reference(q, k, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if use_kernel_op(backend, gate):
-        from kernels import ops
+        from parallel3d.kernels import ops
         return ops.swiglu(gate, up)
     return swiglu_reference(gate, up)
 
@@ -87,7 +87,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
                   backend: str = "auto") -> torch.Tensor:
     """Per-token losses (n,) fp32."""
     if use_triton(backend, logits):
-        from kernels.cross_entropy import cross_entropy as ce_triton
+        from parallel3d.kernels.cross_entropy import cross_entropy as ce_triton
         return ce_triton(logits, target, ignore_index)
     return cross_entropy_reference(logits, target, ignore_index)
 
@@ -98,7 +98,7 @@ def cross_entropy_partial_stats(logits: torch.Tensor, target: torch.Tensor, voca
     """Vocab-parallel CE pieces of a logits shard: (local_max, local_sumexp, local_target_logit), each (n,).
     How to combine them across TP ranks: see the kernels.cross_entropy module docstring."""
     if use_triton(backend, logits):
-        from kernels.cross_entropy import cross_entropy_partial_stats as stats
+        from parallel3d.kernels.cross_entropy import cross_entropy_partial_stats as stats
         return stats(logits, target, vocab_start, ignore_index)
     return cross_entropy_partial_stats_reference(logits, target, vocab_start, ignore_index)
 
@@ -108,7 +108,7 @@ def cross_entropy_partial_grad(logits: torch.Tensor, target: torch.Tensor, vocab
                                backend: str = "auto") -> torch.Tensor:
     """d loss / d logits of a shard (n, v_local) given the global lse (n,) and dloss (n,)."""
     if use_triton(backend, logits):
-        from kernels.cross_entropy import cross_entropy_partial_grad as grad
+        from parallel3d.kernels.cross_entropy import cross_entropy_partial_grad as grad
         return grad(logits, target, vocab_start, lse, grad_loss, ignore_index)
     return cross_entropy_partial_grad_reference(logits, target, vocab_start, lse, grad_loss, ignore_index)
 
@@ -122,7 +122,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     if not use_triton(backend, logits):
         raise ValueError("vocab_parallel_cross_entropy is the Triton path; use the torch reference pieces "
                          "(cross_entropy_partial_stats/grad with backend='torch') elsewhere")
-    from kernels.cross_entropy import vocab_parallel_cross_entropy as vp_ce
+    from parallel3d.kernels.cross_entropy import vocab_parallel_cross_entropy as vp_ce
     return vp_ce(logits, target, vocab_start, ignore_index, all_reduce_max, all_reduce_sum)
 
 
@@ -155,18 +155,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         doc_ids = None  # masking changes no shape on the stand-in: the plain kernel, an upper bound
     impl = select_attention(backend, q, need_lse=False)
     if doc_ids is not None:
-        from kernels import varlen_attention as varlen
+        from parallel3d.kernels import varlen_attention as varlen
         if not causal:
             raise ValueError("document-masked attention is causal")
         host = doc_ids.cpu() if doc_ids_host is None else doc_ids_host
         if impl == "flash_attn":  # model.attention=flash_attn, or auto on CUDA with the package (select_attention)
             return varlen.flash_attn_varlen(q, k, v, host, scale)
         if impl == "triton":
-            from kernels.flash_attention import flash_attention
+            from parallel3d.kernels.flash_attention import flash_attention
             return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=doc_ids)[0]
         return varlen.varlen_sdpa(q, k, v, doc_ids, varlen.query_blocks(host), scale)
     if impl == "triton":
-        from kernels import ops
+        from parallel3d.kernels import ops
         return ops.flash_attention(q, k, v, causal, scale)[0]
     if impl == "flash_attn":
         return flash_attn_attention(q, k, v, causal, scale)
@@ -189,11 +189,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     impl = select_attention(backend, q, need_lse=True)
     if doc_ids is not None:
         if impl == "triton":
-            from kernels.flash_attention import flash_attention
+            from parallel3d.kernels.flash_attention import flash_attention
             return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
         return attention_reference(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
     if impl == "triton":
-        from kernels import ops
+        from parallel3d.kernels import ops
         return ops.flash_attention(q, k, v, causal, scale)
     if impl == "sdpa":
         return SdpaBlockFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5 if scale is None else scale)

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._flash_common import _check, _config, _doc_block, _docs, _kernel_dtypes, _prep
-from kernels._triton_utils import next_pow2
-from kernels.flash_attention_bwd import flash_attention_backward
+from parallel3d.kernels._flash_common import _check, _config, _doc_block, _docs, _kernel_dtypes, _prep
+from parallel3d.kernels._triton_utils import next_pow2
+from parallel3d.kernels.flash_attention_bwd import flash_attention_backward
 
 __all__ = ["attention_reference", "sdpa_attention", "flash_attention", "flash_attention_forward",
            "flash_attention_backward", "FlashAttentionFunction"]

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._flash_common import _check, _config, _doc_block, _docs, _kernel_dtypes, _prep
-from kernels._triton_utils import next_pow2
+from parallel3d.kernels._flash_common import _check, _config, _doc_block, _docs, _kernel_dtypes, _prep
+from parallel3d.kernels._triton_utils import next_pow2
 
 
 @triton.jit

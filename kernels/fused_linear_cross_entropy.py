@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.cross_entropy import (cross_entropy_partial_grad, cross_entropy_partial_grad_reference,
+from parallel3d.kernels.cross_entropy import (cross_entropy_partial_grad, cross_entropy_partial_grad_reference,
                                    cross_entropy_partial_stats, cross_entropy_partial_stats_reference,
                                    cross_entropy_reference)
 

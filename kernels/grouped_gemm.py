@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import acc_dtype, dot_dtype, interpreting
+from parallel3d.kernels._triton_utils import acc_dtype, dot_dtype, interpreting
 
 
 def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

@@ -22,12 +22,12 @@ from torch import Tensor
 from torch.library import custom_op
 from torch.utils.flop_counter import register_flop_formula
 
-from kernels import cross_entropy as _ce
-from kernels import flash_attention as _fa
-from kernels import grouped_gemm as _gg
-from kernels import rmsnorm as _rn
-from kernels import rope as _rp
-from kernels import swiglu as _sw
+from parallel3d.kernels import cross_entropy as _ce
+from parallel3d.kernels import flash_attention as _fa
+from parallel3d.kernels import grouped_gemm as _gg
+from parallel3d.kernels import rmsnorm as _rn
+from parallel3d.kernels import rope as _rp
+from parallel3d.kernels import swiglu as _sw
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import acc_dtype, next_pow2, num_programs_hint, rows_2d, tl_dtype
+from parallel3d.kernels._triton_utils import acc_dtype, next_pow2, num_programs_hint, rows_2d, tl_dtype
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import acc_dtype, next_pow2
+from parallel3d.kernels._triton_utils import acc_dtype, next_pow2
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import acc_dtype, next_pow2, rows_2d
+from parallel3d.kernels._triton_utils import acc_dtype, next_pow2, rows_2d
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from models.config import ModelConfig  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parallel3d.comm import CollectiveError  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
@@ -86,9 +86,9 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
     """build_stage(layer_ids, pre, post) for the trainer: the dense Llama or the MoE transformer."""
     p, recompute = cfg.parallel, cfg.train.activation_checkpointing
     if cfg.model.num_experts:
-        from models.moe import MoETransformer as model_cls
+        from parallel3d.models.moe import MoETransformer as model_cls
     else:
-        from models.llama import Llama as model_cls
+        from parallel3d.models.llama import Llama as model_cls
 
     def build(layer_ids: list[int], pre: bool, post: bool):
         model = model_cls(cfg.model, ctx, layers=layer_ids, pre=pre, post=post, sequence_parallel=p.sp,

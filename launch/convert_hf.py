@@ -11,13 +11,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import ModelConfig  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parallel3d.training.config import ExperimentConfig, save_yaml  # noqa: E402
 
 
 def do_import(hf_dir: str, out: str) -> None:
-    from models.hf import import_hf
+    from parallel3d.models.hf import import_hf
 
     fields = import_hf(hf_dir, out)
     model = ModelConfig(**fields)
@@ -29,7 +29,7 @@ def do_import(hf_dir: str, out: str) -> None:
 
 
 def do_export(ckpt: str, out: str) -> None:
-    from models.hf import export_hf
+    from parallel3d.models.hf import export_hf
     from parallel3d.checkpoint.load import resolve_checkpoint_dir
 
     export_hf(resolve_checkpoint_dir(ckpt), out)  # a save root follows its `latest`

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import fail, stage_builder  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.dryrun import DryRunError  # noqa: E402
 from parallel3d.planner.estimate import MEMORY_KEYS, Plan, plan  # noqa: E402
 from parallel3d.planner.hardware import GPUS, gpu as find_gpu  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kernels.attention_backend import ATTENTION_BACKENDS
+from parallel3d.kernels.attention_backend import ATTENTION_BACKENDS
 from parallel3d.expert_parallel.experts import IMPLS as EXPERT_IMPLS
 
 
@@ -94,5 +94,5 @@ class ModelConfig:
         if self.attention_type not in ("mha", "mla"):
             raise ValueError(f"model.attention_type must be mha or mla, got {self.attention_type!r}")
         if self.attention_type == "mla":
-            from models.mla import check_mla_config
+            from parallel3d.models.mla import check_mla_config
             check_mla_config(self)

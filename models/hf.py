@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.hf_deepseek import DeepseekV3Adapter
-from models.hf_llama import LlamaAdapter
-from models.hf_mixtral import MixtralAdapter
-from models.hf_qwen3 import Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
+from parallel3d.models.hf_deepseek import DeepseekV3Adapter
+from parallel3d.models.hf_llama import LlamaAdapter
+from parallel3d.models.hf_mixtral import MixtralAdapter
+from parallel3d.models.hf_qwen3 import Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
 from parallel3d.checkpoint import hf as hf_io
 from parallel3d.checkpoint.hf import StateDictAdapter
 from parallel3d.checkpoint.store import CheckpointError, CheckpointReader

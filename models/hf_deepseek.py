@@ -42,8 +42,8 @@ from typing import Any, Iterable
 
 import torch
 
-from models.hf_llama import DENSE_RULES
-from models.hf_experts import HF_FUSED, OURS_EXPERTS, OURS_ROUTER, put_fused, split_experts, stack_experts
+from parallel3d.models.hf_llama import DENSE_RULES
+from parallel3d.models.hf_experts import HF_FUSED, OURS_EXPERTS, OURS_ROUTER, put_fused, split_experts, stack_experts
 from parallel3d.checkpoint.store import CheckpointError
 
 _ATTN = {"q_a_proj": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b_proj": "q_b_proj", "q_proj": "q_proj",

@@ -25,8 +25,8 @@ from typing import Any, Iterable
 
 import torch
 
-from models.hf_llama import DENSE_RULES, llama_config_to_fields
-from models.hf_experts import plain_moe_to_ours, routed_moe_to_hf
+from parallel3d.models.hf_llama import DENSE_RULES, llama_config_to_fields
+from parallel3d.models.hf_experts import plain_moe_to_ours, routed_moe_to_hf
 from parallel3d.checkpoint.store import CheckpointError
 
 _PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

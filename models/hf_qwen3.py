@@ -29,8 +29,8 @@ from typing import Any, Iterable
 
 import torch
 
-from models.hf_experts import plain_moe_to_ours, routed_moe_to_hf
-from models.hf_llama import DENSE_RULES
+from parallel3d.models.hf_experts import plain_moe_to_ours, routed_moe_to_hf
+from parallel3d.models.hf_llama import DENSE_RULES
 from parallel3d.checkpoint.hf import NameRules
 from parallel3d.checkpoint.store import CheckpointError
 

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels import dispatch
-from kernels.attention_backend import attention_setting
-from kernels.rope import rope_cos_sin, rope_inv_freq
-from models.config import ModelConfig
-from models.mla import MLAttention, mla_rope
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.attention_backend import attention_setting
+from parallel3d.kernels.rope import rope_cos_sin, rope_inv_freq
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.mla import MLAttention, mla_rope
 from parallel3d import comm
 from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext

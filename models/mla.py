@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels import dispatch
-from kernels.rope import rope_inv_freq
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.rope import rope_inv_freq
 from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import ParamMeta, full_slices, new_param

@@ -32,9 +32,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from models.config import ModelConfig
-from models.llama import Block, Llama
-from models.mtp import MTPModule, future_labels, vocab_embed
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Block, Llama
+from parallel3d.models.mtp import MTPModule, future_labels, vocab_embed
 from parallel3d import comm
 from parallel3d.expert_parallel import MoELayer
 from parallel3d.mesh import ParallelContext

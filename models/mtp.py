@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.mla import LatentProjection
+from parallel3d.models.mla import LatentProjection
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.context_parallel import cp_chunk_indices

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from models.config import ModelConfig
+from parallel3d.models.config import ModelConfig
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.training.config import load_config
 from parallel3d.training.validate import resolve_and_validate
@@ -29,9 +29,9 @@ def build_trainer(cfg, ctx):
     from parallel3d.training.trainer import Trainer
 
     if cfg.model.num_experts:
-        from models.moe import MoETransformer as cls
+        from parallel3d.models.moe import MoETransformer as cls
     else:
-        from models.llama import Llama as cls
+        from parallel3d.models.llama import Llama as cls
     p = cfg.parallel
 
     def build(layers, pre, post):

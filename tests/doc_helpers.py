@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from models.llama import Llama
+from parallel3d.models.llama import Llama
 from parallel3d.mesh import ParallelContext
 
 

@@ -58,7 +58,7 @@ def enlarge_weights(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_imported(ckpt_dir: str, model_cls: type, **overrides) -> torch.nn.Module:
     """Our model (world size 1) with the weights of a native checkpoint, config fields overridable."""
-    from models.config import ModelConfig
+    from parallel3d.models.config import ModelConfig
     from parallel3d.checkpoint.load import load_model_weights
     from parallel3d.checkpoint.store import CheckpointReader
     from parallel3d.mesh import ParallelContext

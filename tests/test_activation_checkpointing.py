@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.mesh import ParallelContext
 
 CFG = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=64)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.attention_backend import CAUSAL_BAND, select_attention
-from kernels.flash_attention import attention_reference
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.attention_backend import CAUSAL_BAND, select_attention
+from parallel3d.kernels.flash_attention import attention_reference
 from parallel3d.context_parallel.blocks import block_backward
 
 

@@ -181,7 +181,7 @@ def test_async_save_matches_sync(tmp_path):
 
 def test_hf_export_of_training_checkpoint(saved, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from models.hf import export_hf
+    from parallel3d.models.hf import export_hf
 
     export_hf(os.path.join(saved[0], STEP2), str(tmp_path / "hf"))
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))

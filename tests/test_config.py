@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from models.config import ModelConfig
+from parallel3d.models.config import ModelConfig
 from parallel3d.training.config import ConfigError, ExperimentConfig, config_from_dict, load_config, save_yaml, to_dict
 from parallel3d.training.validate import resolve_and_validate
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
+from parallel3d.kernels import dispatch
 from parallel3d.context_parallel import (CP_MODES, context_parallel_attention, context_parallel_attention_with_lse,
                                          shard_sequence)
 from parallel3d.context_parallel.blocks import block_attention, block_forward, merge_into

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.llama import IGNORE_INDEX, Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import IGNORE_INDEX, Llama
 from parallel3d import comm
 from parallel3d.context_parallel import cp_chunk_indices, shard_sequence
 from parallel3d.mesh import MeshSpec, ParallelContext

@@ -8,10 +8,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models.config import ModelConfig  # noqa: E402
-from models.hf import adapter_for_hf, export_hf, import_hf  # noqa: E402
-from models.hf_deepseek import DeepseekV3Adapter, deepseek_config_to_fields, fields_to_deepseek_config  # noqa: E402
-from models.moe import MoETransformer  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.models.hf import adapter_for_hf, export_hf, import_hf  # noqa: E402
+from parallel3d.models.hf_deepseek import DeepseekV3Adapter, deepseek_config_to_fields, fields_to_deepseek_config  # noqa: E402
+from parallel3d.models.moe import MoETransformer  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parity import enlarge_weights, load_imported  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_dense_mla_model_exports_as_all_dense_deepseek_v3(tmp_path):
     """A dense model with MLA (no experts) is a DeepseekV3 whose every layer is dense: trained (1 step),
     exported, loaded by transformers with the same logits, and imported back to the same tensors."""
     from ckpt_helpers import train
-    from models.llama import Llama
+    from parallel3d.models.llama import Llama
     from parallel3d.checkpoint.load import resolve_checkpoint_dir
     from parallel3d.checkpoint.store import CheckpointReader
     from test_deepseek_parity import DEEPSEEK

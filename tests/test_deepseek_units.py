@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckpt_helpers import build_trainer, make_config
-from models.config import ModelConfig
+from parallel3d.models.config import ModelConfig
 from parallel3d.expert_parallel.router import Router, sequence_balance_loss, sequence_balance_stats
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.training.config import ConfigError, load_config
@@ -116,7 +116,7 @@ def test_mla_triton_kernels_match_torch():
     """The GPU path (Triton RoPE on a strided q slice and a one-head shared key, RMSNorm of latent widths,
     flash attention at head width 12 with v padded from 6, cross-entropy), forced under the interpreter, trains
     like the torch path (one dense MLA layer: the interpreter is slow)."""
-    from models.moe import MoETransformer
+    from parallel3d.models.moe import MoETransformer
 
     def train(kernels: str) -> list[float]:
         cfg = make_config([*DEEPSEEK, f"model.kernels={kernels}", "model.num_layers=1"], 1).model
@@ -157,7 +157,7 @@ def test_multi_token_prediction_loss_is_the_reports_formula():
     t_{i+k+1}), h^k = Block_k(W_k [enorm(Emb(t_{i+k})); hnorm(h^{k-1})]), written out here with plain ops."""
     import torch.nn.functional as F
 
-    from models.moe import MoETransformer
+    from parallel3d.models.moe import MoETransformer
 
     cfg = make_config([*DEEPSEEK, "model.mtp_depth=2", "model.mtp_loss_coef=0.4", "model.seq_aux_loss_coef=0"], 1).model
     model = MoETransformer(cfg, ParallelContext.single())
@@ -190,7 +190,7 @@ def test_multi_token_prediction_loss_is_the_reports_formula():
 
 def test_mla_with_packed_documents_equals_each_document_alone():
     """Document-masked MLA (+ DeepSeek MoE) over packed windows == every document run alone."""
-    from models.moe import MoETransformer
+    from parallel3d.models.moe import MoETransformer
     from parallel3d.context_parallel.documents import Documents, document_ids, document_positions
     from parity import enlarge_weights
     from doc_helpers import per_document_loss_sum

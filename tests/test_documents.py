@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from doc_helpers import doc_spans, per_document_loss_sum
-from kernels import dispatch
-from kernels.flash_attention import attention_reference, flash_attention
-from kernels.varlen_attention import cu_seqlens, query_blocks, varlen_sdpa
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.flash_attention import attention_reference, flash_attention
+from parallel3d.kernels.varlen_attention import cu_seqlens, query_blocks, varlen_sdpa
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.context_parallel import Documents, document_ids, document_positions
 from parallel3d.mesh import ParallelContext
 from parity import enlarge_weights

@@ -12,7 +12,7 @@ import torch
 
 from doc_helpers import per_document_loss_sum
 from launch import prepare_data
-from models.llama import Llama
+from parallel3d.models.llama import Llama
 from parallel3d.checkpoint.load import resolve_checkpoint_dir
 from parity import load_imported
 from test_launch import SMALL, _run

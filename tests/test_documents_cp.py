@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.flash_attention import attention_reference
+from parallel3d.kernels.flash_attention import attention_reference
 from parallel3d.context_parallel import Documents, context_parallel_attention, shard_sequence
 from parallel3d.mesh import MeshSpec
 

@@ -13,8 +13,8 @@ from typing import Optional
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.data_parallel import DistributedOptimizer
 from parallel3d.mesh import ParallelContext
 from parallel3d.mesh import MeshSpec
@@ -197,7 +197,7 @@ MOE = dict(BASE, num_experts=4, moe_top_k=2, aux_loss_coef=0.01, z_loss_coef=0.0
 
 
 def _moe(w, spec, zero, acc):
-    from models.moe import MoETransformer
+    from parallel3d.models.moe import MoETransformer
     return train(w.context(MeshSpec(**spec)), MOE, zero, acc, model_cls=MoETransformer)
 
 
@@ -205,7 +205,7 @@ def _moe(w, spec, zero, acc):
 def test_dp_parity_moe_expert_dp(worlds, zero):
     """Expert weights live in their own buckets, reduced and sharded over expert-DP (dp=4, ep=2: edp=2).
     One microbatch: the auxiliary balancing loss is a statistic of the whole microbatch."""
-    from models.moe import MoETransformer
+    from parallel3d.models.moe import MoETransformer
     check_parity(worlds.run(4, _moe, dict(dp=4, ep=2), zero, 1), reference(MOE, model_cls=MoETransformer))
 
 

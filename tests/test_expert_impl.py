@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.grouped_gemm import grouped_mm, grouped_mm_reference
+from parallel3d.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
 from parallel3d.expert_parallel.experts import IMPLS, choose_impl, grouped_swiglu
 
 ODD = [[0, 5, 17, 0], [1], [33, 0, 2], [0, 0]]

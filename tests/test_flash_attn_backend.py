@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import flash_attn_standin as standin
-from kernels import attention_backend, dispatch
-from kernels.attention_backend import select_attention
-from kernels.flash_attention import attention_reference
+from parallel3d.kernels import attention_backend, dispatch
+from parallel3d.kernels.attention_backend import select_attention
+from parallel3d.kernels.flash_attention import attention_reference
 
 BF16 = dict(rtol=3e-2, atol=3e-2)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckpt_helpers import build_trainer, context_for, make_config
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.mesh import ParallelContext
 from test_trainer_regressions import assert_parity, run
 
@@ -38,7 +38,7 @@ def _model_loss(fused: bool, labels: torch.Tensor, tie: bool):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_fused_matches_unfused_with_ignored_labels(tie, monkeypatch):
-    import kernels.fused_linear_cross_entropy as flce
+    import parallel3d.kernels.fused_linear_cross_entropy as flce
     monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 8)  # several chunks at this size (120 tokens, 7 chunks)
     labels = torch.randint(0, 203, (3, 40))
     labels[0, :7] = -100

@@ -6,8 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models.llama import Llama  # noqa: E402
-from models.hf import export_hf, import_hf  # noqa: E402
+from parallel3d.models.llama import Llama  # noqa: E402
+from parallel3d.models.hf import export_hf, import_hf  # noqa: E402
 from parity import enlarge_weights, load_imported  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernels import ops
+from parallel3d.kernels import ops
 
 
 def _cases(device="cpu", dtype=torch.float32):

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.cross_entropy import (cross_entropy, cross_entropy_partial_grad, cross_entropy_partial_stats,
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.cross_entropy import (cross_entropy, cross_entropy_partial_grad, cross_entropy_partial_stats,
                                    cross_entropy_reference, vocab_parallel_cross_entropy)
-from kernels.fused_linear_cross_entropy import (fused_linear_cross_entropy,
+from parallel3d.kernels.fused_linear_cross_entropy import (fused_linear_cross_entropy,
                                                 fused_linear_cross_entropy_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,8 +8,8 @@ Tolerances: fp32 atol=rtol=1e-4 (blockwise online softmax vs one logsumexp); fp1
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.flash_attention import attention_reference, flash_attention, flash_attention_backward, \
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.flash_attention import attention_reference, flash_attention, flash_attention_backward, \
     flash_attention_forward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,8 @@
 """The Llama trained with the Triton kernels forced on (interpreter on CPU) matches the torch path."""
 import torch
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.data_parallel.grads import reduce_gradients
 from parallel3d.mesh import MeshSpec, ParallelContext
 
@@ -49,9 +49,9 @@ def test_blocks_take_the_fused_residual_norm(monkeypatch):
     kernel on CUDA or when forced, its torch twin elsewhere); the results equal the unfused arithmetic."""
     import torch
 
-    from kernels import dispatch
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from parallel3d.kernels import dispatch
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.models.llama import Llama
     from parallel3d.mesh import ParallelContext
 
     calls = []
@@ -66,7 +66,7 @@ def test_blocks_take_the_fused_residual_norm(monkeypatch):
     assert len(calls) == cfg.num_layers
     with torch.no_grad():  # the same model computed without the fused call
         x = model.embed(ids)
-        from kernels.rope import rope_cos_sin
+        from parallel3d.kernels.rope import rope_cos_sin
         cos, sin = rope_cos_sin(torch.arange(8), model.inv_freq)
         for blk in model.layers.values():
             x = x + blk.attn(blk.attn_norm(x), cos, sin)

@@ -6,8 +6,8 @@ interpreter rounds fp32->bf16 by truncation); gradcheck in fp64 (fast mode).
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference, rmsnorm_residual, rmsnorm_residual_reference
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.rmsnorm import rmsnorm, rmsnorm_reference, rmsnorm_residual, rmsnorm_residual_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),

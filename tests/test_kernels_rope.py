@@ -6,8 +6,8 @@ ulp, the interpreter truncates on the final fp32->bf16 cast); gradcheck in fp64 
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.rope import rope, rope_cos_sin, rope_inv_freq, rope_reference
+from parallel3d.kernels import dispatch
+from parallel3d.kernels.rope import rope, rope_cos_sin, rope_inv_freq, rope_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from models.config import ModelConfig
+from parallel3d.models.config import ModelConfig
 from parallel3d.training.config import TrainConfig
 from parallel3d.training.lr_schedule import lr_at
 from parallel3d.training.metrics import (MetricsLogger, active_params, flops_per_token, lookup_peak_flops,

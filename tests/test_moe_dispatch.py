@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import ModelConfig
-from models.moe import MoETransformer
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.moe import MoETransformer
 from parallel3d.expert_parallel import MoELayer, permute, unpermute
 from parallel3d.expert_parallel.experts import (grouped_swiglu_loop, grouped_swiglu_padded, per_expert_reference)
 from parallel3d.expert_parallel.router import capacity_keep_mask, expert_capacity

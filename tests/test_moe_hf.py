@@ -6,9 +6,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models.config import ModelConfig  # noqa: E402
-from models.moe import MoETransformer  # noqa: E402
-from models.hf_mixtral import (export_mixtral, import_mixtral, mixtral_config_to_model_fields,  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.models.moe import MoETransformer  # noqa: E402
+from parallel3d.models.hf_mixtral import (export_mixtral, import_mixtral, mixtral_config_to_model_fields,  # noqa: E402
                                mixtral_to_ours, model_fields_to_mixtral_config, ours_to_mixtral)
 from parallel3d.checkpoint.store import CheckpointError, CheckpointReader  # noqa: E402
 from parity import enlarge_weights, load_imported  # noqa: E402

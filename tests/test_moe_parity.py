@@ -3,8 +3,8 @@ loss (auxiliary terms included), gradients, weights after 3 AdamW steps, expert 
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.moe import MoETransformer
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.moe import MoETransformer
 from parallel3d import comm
 from parallel3d.context_parallel import cp_chunk_indices, shard_sequence
 from parallel3d.data_parallel.grads import reduce_gradients

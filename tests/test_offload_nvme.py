@@ -91,7 +91,7 @@ CLI = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model
 def test_cli_nvme_logs_identical_losses(tmp_path):
     """pretrain.py with the state on NVMe logs the losses of the same config trained without offload (here
     in-process, through the same Trainer) and leaves no file behind."""
-    from models.config import ModelConfig
+    from parallel3d.models.config import ModelConfig
     from parallel3d.training.config import load_config
     from parallel3d.training.validate import resolve_and_validate
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline import (SCHEDULE_NAMES, ActionKind as K, build_schedule, chunks_per_rank, locate,
                                  partition_layers, placement_of, split_steps, stage_ids, stage_of)

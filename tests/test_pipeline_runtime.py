@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline import (ActionKind, Timeline, build_schedule, partition_layers,
                                  peak_in_flight, simulate)

@@ -130,8 +130,8 @@ def test_checkpoint_of_a_v_run_resumes_under_other_layouts(worlds, tmp_path):
 
 
 def _runtime_memory_worker(w):
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.models.llama import Llama
     from parallel3d.mesh import MeshSpec
     from parallel3d.pipeline import partition_layers, placement_of, stage_ids
     from parallel3d.pipeline.runtime import PipelineStats, run_pipeline_step

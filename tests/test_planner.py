@@ -52,8 +52,8 @@ def _real_memory(w, overrides):
 
 def _stage_builder(cfg, ctx):
     def build(layers, pre, post):
-        from models.llama import Llama
-        from models.moe import MoETransformer
+        from parallel3d.models.llama import Llama
+        from parallel3d.models.moe import MoETransformer
         cls = MoETransformer if cfg.model.num_experts else Llama
         return cls(cfg.model, ctx, layers=layers, pre=pre, post=post, sequence_parallel=cfg.parallel.sp,
                    cp_mode=cfg.parallel.cp_mode, recompute=cfg.train.activation_checkpointing)

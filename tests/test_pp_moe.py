@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.moe import MoETransformer
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.moe import MoETransformer
 from parallel3d.data_parallel.grads import reduce_gradients
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.partition import partition_layers

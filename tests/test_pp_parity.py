@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.context_parallel.sharding import cp_chunk_indices, shard_sequence
 from parallel3d.data_parallel.grads import reduce_gradients
 from parallel3d.mesh import MeshSpec, ParallelContext

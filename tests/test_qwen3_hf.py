@@ -9,12 +9,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ckpt_helpers import build_trainer, context_for, make_config  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.hf import adapter_for_model, export_hf, import_hf  # noqa: E402
-from models.hf_qwen3 import (fields_to_qwen3_moe_config, qwen3_config_to_fields, qwen3_moe_config_to_fields,  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.models.hf import adapter_for_model, export_hf, import_hf  # noqa: E402
+from parallel3d.models.hf_qwen3 import (fields_to_qwen3_moe_config, qwen3_config_to_fields, qwen3_moe_config_to_fields,  # noqa: E402
                              ours_tensor_to_qwen, qwen_to_ours)
-from models.llama import Llama  # noqa: E402
-from models.moe import MoETransformer  # noqa: E402
+from parallel3d.models.llama import Llama  # noqa: E402
+from parallel3d.models.moe import MoETransformer  # noqa: E402
 from parallel3d.checkpoint import save_checkpoint  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parity import enlarge_weights, load_imported  # noqa: E402
@@ -240,7 +240,7 @@ PUBLISHED = {
 def test_published_config_imports_as_the_preset_model(preset):
     import dataclasses
 
-    from models.hf import adapter_for_hf
+    from parallel3d.models.hf import adapter_for_hf
     from parallel3d.training.config import load_config
 
     fields = adapter_for_hf(PUBLISHED[preset]).config_from_hf(PUBLISHED[preset])

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_import_train_tp2_export_loads_in_transformers(tmp_path):
-    from models.moe import MoETransformer
+    from parallel3d.models.moe import MoETransformer
     from parallel3d.checkpoint.load import resolve_checkpoint_dir
     from parity import load_imported
 

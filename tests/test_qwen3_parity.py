@@ -81,8 +81,8 @@ def test_training_step_runs_off_the_cpu(model):
 def test_triton_kernels_on_the_qk_norm_path_match_torch():
     """The QK-norm runs the RMSNorm kernel on (b, s, heads, head_dim) views: forced Triton (interpreter on CPU)
     gives the torch path's loss and gradients."""
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.models.llama import Llama
 
     def loss_and_grads(kernels: str):
         cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=24,

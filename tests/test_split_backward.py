@@ -8,8 +8,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import init_parameters
 from parallel3d.pipeline.backward import backward_input, backward_weight

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import ModelConfig
-from models.llama import Block
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Block
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.params import init_parameters, real_part
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -101,7 +101,7 @@ def _block_comm(w, sp):
     init_parameters(block, 0)
     b, s, h = 2, 8, cfg.hidden_size
     x = torch.randn(b, s // ctx.tp.size if sp else s, h, requires_grad=True)
-    from kernels.rope import rope_cos_sin, rope_inv_freq
+    from parallel3d.kernels.rope import rope_cos_sin, rope_inv_freq
     cos, sin = rope_cos_sin(torch.arange(s), rope_inv_freq(cfg.attn_head_dim, cfg.rope_theta))
     ctx.stats.reset()
     y = block(x, cos, sin)
@@ -127,5 +127,5 @@ def test_bad_head_count_for_tp():
     ctx = ParallelContext.single()
     ctx.tp = Group("tp", [0, 1, 2, 3], 0)  # a 4-way TP view is enough to reach the check, no communication
     with pytest.raises(ValueError, match="model.num_heads=6 is not divisible by parallel.tp=4"):
-        from models.llama import Llama
+        from parallel3d.models.llama import Llama
         Llama(ModelConfig(hidden_size=48, num_heads=6, num_kv_heads=2), ctx)

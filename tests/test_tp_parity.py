@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.data_parallel.grads import reduce_gradients
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parity import PARITY_ADAM, WEIGHT_ATOL, assemble, assert_close_dicts, local_slices

@@ -4,8 +4,8 @@ default fp32 main gradients (4 bytes): DP 18, ZeRO-1 6 + 12/N, ZeRO-2 2 + 16/N, 
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.llama import Llama
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
 from parallel3d.data_parallel import DistributedOptimizer
 from parallel3d.mesh import MeshSpec
 from test_dp_parity import BASE, S, global_batches

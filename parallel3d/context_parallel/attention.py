@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from kernels import dispatch
+from parallel3d.kernels import dispatch
 from parallel3d.comm import Group
 from parallel3d.context_parallel.allgather import allgather_attention
 from parallel3d.context_parallel.blocks import block_attention

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from kernels import dispatch
+from parallel3d.kernels import dispatch
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,12 +81,12 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         q_doc = k_doc = None  # the dry run plans documents as plain causal blocks (dispatch.attention_with_lse)
     impl = dispatch.select_attention(backend, q, need_lse=True)
     if impl == "triton" and q_doc is None:  # the kernel's custom op: also runs on the dry run's stand-in
-        from kernels import ops
+        from parallel3d.kernels import ops
         dq, dk, dv = ops.flash_attention_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale,
                                              None)
         return dq.to(dt), dk.to(dt), dv.to(dt)
     if impl == "triton":
-        from kernels.flash_attention import flash_attention_backward
+        from parallel3d.kernels.flash_attention import flash_attention_backward
         dq, dk, dv = flash_attention_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale,
                                               q_doc=q_doc, k_doc=k_doc)
         return dq.to(dt), dk.to(dt), dv.to(dt)

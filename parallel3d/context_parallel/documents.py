@@ -36,7 +36,7 @@ def document_ids(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 def document_positions(doc: torch.Tensor) -> torch.Tensor:
     """(b, s) document ids -> (b, s) position of each token inside its document (0 at each start)."""
-    from kernels.varlen_attention import document_starts
+    from parallel3d.kernels.varlen_attention import document_starts
     idx = torch.arange(doc.shape[1], device=doc.device).expand_as(doc)
     return idx - document_starts(doc)
 

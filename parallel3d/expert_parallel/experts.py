@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch as kernels
+from parallel3d.kernels import dispatch as kernels
 from parallel3d.comm import Group
 from parallel3d.params import ParamMeta, new_param
 
@@ -89,7 +89,7 @@ def grouped_swiglu_mm(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tens
 def grouped_swiglu_triton(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
                           w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Our Triton grouped GEMM (one launch per projection, forward and backward)."""
-    from kernels.ops import grouped_mm  # the custom op (fake implementation, compiles without a break)
+    from parallel3d.kernels.ops import grouped_mm  # the custom op (fake implementation, compiles without a break)
     hid = _swiglu(grouped_mm(x, w_gate, counts), grouped_mm(x, w_up, counts), backend)  # (N, f)
     return grouped_mm(hid, w_down, counts)  # (N, h)
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kernels import dispatch as kernels
+from parallel3d.kernels import dispatch as kernels
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.expert_parallel.dispatch import ExpertExchange, permute, unpermute

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dispatch
+from parallel3d.kernels import dispatch
 from parallel3d import comm
 from parallel3d.comm import Group
 

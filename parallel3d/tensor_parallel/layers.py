@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch
+from parallel3d.kernels import dispatch
 from parallel3d.comm import Group
 from parallel3d.tensor_parallel import fp8
 from parallel3d.params import ParamMeta, full_slices, new_param, shard_slices
