@@ -18,14 +18,18 @@ from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa:
 from parallel3d.training.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 from parallel3d.training.data import DataError  # noqa: E402
+from parallel3d.training.trainer import NonFiniteError  # noqa: E402
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError, ValueError, FileNotFoundError)
-RUN_ERRORS = USER_ERRORS + (CollectiveError,)  # after start-up: also a collective that timed out
+# After start-up: also a collective that timed out, and a non-finite step under train.nan_policy=stop.
+RUN_ERRORS = USER_ERRORS + (CollectiveError, NonFiniteError)
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
+def fail(message: str, code: int = 2, every_rank: bool = False) -> NoReturn:
+    """One line on stderr and a non-zero exit. Start-up errors are the same on every rank, so rank 0 says
+    it once; a run-time error (every_rank) may happen on one rank only, so whichever rank meets it says it."""
     rank = os.environ.get("RANK", "0")
-    if rank == "0" or "RANK" not in os.environ:
+    if every_rank or rank == "0" or "RANK" not in os.environ:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             steps = max(1, len(dataset) // cfg.train.global_batch_size)
             results[name] = trainer.evaluate(dataset, steps)
     except RUN_ERRORS as e:
-        fail(f"[rank {ctx.rank}] {e}")  # no teardown: peers may be stuck; torchrun ends them
+        fail(f"[rank {ctx.rank}] {e}", every_rank=True)  # no teardown: peers may be stuck; torchrun ends them
     rank = ctx.rank
     del ctx, trainer  # nothing may hold a process group past shutdown()
     shutdown()

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     try:
         run_training(cfg, ctx, stage_builder(cfg, ctx))
     except RUN_ERRORS as e:
-        fail(f"[rank {ctx.rank}] {e}")  # no teardown: peers may be stuck; torchrun ends them
+        fail(f"[rank {ctx.rank}] {e}", every_rank=True)  # no teardown: peers may be stuck; torchrun ends them
     del ctx  # nothing may hold a process group past shutdown()
     shutdown()
     return 0

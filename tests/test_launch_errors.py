@@ -1,0 +1,15 @@
+"""Run-time errors through the command line: one line per rank that met the error, and exit code 2."""
+from test_launch import SMALL, _run
+
+
+def test_nan_policy_stop_ends_every_rank_with_one_line():
+    # An absurd learning rate without clipping overflows the weights at the first update, so the second
+    # step's loss is not finite; nan_policy=stop must end the run as a user error, not with a traceback.
+    out = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", *SMALL,
+                "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0", "train.nan_policy=stop"],
+               nproc=2, check=False)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert sorted(line.split("]")[0] for line in lines) == ["error: [rank 0", "error: [rank 1"], out.stderr[-2000:]
+    assert all("nan_policy=stop" in line for line in lines)
+    assert "]: Traceback" not in out.stderr  # no worker traceback (torchrun's own report of the exit stays)
