@@ -48,8 +48,9 @@ def context_for(cfg, worker=None) -> ParallelContext:
 
 
 def train(worker, overrides: Sequence[str], steps: int, save_root: Optional[str] = None,
-          save_at: Sequence[int] = (), load: Optional[str] = None, keep: int = 0) -> list[float]:
-    """Losses of steps [start, steps) at the layout `overrides`, saving at `save_at`, loading `load` first."""
+          save_at: Sequence[int] = (), load: Optional[str] = None, keep: int = 0, norms: bool = False):
+    """Losses of steps [start, steps) at the layout `overrides`, saving at `save_at`, loading `load` first;
+    with `norms`, (losses, logged grad norms)."""
     from parallel3d.checkpoint import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)
@@ -58,12 +59,14 @@ def train(worker, overrides: Sequence[str], steps: int, save_root: Optional[str]
     trainer = build_trainer(cfg, ctx)
     if load:
         load_checkpoint(trainer, load)
-    losses = []
+    losses, grad_norms = [], []
     while trainer.step < steps:
-        losses.append(trainer.train_step()["loss"])
+        record = trainer.train_step()
+        losses.append(record["loss"])
+        grad_norms.append(record["grad_norm"])
         if trainer.step in save_at:
             save_checkpoint(trainer, save_root, keep=keep)
-    return losses
+    return (losses, grad_norms) if norms else losses
 
 
 def rel_close(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:

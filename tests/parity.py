@@ -67,3 +67,30 @@ def load_imported(ckpt_dir: str, model_cls: type, **overrides) -> torch.nn.Modul
     model = model_cls(ModelConfig(**{**reader.meta["model"], **overrides}), ParallelContext.single()).eval()
     load_model_weights(reader, [model])
     return model
+
+
+# The logged grad_norm, per step, against world size 1. Clipping and Adam's normalisation cancel a uniform
+# scale of every gradient: doubling every gradient leaves the losses and the weights after clipped AdamW
+# steps unchanged (grad_norm 2.84 vs 1.42 passed both), so every parity harness compares the norm too, with
+# the weights' relative tolerance (the norm is one fp32 sum of squares over a layout's shards).
+NORM_RTOL = 1e-4
+
+
+def assert_grad_norms(got: list[list[float]], ref: list[float], rtol: float = NORM_RTOL, what: str = "") -> None:
+    """Every rank's logged grad_norm of every step (all-reduced: each rank reports the global norm) equals
+    world size 1's within rtol."""
+    assert ref and all(n > 0 for n in ref), f"{what}: world size 1 logged no gradient norm {ref}"
+    for rank, norms in enumerate(got):
+        assert len(norms) == len(ref), f"{what} rank {rank}: {len(norms)} grad norms vs {len(ref)}"
+        for step, (g, e) in enumerate(zip(norms, ref)):
+            assert abs(g - e) <= rtol * abs(e), f"{what} step {step} rank {rank}: grad_norm {g} vs world size 1 {e}"
+
+
+def double_every_gradient(monkeypatch) -> None:
+    """Mutant for the tests of the harnesses: every gradient x2 (the loss is doubled on its way into
+    backward, through DistributedOptimizer.scale_loss, which every Trainer path calls; the logged loss is
+    not). In-process runs only (world size 1): a harness must fail when one side carries it."""
+    from parallel3d.data_parallel import DistributedOptimizer
+
+    original = DistributedOptimizer.scale_loss
+    monkeypatch.setattr(DistributedOptimizer, "scale_loss", lambda self, loss: 2 * original(self, loss))

@@ -33,6 +33,7 @@ FACTORS: dict[str, tuple] = {
     "tied": (False, True),
     "recompute": ("none", "full", "selective"),
     "microbatches": (2, 4),   # per data-parallel rank: gradient accumulation (V schedules: at least 2*pp = 4)
+    "clip": (1.0, 0.0),       # train.grad_clip; 0: no clipping (the weights then see more of a gradient's scale)
 }
 # No balancing losses: they are computed over each *global* micro-batch, which the rank-major sampler groups
 # differently at dp=1 and dp=2 (their parity under DP is tested with one micro-batch in test_moe_parity).
@@ -47,7 +48,7 @@ def overrides(case: dict) -> list[str]:
     out = [f"parallel.schedule={case['schedule']}", f"parallel.zero={case['zero']}",
            f"train.precision={case['precision']}", f"model.tie_embeddings={str(case['tied']).lower()}",
            f"train.activation_checkpointing={case['recompute']}", "train.micro_batch_size=1",
-           f"train.global_batch_size={microbatches * dp}", "model.num_layers=4"]
+           f"train.global_batch_size={microbatches * dp}", "model.num_layers=4", f"train.grad_clip={case['clip']}"]
     if case["schedule"] == "interleaved":
         out.append("parallel.virtual_stages=2")
     if case["dim"] == "ep":
@@ -69,13 +70,17 @@ def layout(case: dict) -> list[str]:
 
 
 def name(case: dict) -> str:
-    return "-".join(f"{v}" if k != "tied" else ("tied" if v else "untied") for k, v in case.items())
+    words = {"tied": lambda v: "tied" if v else "untied", "clip": lambda v: f"clip{v:g}"}
+    return "-".join(words.get(k, str)(v) for k, v in case.items())
 
 
 def full_product() -> Iterator[dict]:
-    keys = list(FACTORS)
-    for values in itertools.product(*(FACTORS[k] for k in keys)):
-        yield dict(zip(keys, values))
+    """Every combination of the factors but clip, which alternates (by the parity of the other values'
+    indices): each clip value still meets every value of every other factor, at the old case count."""
+    keys = [k for k in FACTORS if k != "clip"]
+    for picks in itertools.product(*(range(len(FACTORS[k])) for k in keys)):
+        case = {k: FACTORS[k][i] for k, i in zip(keys, picks)}
+        yield {**case, "clip": FACTORS["clip"][sum(picks) % len(FACTORS["clip"])]}
 
 
 def _pairs(case: dict) -> set[tuple]:

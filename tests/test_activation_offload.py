@@ -29,6 +29,7 @@ def _pair(worker, layout):
 def test_offload_is_exact_and_moves_activations(worlds, layout):
     for plain, offloaded in worlds.run(4, _pair, layout):
         assert [r["loss"] for r in offloaded["records"]] == [r["loss"] for r in plain["records"]]
+        assert [r["grad_norm"] for r in offloaded["records"]] == [r["grad_norm"] for r in plain["records"]]
         for name, (t, _, _) in plain["weights"].items():
             assert torch.equal(offloaded["weights"][name][0], t), name
         assert all(r["activation_offload_bytes"] > 0 for r in offloaded["records"])
@@ -50,6 +51,7 @@ def test_optimizer_offload_is_exact(worlds, zero):
     layout = ["parallel.tp=2", f"parallel.zero={zero}", "train.precision=bf16" if zero == 2 else "train.precision=fp32"]
     for plain, offloaded in worlds.run(4, _optimizer_pair, layout):
         assert offloaded["losses"] == plain["losses"]
+        assert offloaded["norms"] == plain["norms"]  # the logged norm sees a uniform gradient scale
         for name, (t, _, _) in plain["weights"].items():
             assert offloaded["weights"][name][0].device.type == "cpu"
             assert torch.equal(offloaded["weights"][name][0], t), name

@@ -1,8 +1,8 @@
 """Distributed checkpoints across layouts (4 gloo ranks): save under one layout, resume under another.
 
 Numerics are layout-independent (DESIGN.md 2), so one world-size-1 run is the reference for every layout:
-steps after a resharded resume must match it within 1e-4 (losses), and a same-layout resume must repeat
-the uninterrupted run bit for bit.
+steps after a resharded resume must match it within 1e-4 (losses and logged grad norms), and a same-layout
+resume must repeat the uninterrupted run bit for bit.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from ckpt_helpers import MOE, train, train_managed
 from parallel3d.checkpoint import CheckpointReader
+from parity import assert_grad_norms
 
 STEPS, SAVE_AT = 6, 3
 
@@ -47,19 +48,24 @@ def _assert_tiled(directory: str) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_under_other_layouts(worlds, tmp_path, case):
+    """Losses and logged grad norms (tests/parity.py: clipping and Adam hide a uniform gradient scale from
+    the losses) of the saving run and of every resumed run equal world size 1's uninterrupted run."""
     model, saved_layout, load_layouts = CASES[case]
-    ref = train(None, model, STEPS)  # world size 1, uninterrupted
+    ref, ref_norms = train(None, model, STEPS, norms=True)  # world size 1, uninterrupted
     root = str(tmp_path / "ckpt")
-    full = worlds.run(4, train, model + saved_layout, STEPS, root, (SAVE_AT,))[0]
+    full, full_norms = worlds.run(4, train, model + saved_layout, STEPS, root, (SAVE_AT,), norms=True)[0]
     _assert_close(full, ref, 1e-5, f"{case}: saving run vs world size 1")
+    assert_grad_norms([full_norms], ref_norms, what=f"{case}: saving run")
     _assert_tiled(f"{root}/step_{SAVE_AT:08d}")
-    resumed = worlds.run(4, train, model + saved_layout, STEPS, None, (), root)[0]
-    assert resumed == full[SAVE_AT:], f"{case}: same-layout resume is not exact"
+    resumed = worlds.run(4, train, model + saved_layout, STEPS, None, (), root, norms=True)[0]
+    assert resumed == (full[SAVE_AT:], full_norms[SAVE_AT:]), f"{case}: same-layout resume is not exact"
     for layout in load_layouts:
-        got = worlds.run(4, train, model + layout, STEPS, None, (), root)[0]
+        got, got_norms = worlds.run(4, train, model + layout, STEPS, None, (), root, norms=True)[0]
         _assert_close(got, ref[SAVE_AT:], 1e-4, f"{case}: resumed under {layout}")
-    single = train(None, model, STEPS, load=root)
+        assert_grad_norms([got_norms], ref_norms[SAVE_AT:], what=f"{case}: resumed under {layout}")
+    single, single_norms = train(None, model, STEPS, load=root, norms=True)
     _assert_close(single, ref[SAVE_AT:], 1e-4, f"{case}: resumed at world size 1")
+    assert_grad_norms([single_norms], ref_norms[SAVE_AT:], what=f"{case}: resumed at world size 1")
 
 
 def _load_expecting_error(worker, overrides, root):

@@ -1,6 +1,7 @@
 """Packed documents through the real Trainer under every layout: the loss equals evaluating each document
 alone (world-size-1 model, separate forward passes with positions from 0), and training with masking on
-keeps parity with the world-size-1 run (loss rel 1e-5 each step, weights rtol 1e-4 after the steps).
+keeps parity with the world-size-1 run (loss rel 1e-5 and grad_norm rel 1e-4 each step, weights rtol 1e-4
+after the steps).
 
 The data is the tiny preset's synthetic text with the space byte as EOS: every word is a document, so
 each 32-token window holds several documents and a few straddle CP chunk boundaries.
@@ -12,7 +13,7 @@ import torch
 
 from ckpt_helpers import build_trainer, context_for, make_config
 from doc_helpers import per_document_loss_sum, reference_model
-from parity import WEIGHT_ATOL, assemble, assert_close_dicts, local_slices
+from parity import WEIGHT_ATOL, assemble, assert_close_dicts, assert_grad_norms, local_slices
 
 EOS = 32  # ' '
 MASK = ["data.document_masking=true", f"data.eos_id={EOS}", "train.lr=3e-3", "train.eps=1e-4",
@@ -27,11 +28,11 @@ def run(worker, overrides, steps: int = STEPS) -> dict:
     cfg = make_config([*MASK, *overrides], 1 if worker is None else worker.world_size)
     ctx = context_for(cfg, worker)
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
-    losses = [trainer.train_step()["loss"] for _ in range(steps)]
+    records = [trainer.train_step() for _ in range(steps)]
     weights = {}
     for chunk in trainer.chunks:
         weights.update(local_slices(chunk, "data"))
-    return {"losses": losses, "weights": weights}
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "weights": weights}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def test_masked_training_parity(worlds, reference, world, layout):
     got = worlds.run(world, run, layout)
     for step, (g, e) in enumerate(zip(got[0]["losses"], reference["losses"])):
         assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: loss {g} vs world size 1 {e}"
+    assert_grad_norms([r["norms"] for r in got], reference["norms"])
     assert_close_dicts(assemble([r["weights"] for r in got]), assemble([reference["weights"]]), rtol=1e-4,
                        atol=WEIGHT_ATOL, what="weights")
 
@@ -107,3 +109,4 @@ def test_masked_training_with_activation_checkpointing(reference, recompute):
     """Recomputation replays the masked attention (the document ids reach the checkpointed block/core)."""
     got = run(None, [f"train.activation_checkpointing={recompute}"])
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+    assert_grad_norms([got["norms"]], reference["norms"])

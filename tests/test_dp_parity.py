@@ -18,7 +18,7 @@ from parallel3d.models.llama import Llama
 from parallel3d.data_parallel import DistributedOptimizer
 from parallel3d.mesh import ParallelContext
 from parallel3d.mesh import MeshSpec
-from parity import PARITY_ADAM, WEIGHT_ATOL, assemble, assert_close_dicts
+from parity import PARITY_ADAM, WEIGHT_ATOL, assemble, assert_close_dicts, assert_grad_norms, double_every_gradient
 
 BASE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
             kernels="torch")
@@ -137,13 +137,24 @@ def check_parity(results: list[dict], ref: dict) -> None:
     losses = [sum(x) for x in zip(*[r["losses"] for r in results if r["tp"] == 0])]
     for a, b in zip(losses, ref["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, ref["losses"])
-    for r in results:
-        for a, b in zip(r["norms"], ref["norms"]):
-            assert abs(a - b) <= 1e-5 * b, (r["norms"], ref["norms"])
+    assert_grad_norms([r["norms"] for r in results], ref["norms"], rtol=1e-5)
     grads, weights = assemble([r["grads"] for r in results]), assemble([r["weights"] for r in results])
     assert set(grads) == set(weights) == set(ref["grads"])
     assert_close_dicts(grads, ref["grads"], what="grad")
     assert_close_dicts(weights, ref["weights"], atol=WEIGHT_ATOL, what="weight")
+
+
+def test_doubled_gradients_fail_check_parity(monkeypatch, ref):
+    """Mutant: every gradient doubled (DistributedOptimizer.scale_loss) at world size 1: check_parity fails (this
+    harness trains without clipping, so Adam's eps lets the later losses see the scale; the grad norm and the
+    first step's gradients, compared directly, see it anyway)."""
+    check_parity([train(ParallelContext.single(), BASE, 0, 1)], ref)  # the clean run passes
+    double_every_gradient(monkeypatch)
+    mutant = train(ParallelContext.single(), BASE, 0, 1)
+    with pytest.raises(AssertionError):
+        check_parity([mutant], ref)
+    with pytest.raises(AssertionError, match="grad_norm"):
+        assert_grad_norms([mutant["norms"]], ref["norms"], rtol=1e-5)
 
 
 # every ZeRO stage at dp 2 and 4, accumulation 1 and 4; then tp=2 x dp=2 with ZeRO-1 and ZeRO-3

@@ -33,16 +33,27 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+def assert_log_parity(got_path, ref_path, rtol: float = 1e-5) -> None:
+    """The JSONL rows of a run vs world size 1's: loss rel `rtol` and grad_norm (which clipping and Adam
+    hide from the losses when every gradient is scaled alike; tests/parity.py) rel parity.NORM_RTOL."""
+    from parity import assert_grad_norms
+
+    got, ref = _losses(got_path), _losses(ref_path)
+    assert len(got) == len(ref) and all(abs(a - b) <= rtol * abs(b) for a, b in zip(got, ref)), (got, ref)
+    norms = [[json.loads(line)["grad_norm"] for line in open(path)] for path in (got_path, ref_path)]
+    assert_grad_norms([norms[0]], norms[1], what=str(got_path))
+
+
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_bytes", "skipped"}
 
 
 @pytest.fixture(scope="module")
-def single_rank_losses(tmp_path_factory):
+def single_rank_log(tmp_path_factory):
     log = tmp_path_factory.mktemp("ws1") / "m.jsonl"
     _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", *SMALL, f"log.jsonl={log}"])
     records = [json.loads(line) for line in open(log)]
     assert len(records) == 3 and all(REQUIRED <= set(r) for r in records)
-    return [r["loss"] for r in records]
+    return log
 
 
 LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
@@ -52,13 +63,10 @@ LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.pp=2", "parallel.sp=tr
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(x.split(".")[1] for x in l))
-def test_layout_losses_match_world_size_1(tmp_path, single_rank_losses, layout):
+def test_layout_losses_match_world_size_1(tmp_path, single_rank_log, layout):
     log = tmp_path / "m.jsonl"
     _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", *SMALL, *layout, f"log.jsonl={log}"], nproc=4)
-    losses = _losses(log)
-    assert len(losses) == len(single_rank_losses)
-    for a, b in zip(losses, single_rank_losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (losses, single_rank_losses)
+    assert_log_parity(log, single_rank_log)
 
 
 # The load-balancing loss is a product of batch statistics, so its value depends on which sequences
@@ -77,8 +85,7 @@ def test_moe_expert_parallel_losses_match_world_size_1(tmp_path):
     records = [json.loads(line) for line in open(logs[1])]
     assert any(k.startswith("moe_imbalance") for k in records[0])  # load telemetry in the metrics log
     assert records[0]["comm_bytes"]["ep.all_to_all"] > 0  # this rank's bytes per "<group>.<op>" in the step
-    for a, b in zip(_losses(logs[1]), _losses(logs[0])):
-        assert abs(a - b) <= 1e-5 * abs(b), (_losses(logs[1]), _losses(logs[0]))
+    assert_log_parity(logs[1], logs[0])
 
 
 @pytest.mark.parametrize("overrides, message", [

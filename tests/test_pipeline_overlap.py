@@ -3,6 +3,9 @@ waited by the compute that reads them, stage outputs freed once sent, the same n
 
 - pure: the early plan (runtime_schedules.rank_plan) moves every receive before the compute that precedes
   its group, keeps sends in place and every per-peer order, for every schedule;
+- DualPipe-V's pairs (issue 30 item 4): in each (F, B) pair of two microbatches the F's outgoing sends are
+  posted after the F and before the B's compute, the B's receives before the F's compute and waited after it,
+  so each one's pipeline messages travel while the other computes (plan: every size; gloo: the trace);
 - gloo: the runtime really posts in that order (PipelineStats.trace), gives gradients bit-identical to the
   strict run (groups posted and waited whole, as scheduled), and a sent output's storage is gone by the
   time its backward runs (only the gradient edge is kept);
@@ -67,6 +70,62 @@ def test_early_plan_posts_each_receive_before_the_compute_before_its_group():
             assert [s.ops if isinstance(s, Post) else s for s in rank_plan(acts, early=False)] == \
                 [tuple(s) if isinstance(s, list) else s for s in steps]
     assert checked > 500
+
+
+def dualpipe_pairs(acts) -> list[tuple]:
+    """DualPipe-V's pairs in one rank's list: a forward directly followed by another microbatch's full
+    backward on the other chunk, with the F's outgoing sends and the B's incoming receives."""
+    comp = [a for a in acts if a.kind.is_compute]
+    out = []
+    for f, b in zip(comp, comp[1:]):
+        if f.kind is K.FORWARD and b.kind is K.BACKWARD and f.chunk != b.chunk:
+            sends = [a for a in acts if a.kind is K.SEND_ACT and (a.microbatch, a.chunk) == (f.microbatch, f.chunk)]
+            recvs = [a for a in acts if a.kind is K.RECV_GRAD and (a.microbatch, a.chunk) == (b.microbatch, b.chunk)]
+            out.append((f, b, sends, recvs))
+    return out
+
+
+def test_dualpipe_v_plan_overlaps_each_pair():
+    """The runtime's plan (gloo: early receives and, for DualPipe-V, early sends) posts the F's output
+    between the F and the B, and the B's received gradient before the F. The schedule's own groups did
+    not: 210 of these 720 pairs had a message posted after the partner's compute."""
+    checked = 0
+    for p in (2, 3, 4, 5):
+        for m in (2 * p, 2 * p + 1, 3 * p, 16):
+            lists = build_schedule("dualpipe-v", p, m, 2)
+            for rank, acts in enumerate(lists):
+                flat = _flat(rank_plan(acts, early=True, early_sends=True))
+                assert sorted(flat, key=str) == sorted(acts, key=str)
+                for keep in (lambda a: a.kind.is_compute, lambda a: a.kind.is_recv):
+                    assert [a for a in flat if keep(a)] == [a for a in acts if keep(a)]
+                for peer in range(p):  # FIFO pairing: sends to each peer keep their order
+                    def to(a, peer=peer):
+                        return a.kind.is_send and a.peer == peer
+                    assert [a for a in flat if to(a)] == [a for a in acts if to(a)]
+                for f, b, sends, recvs in dualpipe_pairs(acts):
+                    i, j = flat.index(f), flat.index(b)
+                    assert all(i < flat.index(a) < j for a in sends), (p, m, rank, f, b, sends)
+                    assert all(flat.index(a) < i for a in recvs), (p, m, rank, f, b, recvs)
+                    checked += len(sends) + len(recvs)
+    assert checked > 500
+
+
+def _pair_trace_checks(p, m, results):
+    """What the gloo runtime did (PipelineStats.trace): each DualPipe-V pair's sends posted between its
+    two computes, its receives posted before the F and waited after it (inside the B that reads them)."""
+    lists = build_schedule("dualpipe-v", p, m, 2)
+    checked = 0
+    for rank, acts in enumerate(lists):
+        trace = results[rank]["dualpipe-v"][True][0]
+        where = {(what, a): i for i, (what, a) in enumerate(trace)}
+        for f, b, sends, recvs in dualpipe_pairs(acts):
+            run_f, run_b = where[("run", f)], where[("run", b)]
+            for a in sends:
+                assert run_f < where[("post", a)] < run_b, (p, rank, f, b, a)
+            for a in recvs:
+                assert where[("post", a)] < run_f < where[("wait", a)], (p, rank, f, b, a)
+            checked += len(sends) + len(recvs)
+    assert checked >= m - 2 * p + 1, checked  # the main phase's pairs carry messages
 
 
 # ---------------------------------------------------------------- gloo
@@ -161,6 +220,7 @@ def test_receives_posted_early_and_sent_outputs_freed(worlds, p):
     results = worlds.run(p, _overlap_worker, names, m)
     for name in names:
         _order_checks(name, p, m, results)
+    _pair_trace_checks(p, m, results)
 
 
 # ---------------------------------------------------------------- the real Trainer

@@ -4,7 +4,7 @@ QK-norm (per local head under TP, its weight gradient summed over TP), q/k/v bia
 replicated with a partial gradient when tp > kv heads), head_dim decoupled from hidden/heads, and the
 Qwen3-MoE routing (softmax top-k without renormalisation, many small experts, a dense first layer).
 Each layout trains 3 AdamW steps on 4 gloo ranks and is compared with the world-size-1 run of the same config
-(loss rel 1e-5 per step, fp32 master weights rtol 1e-4 / atol tests/parity.WEIGHT_ATOL). The meta-device dry
+(loss rel 1e-5 and every rank's grad_norm rel 1e-4 per step, fp32 master weights rtol 1e-4 / atol tests/parity.WEIGHT_ATOL). The meta-device dry
 run checks the same model off the CPU (placement rules of CUDA/NCCL).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from ckpt_helpers import build_trainer, make_config
 from parallel3d.mesh import MeshSpec, ParallelContext
-from parity import WEIGHT_ATOL, assemble, assert_close_dicts
+from parity import WEIGHT_ATOL, assemble, assert_close_dicts, assert_grad_norms
 from test_sweep import run as sweep_run
 
 BATCH = ["train.global_batch_size=4", "train.micro_batch_size=1"]  # with test_sweep's PARITY keys
@@ -37,7 +37,7 @@ LAYOUTS = {  # name: (model, layout overrides), all on 4 ranks
 
 
 def run(worker, overrides: list[str]) -> dict:
-    """test_sweep.run (losses and fp32 master weights after its steps) at this file's batch."""
+    """test_sweep.run (losses, grad norms and fp32 master weights after its steps) at this file's batch."""
     return sweep_run(worker, [*BATCH, *overrides])
 
 
@@ -56,6 +56,7 @@ def test_layout_matches_world_size_1(worlds, name):
     ref = reference(model)
     got = worlds.run(4, run, [*model, *layout])
     assert got[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), (got[0]["losses"], ref["losses"])
+    assert_grad_norms([g["norms"] for g in got], ref["norms"], what=name)
     weights, expected = assemble([g["weights"] for g in got]), assemble([ref["weights"]])
     assert any(".attn.q_norm." in n for n in weights) and any(".attn.k_proj.bias" in n for n in weights)
     assert_close_dicts(weights, expected, rtol=1e-4, atol=WEIGHT_ATOL, what=f"{name} weights")

@@ -1,14 +1,19 @@
 """Option-combination sweep through the real Trainer and DistributedOptimizer (issue: every option works).
 
 Each case (tests/sweep_cases.py) trains 3 steps on 4 gloo ranks and at world size 1 from the same config.
-  fp32        loss rel 1e-5 per step, weights after the 3 AdamW steps rtol 1e-4 (atol 1e-5; tests/parity.py)
-  bf16, fp16  vs world size 1 of the same precision: loss rel LOW_PRECISION_LOSS_RTOL per step, weights
+  fp32        loss rel 1e-5 per step, every rank's logged grad_norm rel 1e-4 per step (clipping and Adam
+              cancel a uniform gradient scale in the weights; tests/parity.py), weights after the 3 AdamW
+              steps rtol 1e-4 (atol 1e-5; tests/parity.py)
+  bf16, fp16  vs world size 1 of the same precision: loss rel LOW_PRECISION_LOSS_RTOL and grad_norm rel
+              LOW_PRECISION_NORM_RTOL per step, weights
               fp32 master weights atol LOW_PRECISION_WEIGHT_ATOL and mean |diff| < LOW_PRECISION_WEIGHT_MEAN
               per tensor (16-bit activations summed in another order move a gradient by a few bf16 ulps,
               and Adam's first steps are nearly sign(g): an element with a tiny gradient can move by lr);
               and vs the fp32 run: loss rel TO_FP32_LOSS_RTOL.
 Unsupported combinations must be refused by config validation (with a message naming them), never crash.
 
+Cases with clip=0 train without gradient clipping. test_doubled_gradients_fail_the_check proves the check
+fails when every gradient is doubled (a mutant the losses and the clipped AdamW weights cannot see).
 CI runs the pairwise-covering subset; `make sweep` (pytest --full-sweep) runs the full product.
 """
 from __future__ import annotations
@@ -19,14 +24,15 @@ import torch
 import sweep_cases as sc
 from ckpt_helpers import build_trainer, context_for, make_config
 from parallel3d.training.config import ConfigError
-from parity import WEIGHT_ATOL, assemble, assert_close_dicts
+from parity import NORM_RTOL, WEIGHT_ATOL, assemble, assert_close_dicts, assert_grad_norms, double_every_gradient
 
 LOW_PRECISION_LOSS_RTOL = 2e-3
+LOW_PRECISION_NORM_RTOL = 1e-2          # a sum of squares of 16-bit-computed gradients, fp32 master copies
 LOW_PRECISION_WEIGHT_ATOL = 2 * 3e-3    # two steps of lr: a near-zero gradient may flip Adam's sign
 LOW_PRECISION_WEIGHT_MEAN = 1e-4        # ... but on average the weights agree far closer
 TO_FP32_LOSS_RTOL = 2e-2
 PARITY = ["train.lr=3e-3", "train.eps=1e-4", "train.warmup_steps=0", "train.lr_schedule=constant",
-          "train.grad_clip=1.0"]
+          "train.grad_clip=1.0"]  # a case's own train.grad_clip (sweep_cases.overrides) comes later and wins
 STEPS = 3
 
 # Combinations refused up front, with the words their message must contain (README: "Not supported").
@@ -44,11 +50,11 @@ def run(worker, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     cfg = make_config([*PARITY, *overrides], 1 if worker is None else worker.world_size)
     trainer = build_trainer(cfg, context_for(cfg, worker))
-    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    records = [trainer.train_step() for _ in range(STEPS)]
     # the fp32 master weights: every element held by exactly one rank under any layout and ZeRO stage
     weights = {name.split("/", 1)[1]: (t.detach().clone(), slices, shape)
                for name, (t, shape, slices) in trainer.optimizer.state_tensors().items() if name.startswith("master/")}
-    return {"losses": losses, "weights": weights}
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "weights": weights}
 
 
 def _weights(parts: list[dict]) -> dict:
@@ -81,16 +87,45 @@ def test_combination(worlds, case):
         return
     ref = run(None, sc.reference(case))
     got = worlds.run(4, run, [*overrides, *layout])
+    check(case, got, ref)
+    if case["precision"] != "fp32":
+        fp32 = run(None, [o for o in sc.reference(case) if not o.startswith("train.precision")])
+        assert got[0]["losses"] == pytest.approx(fp32["losses"], rel=TO_FP32_LOSS_RTOL), (got[0]["losses"], fp32["losses"])
+
+
+def check(case: dict, got: list[dict], ref: dict) -> None:
+    """The sweep's comparison of every rank's run (`got`) with world size 1's (`ref`) at the case's precision."""
     losses = got[0]["losses"]
     weights, expected = _weights([g["weights"] for g in got]), _weights([ref["weights"]])
     if case["precision"] == "fp32":
         assert losses == pytest.approx(ref["losses"], rel=1e-5), (losses, ref["losses"])
+        assert_grad_norms([g["norms"] for g in got], ref["norms"], NORM_RTOL, sc.name(case))
         assert_close_dicts(weights, expected, rtol=1e-4, atol=WEIGHT_ATOL, what="weights")
         return
     assert losses == pytest.approx(ref["losses"], rel=LOW_PRECISION_LOSS_RTOL), (losses, ref["losses"])
+    assert_grad_norms([g["norms"] for g in got], ref["norms"], LOW_PRECISION_NORM_RTOL, sc.name(case))
     assert_close_dicts(weights, expected, rtol=0, atol=LOW_PRECISION_WEIGHT_ATOL, what="weights")
     for name, w in weights.items():
         mean = (w - expected[name]).abs().mean().item()
         assert mean < LOW_PRECISION_WEIGHT_MEAN, f"{name}: mean |diff| {mean:.2e} vs world size 1"
-    fp32 = run(None, [o for o in sc.reference(case) if not o.startswith("train.precision")])
-    assert losses == pytest.approx(fp32["losses"], rel=TO_FP32_LOSS_RTOL), (losses, fp32["losses"])
+
+
+_MUTANT = dict(schedule="1f1b", zero=0, precision="fp32", dim="dp", tied=True, recompute="none", microbatches=2,
+               clip=1.0)
+MUTANT_CASES = [_MUTANT, dict(_MUTANT, clip=0.0), dict(_MUTANT, precision="bf16")]
+
+
+@pytest.mark.parametrize("mutant_case", MUTANT_CASES, ids=sc.name)
+def test_doubled_gradients_fail_the_check(monkeypatch, mutant_case):
+    """Mutant: every gradient doubled at world size 1 (through the real Trainer and DistributedOptimizer),
+    compared by the sweep's check with the clean world-size-1 run: the check must fail. With clipping on it
+    fails on the grad norm (the losses and the weights do not see a uniform scale); without clipping Adam's
+    eps lets the later losses see it too, so any of the checks may fail first."""
+    case = mutant_case
+    assert set(case) == set(sc.FACTORS)
+    ref = run(None, sc.reference(case))
+    double_every_gradient(monkeypatch)
+    mutant = run(None, sc.reference(case))
+    assert mutant["norms"][0] == pytest.approx(2 * ref["norms"][0], rel=1e-4)  # the mutant is live
+    with pytest.raises(AssertionError, match="grad_norm" if case["clip"] else None):
+        check(case, [mutant], ref)

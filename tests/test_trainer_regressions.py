@@ -1,8 +1,9 @@
 """Options that passed their unit tests but failed through the real Trainer + DistributedOptimizer.
 
 Each case runs the user's path (config -> Trainer -> DistributedOptimizer -> pipeline runtime) and compares
-with the world-size-1 run of the same config: losses (rel 1e-5) and weights after the optimizer steps
-(rtol 1e-4, atol 1e-5; see tests/parity.py for why Adam's eps is raised).
+with the world-size-1 run of the same config: losses (rel 1e-5), every rank's logged grad_norm (rel 1e-4:
+clipping, on by default, and Adam cancel a uniform gradient scale in the weights) and weights after the
+optimizer steps (rtol 1e-4, atol 1e-5; see tests/parity.py for why Adam's eps is raised).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from ckpt_helpers import build_trainer, context_for, make_config
-from parity import WEIGHT_ATOL, assemble, assert_close_dicts, local_slices
+from parity import WEIGHT_ATOL, assemble, assert_close_dicts, assert_grad_norms, double_every_gradient, local_slices
 
 PARITY = ["train.lr=3e-3", "train.eps=1e-4", "train.warmup_steps=0", "train.lr_schedule=constant"]
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32", "model.aux_loss_coef=0.5",
@@ -34,11 +35,25 @@ def run(worker, overrides, steps: int) -> dict:
 def assert_parity(got: list[dict], ref: dict) -> None:
     for r, (g, e) in enumerate(zip([x["loss"] for x in got[0]["records"]], [x["loss"] for x in ref["records"]])):
         assert abs(g - e) <= 1e-5 * abs(e), f"step {r}: loss {g} vs world size 1 {e}"
+    assert_grad_norms([[x["grad_norm"] for x in rank["records"]] for rank in got],
+                      [x["grad_norm"] for x in ref["records"]])
     weights, expected = assemble([x["weights"] for x in got]), assemble([ref["weights"]])
     if "lm_head.weight" in weights and "lm_head.weight" not in expected:  # the last stage's tied copy
         weights["embed.weight (tied copy)"] = weights.pop("lm_head.weight")
         expected["embed.weight (tied copy)"] = expected["embed.weight"]
     assert_close_dicts(weights, expected, rtol=1e-4, atol=WEIGHT_ATOL, what="weights")
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_doubled_gradients_fail_assert_parity(monkeypatch, clip):
+    """Mutant: every gradient doubled at world size 1 through the real Trainer; assert_parity against the clean
+    run must fail (with clipping, on the grad norm alone: losses and weights cannot see a uniform scale)."""
+    layout = [f"train.grad_clip={clip}", "model.tie_embeddings=true"]
+    ref = run(None, layout, 2)
+    double_every_gradient(monkeypatch)
+    mutant = run(None, layout, 2)
+    with pytest.raises(AssertionError, match="grad_norm" if clip else None):
+        assert_parity([mutant], ref)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

@@ -6,7 +6,8 @@ list once into a plan (``runtime_schedules.rank_plan``: compute actions, and eac
 communication actions posted as ONE ``batch_isend_irecv`` group), then walks it. Sends finish in
 the background; receives are waited by the compute that reads them, and where the backend allows
 (gloo) they are posted one group early, so they travel while the compute before them runs
-(``p2p.py``, ``mailbox.py``).
+(``p2p.py``, ``mailbox.py``); there DualPipe-V's sends are also posted right after the compute that
+made them, so a pair's F output travels while its partner B computes (``posting.py``).
 
 Tensors between stages are the residual stream ``(micro_batch, s_local, h)``: ``s_local = s / cp``
 (the microbatch's ``ids`` are already this rank's CP shard) and ``/ tp`` more when the chunk runs

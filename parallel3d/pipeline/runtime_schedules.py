@@ -9,7 +9,7 @@ from typing import Sequence, Union
 from .actions import Action, ActionKind
 from .placement import locate, stage_of
 from .schedules import build_schedule
-from .simulate import split_steps
+from .posting import receives_early, sends_early, split_steps
 from .verify import verify
 
 K = ActionKind
@@ -25,31 +25,24 @@ class Post:
 Step = Union[Action, Post]
 
 
-def rank_plan(actions: Sequence[Action], early: bool) -> tuple[Step, ...]:
+# Schedules whose plan also posts each send right after the compute that made it (``rank_plan``'s
+# ``early_sends``): DualPipe-V, whose point is that a pair's F and B hide each other's communication.
+PAIRED = frozenset({"dualpipe-v"})
+
+
+def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False) -> tuple[Step, ...]:
     """One rank's list as the runtime walks it: compute actions and :class:`Post` groups.
 
     ``early``: every group's receives move to the group before it (the first group's to a new one
     at the start of the list), so a receive is posted before the compute that precedes its own
     group and travels while that compute runs; it is waited by the compute that reads it. Sends
-    stay where they are (after the compute that produced them) and receives keep their order."""
-    steps = split_steps(actions)
-    if not early:
-        return tuple(Post(tuple(s)) if isinstance(s, list) else s for s in steps)
-    if not steps or not isinstance(steps[0], list):
-        steps = [[]] + steps
-    groups = [i for i, s in enumerate(steps) if isinstance(s, list)]
-    nth = {i: n for n, i in enumerate(groups)}
-    out: list[Step] = []
-    for i, s in enumerate(steps):
-        if not isinstance(s, list):
-            out.append(s)
-            continue
-        n = nth[i]
-        own = s if n == 0 else [a for a in s if not a.kind.is_recv]
-        ahead = [a for a in steps[groups[n + 1]] if a.kind.is_recv] if n + 1 < len(groups) else []
-        if own or ahead:
-            out.append(Post(tuple(own + ahead)))
-    return tuple(out)
+    stay where they are (after the compute that produced them) and receives keep their order.
+    ``early_sends`` (with ``early`` only): each send is posted right after the compute that produced
+    it instead, as long as no earlier-listed send to the same peer is passed (FIFO pairing); it
+    travels during the next compute and is waited at the end of the step (lazy sends)."""
+    if early:
+        actions = receives_early(sends_early(actions) if early_sends else actions)
+    return tuple(Post(tuple(s)) if isinstance(s, list) else s for s in split_steps(actions))
 
 
 class ScheduleCache:
@@ -71,7 +64,7 @@ class ScheduleCache:
     def plan(self, name: str, p: int, m: int, v: int, rank: int, early: bool) -> tuple[Step, ...]:
         key = (name, p, m, v, rank, early)
         if key not in self._plans:
-            self._plans[key] = rank_plan(self.get(name, p, m, v)[rank], early)
+            self._plans[key] = rank_plan(self.get(name, p, m, v)[rank], early, early_sends=name in PAIRED)
         return self._plans[key]
 
 

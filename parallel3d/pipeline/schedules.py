@@ -44,7 +44,9 @@ Communication convention (what the runtime must do, and what the verifier proves
    ``simulate(..., lazy_sends=True)`` models it. Where every op completes by itself (gloo), a
    runtime may also post a group's receives earlier, in their per-peer order, and wait for each
    only when its tensor is read (``runtime_schedules.rank_plan``): every rank then gets at least
-   as far as in the model. Posting a group's actions one by one with blocking calls is NOT safe.
+   as far as in the model. With lazy sends a send may likewise be posted earlier, right after the
+   compute that produced it, keeping its order among the sends to the same peer (DualPipe-V's
+   pairs; ``posting.sends_early``). Posting a group's actions one by one with blocking calls is NOT safe.
 3. Messages between an ordered pair of ranks are matched first-in first-out: the k-th send from
    ``a`` to ``b`` pairs with the k-th receive on ``b`` from ``a`` (NCCL has no tags). The verifier
    checks that both sides list the same messages in the same order, so no tags are needed.

@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from .placement import locate, placement_for, stage_of
+from .posting import READS, receives_early, sends_early, split_steps  # noqa: F401  (split_steps re-exported)
 from .schedules import Action, ActionKind, ScheduleError
 
 K = ActionKind
@@ -128,22 +129,8 @@ def message_key(rank: int, action: Action, p: int, placement: str = "loop") -> t
     raise ValueError(f"{action} is not a communication action")
 
 
-def split_steps(actions: Sequence[Action]) -> list[Action | list[Action]]:
-    """Group a rank's list into compute actions and communication groups (lists)."""
-    steps: list[Action | list[Action]] = []
-    for a in actions:
-        if a.kind.is_comm:
-            if steps and isinstance(steps[-1], list):
-                steps[-1].append(a)
-            else:
-                steps.append([a])
-        else:
-            steps.append(a)
-    return steps
-
-
-def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
-             lazy_sends: bool = False, placement: str | None = None) -> Timeline:
+def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None, lazy_sends: bool = False,
+             placement: str | None = None, early_receives: bool = False, early_sends: bool = False) -> Timeline:
     """Simulated timeline of ``schedules``; raises :class:`ScheduleError` on deadlock.
 
     ``costs`` maps :class:`ActionKind` to a duration (missing kinds take the defaults F=1, B=2,
@@ -155,14 +142,25 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
     point-to-point; ``verify`` separately checks that FIFO (untagged) pairing gives the same pairs.
     Communication actions get events from the moment their group is posted until it completes.
     ``placement`` (``placement.py``) defaults to the one a ``Schedule`` carries, else ``loop``.
+    The gloo runtime's plan (``runtime_schedules.rank_plan``), with ``lazy_sends``: ``early_receives``
+    posts each receive one group early and the compute that reads it waits for it (not its group);
+    ``early_sends`` posts each send right after the compute that produced it (DualPipe-V): a pair's
+    messages then travel while its other half computes.
     """
     placement = placement_for(schedules, placement)
+    if (early_sends or early_receives) and not lazy_sends:
+        raise ValueError("early receives / sends need lazy_sends: a blocking group would wait for its peer")
+    if early_sends:
+        schedules = [sends_early(acts) for acts in schedules]
+    if early_receives:
+        schedules = [receives_early(acts) for acts in schedules]
     p = len(schedules)
     cost = _cost_fn(costs)
     steps = [split_steps(acts) for acts in schedules]
     idx, clock = [0] * p, [0] * p
     posted: dict[tuple, tuple[float, int, Action]] = {}  # (is_send, key, n) -> (time, rank, act)
     group_ids: list[list[tuple]] = [[] for _ in range(p)]  # ids of the group a rank has posted
+    inbox: list[dict[tuple, tuple]] = [{} for _ in range(p)]  # early receives: (kind, mb, chunk) -> id
     seen: Counter = Counter()
     records: list[tuple[int, Action, float, float]] = []
     progress = True
@@ -172,28 +170,45 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Costs = None,
             while idx[r] < len(steps[r]):
                 step = steps[r][idx[r]]
                 if isinstance(step, Action):
-                    end = clock[r] + cost(r, step)
-                    records.append((r, step, clock[r], end))
+                    start = clock[r]
+                    want = (READS.get(step.kind), step.microbatch, step.chunk)
+                    if want in inbox[r]:  # an early receive: this compute waits for it
+                        arrived = _group_done([inbox[r][want]], posted, cost, False)
+                        if arrived is None:
+                            break
+                        got = inbox[r].pop(want)
+                        records.append((r, posted[got][2], posted[got][0], max(arrived, posted[got][0])))
+                        start = max(start, arrived)
+                    end = start + cost(r, step)
+                    records.append((r, step, start, end))
                     clock[r], idx[r], progress = end, idx[r] + 1, True
                     continue
                 if not group_ids[r]:  # post the whole group at once
                     for a in step:
                         key = (a.kind.is_send, message_key(r, a, p, placement))
                         seen[key] += 1
-                        group_ids[r].append(key + (seen[key],))
-                        posted[group_ids[r][-1]] = (clock[r], r, a)
+                        posted[key + (seen[key],)] = (clock[r], r, a)
+                        if early_receives and a.kind.is_recv:
+                            inbox[r][(a.kind, a.microbatch, a.chunk)] = key + (seen[key],)
+                        else:
+                            group_ids[r].append(key + (seen[key],))
                     progress = True
                 done = _group_done(group_ids[r], posted, cost, lazy_sends)
                 if done is None:
                     break
                 done = max(done, clock[r])
-                records += [(r, a, clock[r], done) for a in step]
+                records += [(r, a, clock[r], done) for a in step if not (early_receives and a.kind.is_recv)]
                 clock[r], idx[r], group_ids[r], progress = done, idx[r] + 1, [], True
     blocked = [r for r in range(p) if idx[r] < len(steps[r])]
     if blocked:
         lines = ["deadlock: no rank can make progress"]
         for r in blocked:
-            group = " ".join(a.short() for a in steps[r][idx[r]])
+            step = steps[r][idx[r]]
+            if isinstance(step, Action):  # a compute waiting for an early receive
+                _, _, a = posted[inbox[r][(READS.get(step.kind), step.microbatch, step.chunk)]]
+                lines.append(f"  rank {r}'s {step} waits for {a}: rank {a.peer} never sends it")
+                continue
+            group = " ".join(a.short() for a in step)
             waiting = [i for i in group_ids[r] if (not i[0], *i[1:]) not in posted]
             _, _, a = posted[waiting[0]]
             lines.append(f"  rank {r} is blocked in group [{group}] on {a}: rank {a.peer} has "

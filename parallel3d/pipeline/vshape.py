@@ -207,9 +207,14 @@ def dualpipe_v(p: int, m: int) -> Schedule:
     """DualPipe-V (DeepSeek-V3's DualPipe on ``p`` ranks folded into a V; needs m >= 2p).
 
     DualPipe pairs one microbatch's forward on one chunk with another microbatch's full backward on
-    the other chunk, so that on a GPU the communication of each hides behind the computation of the
-    other. Here a pair is ``F`` then ``B`` back to back (nothing overlaps on a CPU; the order is what
-    matters). Rank ``r``: ``2(p - r - 1)`` chunk-0 forwards; ``r + 1`` pairs of forwards (chunk 0,
+    the other chunk, so that the communication of each hides behind the computation of the other.
+    What overlaps here: the pair's *pipeline* messages, where each point-to-point op completes on its
+    own (gloo): the runtime's plan (``runtime_schedules.rank_plan``, ``PAIRED``) posts the F's output
+    right after the F, so it travels during the B, and the B's output gradient before the F, waited
+    inside the B. The computes themselves run one after the other. Not overlapped: the pair's
+    messages on NCCL (each group runs as listed and is waited whole before the next compute), and the
+    expert-parallel all-to-all, which runs inside each F and B (DeepSeek-V3 also splits those into
+    chunks interleaved with the partner's compute). Rank ``r``: ``2(p - r - 1)`` chunk-0 forwards; ``r + 1`` pairs of forwards (chunk 0,
     chunk 1); ``p - r - 1`` times ``I W F`` on chunk 1 (zero-bubble: the weight pass right away);
     the main phase of ``m - 2p + r + 1`` rounds ``(F0, B1) (F1, B0)``; ``p - r - 1`` rounds
     ``B1 (F1, B0)``; ``r + 1`` rounds ``B1 B0`` whose second half only runs input passes and
