@@ -40,8 +40,9 @@ MODES = ("none", "powersgd", "topk")
 
 
 def check_compression(mode: str, zero: int, rank: int, ratio: float, start: int, hsdp: bool,
-                      precision: str) -> None:
-    """parallel.grad_compression and its keys; compression replaces the ZeRO-0/1 gradient reduction."""
+                      precision: str, group_size: int = 1) -> None:
+    """parallel.grad_compression and its keys; compression replaces the ZeRO-0/1 gradient reduction.
+    group_size: the ranks a dense bucket is reduced over (DP x CP), for top-k's break-even (topk_wire_ratio)."""
     if mode not in MODES:
         raise ValueError(f"parallel.grad_compression={mode!r} is not one of {', '.join(MODES)}")
     if mode == "none":
@@ -60,6 +61,24 @@ def check_compression(mode: str, zero: int, rank: int, ratio: float, start: int,
         raise ValueError(f"parallel.topk_ratio must be in (0, 1], got {ratio!r}")
     if start < 0:
         raise ValueError(f"parallel.compression_start_step must be >= 0, got {start}")
+    if mode == "topk" and topk_wire_ratio(ratio, group_size) >= 1.0:
+        n = group_size
+        raise ValueError(
+            f"parallel.topk_ratio={ratio} over {n} ranks (DP x CP) sends more than the dense all-reduce it replaces: "
+            f"each rank receives the k = ratio x n entries of every rank, values and int32 indices, "
+            f"{n} x {ratio} x n x 8 = {8 * n * ratio:.3g} x n bytes per bucket of n fp32 gradients, against "
+            f"2 x ({n}-1)/{n} x n x 4 = {8 * (n - 1) / n:.3g} x n bytes for a ring all-reduce. Use "
+            f"parallel.topk_ratio < {(n - 1) / n ** 2:.3g} (that is (N-1)/N^2), or parallel.grad_compression=none")
+
+
+def topk_wire_ratio(ratio: float, n: int) -> float:
+    """Bytes top-k moves per rank over those of the dense ring all-reduce it replaces, for a bucket of
+    numel fp32 gradients reduced over n ranks: all-gathering k = ratio*numel values and int32 indices from
+    every rank receives n*k*(4+4) bytes; the ring all-reduce sends 2*(n-1)/n*numel*4. So top-k loses past
+    ratio = (n-1)/n^2, about 1/n. With one rank nothing travels either way (0)."""
+    if n <= 1:
+        return 0.0
+    return (n * ratio * 8) / (2 * (n - 1) / n * 4)
 
 
 def _read(full: torch.Tensor, b: Bucket, s: Slot) -> torch.Tensor:

@@ -70,7 +70,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
         check_compression(grad_compression, zero, powersgd_rank, topk_ratio, compression_start_step,
-                          ctx.spec.hsdp, precision)
+                          ctx.spec.hsdp, precision, ctx.dp_cp.size)
         check_zeropp(zero, quantized_weights, hpz, quantized_gradients, quant_block)
         if hpz:
             check_hpz(ctx.spec)

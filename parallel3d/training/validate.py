@@ -102,7 +102,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                                              p.gpus_per_node))
     p.dp = spec.dp   # dp_shard stays as given (0: all of dp), so a saved config stays portable
     _owned(lambda: check_compression(p.grad_compression, p.zero, p.powersgd_rank, p.topk_ratio,
-                                     p.compression_start_step, spec.hsdp, t.precision))
+                                     p.compression_start_step, spec.hsdp, t.precision, spec.dp * spec.cp))
     _owned(lambda: check_zeropp(p.zero, p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients,
                                 p.quant_block))
     if p.zero_hpz:
