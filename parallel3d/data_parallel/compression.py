@@ -1,7 +1,7 @@
 """Gradient compression with error feedback for ZeRO-0/1: PowerSGD (low rank) and top-k (sparse).
 
 Each rank keeps a residual e_i (what it has not sent yet) per bucket, in the bucket's own flat layout
-(buffer.py). At a compressed step, with g_i this rank's accumulated gradient and N the group size:
+(buffer.py: the contiguous one, so a parameter's residual is one flat range of it). At a compressed step, with g_i this rank's accumulated gradient and N the group size:
 
     E_i = g_i + e_i                                  error feedback: add what earlier steps held back
     S   ~ sum_i E_i                                  sent compressed (below); every rank gets the same S
@@ -82,9 +82,11 @@ def topk_wire_ratio(ratio: float, n: int) -> float:
 
 
 def _read(full: torch.Tensor, b: Bucket, s: Slot) -> torch.Tensor:
-    """Slot s of a bucket-layout tensor as an (m, n) matrix: a view without shards, else a copy."""
-    if b.nshard == 1:
-        return s.flat(full).view(s.rows, s.row_numel)   # (m, n)
+    """Slot s of a bucket-layout tensor as an (m, n) matrix: a view where the layout keeps the parameter in
+    one piece (contiguous buckets, or no shards), else a copy."""
+    whole = s.whole(full)
+    if whole is not None:
+        return whole.view(s.rows, s.row_numel)   # (m, n)
     out = torch.empty((s.rows, s.row_numel), dtype=full.dtype, device=full.device)
     copy_rows_out(full, b.seg, b.nshard, s, out)
     return out
@@ -92,8 +94,9 @@ def _read(full: torch.Tensor, b: Bucket, s: Slot) -> torch.Tensor:
 
 def _write(full: torch.Tensor, b: Bucket, s: Slot, value: Optional[torch.Tensor]) -> None:
     """Slot s of a bucket-layout tensor <- value (m, n), or zeros for None."""
-    if b.nshard == 1:
-        dst = s.flat(full).view(s.rows, s.row_numel)
+    whole = s.whole(full)
+    if whole is not None:
+        dst = whole.view(s.rows, s.row_numel)
         dst.zero_() if value is None else dst.copy_(value)
         return
     for k in range(b.nshard):   # zero the slot's rows in every segment, then add the new ones
