@@ -20,7 +20,7 @@ already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradien
     3     reduce-scatter; params gathered     1/N                     1/N                 1/N
           around each unit's fwd and bwd (zero3.py)
 
-Buckets, shard layout and why it is rank-major: buffer.py, build.py. Gradient hooks and each bucket's
+Buckets and their layouts (contiguous ranges for ZeRO 0-2, rank-major rows for ZeRO-3): buffer.py, build.py. Gradient hooks and each bucket's
 reduction (HSDP, compression, qgZ): sync.py. Parameters from the updated master: publishing.py.
 Norm and clipping: clip.py; AdamW: adamw.py. Checkpoint state, gradient views and memory accounting:
 state.py. The optimizer only assumes its `modules` list (the model chunks on this rank): it works under
