@@ -216,3 +216,24 @@ def test_checkpoint_written_per_row_by_the_older_layout_loads(worlds):
     for layout in (["parallel.tp=2", "parallel.zero=2"], ["parallel.zero=1"]):
         _assert_close(worlds.run(4, train, layout, 6, None, (), OLD_CKPT)[0], ref[3:], 1e-4, f"old ckpt {layout}")
     _assert_close(train(None, [], 6, load=OLD_CKPT), ref[3:], 1e-4, "old ckpt at world size 1")
+
+
+# ---- bucket size -----------------------------------------------------------------------------------------
+def test_bucket_size_in_parameters_grows_with_dp():
+    """parallel.bucket_size (parameters; 0: max(40M, 1M x DP x CP)); bucket_size_mb > 0 overrides it."""
+    from parallel3d.data_parallel.build import bucket_elems
+    from parallel3d.training.config import ConfigError
+
+    assert bucket_elems(8) == 40_000_000 and bucket_elems(2048) == 2_048_000_000
+    assert bucket_elems(2048, bucket_size=5000) == 5000
+    assert bucket_elems(2048, bucket_size=5000, bucket_size_mb=1.0) == 2 ** 20 // 4          # fp32 gradients
+    assert bucket_elems(2048, bucket_size_mb=1.0, grad_elem_bytes=2) == 2 ** 20 // 2
+    with pytest.raises(ConfigError, match="parallel.bucket_size must be an integer >= 0"):
+        make_config(["parallel.bucket_size=-1"], 1)
+    with pytest.raises(ConfigError, match="parallel.bucket_size_mb must be >= 0"):
+        make_config(["parallel.bucket_size_mb=-1"], 1)
+    cfg = make_config(["parallel.bucket_size=5000"], 1)
+    opt = build_trainer(cfg, context_for(cfg)).optimizer
+    sizes = [sum(s.numel for s in b.slots) for b in opt.buckets]
+    assert len(sizes) > 2 and all(n - b.slots[-1].numel < 5000 for n, b in zip(sizes, opt.buckets))
+    assert all(n >= 5000 for n in sizes[:-1])     # each closed once it reached bucket_size

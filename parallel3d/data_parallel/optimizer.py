@@ -59,7 +59,8 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
 
     def __init__(self, modules: list[nn.Module], ctx: ParallelContext, *, zero: int = 0, precision: str = "fp32",
                  lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 bucket_size: int = 0, bucket_size_mb: float = 0.0, no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
+                 bucket_size: int = 0, bucket_size_mb: float = 0.0,
+                 no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
                  loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
                  min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None,
                  offload_optimizer: str = "none", offload_params: str = "none", offload_dir: Optional[str] = None,
