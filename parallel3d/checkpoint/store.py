@@ -8,6 +8,8 @@
 
 A tensor's shards tile its global shape (a slice list per shard), so a reader can assemble any sub-slice
 a rank needs under a different layout, reading only the overlapping parts (`safe_open(...).get_slice`).
+One file may hold several shards of a tensor (a ZeRO rank's flat range of a parameter cut into boxes):
+their keys are "<name>#<i>" (PIECE); readers only follow "key", so older checkpoints read the same way.
 """
 from __future__ import annotations
 
