@@ -27,10 +27,12 @@ def local_slices(model: torch.nn.Module, what: str = "grad") -> dict:
 
 
 def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
-    """Global tensors from every rank's slices (tied copies keep the first name seen)."""
+    """Global tensors from every rank's slices (tied copies keep the first name seen). A key "name#i" is a
+    further piece of `name` (a rank's range of a parameter cut into boxes: data_parallel/state.py)."""
     out: dict[str, torch.Tensor] = {}
     for part in per_rank:
-        for name, (t, slices, shape) in part.items():
+        for key, (t, slices, shape) in part.items():
+            name = key.split("#")[0]
             if name not in out:
                 out[name] = torch.full(shape, float("nan"), dtype=t.dtype)
             out[name][slices] = t

@@ -40,11 +40,13 @@ def _bytes(worker, overrides, steps):
 def test_powersgd_sends_r_times_m_plus_n(worlds, zero):
     layout = [f"parallel.zero={zero}", "parallel.grad_compression=powersgd", f"parallel.powersgd_rank={R}",
               "parallel.compression_start_step=1"]
-    (warm, step), shapes, _ = worlds.run(2, _bytes, layout, 2)[0]
+    (warm, step), shapes, buckets = worlds.run(2, _bytes, layout, 2)[0]
     low = [s for s in shapes if len(s) >= 2 and R * (s[0] + _numel(s[1:])) < _numel(s)]
     plain = [s for s in shapes if s not in low]
     assert len(low) >= 8 and plain                       # both kinds are exercised
-    total = 4 * sum(_numel(s) for s in shapes)
+    assert sum(buckets) == sum(_numel(s) for s in shapes)
+    # the exact reduction moves the buckets: ZeRO-1's padded at their ends to a multiple of 2 ranks x 64
+    total = 4 * sum(n if zero == 0 else -(-n // 128) * 128 for n in buckets)
     scalars = 2 * 4                                       # token count + loss
     assert warm["dp_cp.all_reduce" if zero == 0 else "dp_cp.reduce_scatter"] == total + (scalars if zero == 0 else 0)
     assert "dp_cp_compressed.all_reduce" not in warm
@@ -127,6 +129,24 @@ def test_bad_compression_settings_are_clear_errors():
         make_config(["parallel.grad_compression=topk", "parallel.topk_ratio=0"], 2)
     with pytest.raises(ConfigError, match="HSDP"):
         make_config(["parallel.grad_compression=topk", "parallel.zero=1", "parallel.dp_shard=2"], 4)
+
+
+def test_topk_refuses_to_send_more_than_dense():
+    """Top-k all-gathers k values and k int32 indices from every rank: n*k*8 bytes per rank against the
+    ring all-reduce's 2*(n-1)/n*numel*4, so it loses past topk_ratio = (n-1)/n^2 (about 1/dp)."""
+    from parallel3d.data_parallel.compression import check_compression, topk_wire_ratio
+
+    assert topk_wire_ratio(0.25, 2) == 1.0 and topk_wire_ratio(0.01, 1) == 0.0
+    assert topk_wire_ratio(0.01, 100) == pytest.approx(100 * 0.01 * 8 / (2 * 99 / 100 * 4))
+    with pytest.raises(ConfigError, match=r"topk_ratio=0.3 over 2 ranks .*sends more than the dense .*< 0.25"):
+        make_config(["parallel.grad_compression=topk", "parallel.topk_ratio=0.3"], 2)
+    make_config(["parallel.grad_compression=topk", "parallel.topk_ratio=0.2"], 2)    # under (2-1)/4: allowed
+    # the default 0.01 breaks even at about 100 ranks: refused at dp=128 (cp counts: DP x CP is the group)
+    with pytest.raises(ValueError, match=r"topk_ratio=0.01 over 128 ranks"):
+        check_compression("topk", 1, 4, 0.01, 0, False, "bf16", group_size=128)
+    check_compression("topk", 1, 4, 0.01, 0, False, "bf16", group_size=64)
+    with pytest.raises(ConfigError, match=r"topk_ratio=0.3 over 4 ranks"):
+        make_config(["parallel.grad_compression=topk", "parallel.topk_ratio=0.3", "parallel.cp=2"], 4)
 
 
 @pytest.mark.parametrize("mode", ["powersgd", "topk"])

@@ -117,11 +117,10 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
     out["scalar"] = opt.scalar_state()
     out["weights"] = {k[len("master/"):]: v for k, v in out["state"].items() if k.startswith("master/")}
     if zero < 3 and precision == "fp32":  # the model's parameters are the master weights
-        for name, (t, sl, _) in out["weights"].items():
-            p = named[name]
-            r0 = sl[0].start - p.meta.slices[0].start if sl else 0
-            local = p.data[r0: r0 + t.shape[0]] if sl else p.data
-            assert torch.equal(local, t), name
+        for key, (t, sl, _) in out["weights"].items():
+            p = named[key.split("#")[0]]   # "name#2": a further box of this rank's range of the parameter
+            local = p.data[tuple(slice(g.start - m.start, g.stop - m.start) for g, m in zip(sl, p.meta.slices))]
+            assert torch.equal(local, t), key
     out["stats"] = ctx.stats.summary()
     out["memory"] = opt.memory_bytes()
     return out
@@ -260,21 +259,28 @@ def _volume(w, zero):
     opt.step(1e-3)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     padded = sum(b.numel * 4 for b in opt.buckets)
-    return ctx.stats.summary(), nbytes, padded, len(opt.buckets)
+    unpadded = [sum(s.numel for s in b.slots) for b in opt.buckets]
+    return ctx.stats.summary(), nbytes, padded, len(opt.buckets), unpadded
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_comm_volume(worlds, zero):
     """Per step, in comm.py's convention (all_reduce: tensor bytes; reduce_scatter: input bytes;
-    all_gather: output bytes), P = parameter bytes (fp32), P' = P rounded up to whole dim-0 chunks:
+    all_gather: output bytes), P = parameter bytes (fp32), P' = P with padding: ZeRO-1/2, each bucket's
+    parameters rounded up to a multiple of dp x 64 elements (buffer.ALIGN), ZeRO-0 none; ZeRO-3, to whole dim-0 chunks:
       zero 0: all_reduce(dp_cp) = P             (a ring all-reduce moves 2x that: same as below)
       zero 1/2: reduce_scatter = all_gather = P' (together 2P')
       zero 3: all_gather = 2P' (forward + backward), reduce_scatter = P'   (3P' = 1.5x DP)
     plus one 16-byte world all-reduce ([sum of squares, overflow flag])."""
-    for stats, p, padded, buckets in worlds.run(2, _volume, zero):
+    for stats, p, padded, buckets, unpadded in worlds.run(2, _volume, zero):
         assert buckets > 2  # bucket_size_mb=0.004: several buckets, one reduction each
         assert stats.pop(("world", "all_reduce")) == (1, 16)
-        assert padded == p  # this model's dim-0 sizes are divisible by 2: no padding
+        assert sum(unpadded) * 4 == p
+        if zero == 3:
+            assert padded == p  # this model's dim-0 sizes are divisible by 2: no padding
+        else:  # contiguous buckets: padding only at each bucket's end
+            quantum = 1 if zero == 0 else 2 * 64
+            assert padded == sum(-(-n // quantum) * quantum * 4 for n in unpadded)
         if zero == 0:
             assert stats == {("dp_cp", "all_reduce"): (buckets, p)}
         elif zero in (1, 2):

@@ -107,17 +107,20 @@ def _bytes(worker, overrides):
 @pytest.mark.parametrize("zero", [1, 3])
 def test_hsdp_comm_bytes_per_group(worlds, zero):
     """dp=4 dp_shard=2: the reduce-scatter (and the parameter all-gathers) move the K-padded bucket
-    inside the shard group; the replicas all-reduce one segment (1/K of it); nothing goes over dp_cp but the
+    inside the shard group (ZeRO-1: contiguous, padded at its end to K x 64 elements; ZeRO-3: K-row chunks); the replicas all-reduce one segment (1/K of it); nothing goes over dp_cp but the
     scalars (token count, loss)."""
     k = 2
     for comm_bytes, shapes, buckets in worlds.run(4, _bytes, [f"parallel.zero={zero}", f"parallel.dp_shard={k}"]):
-        def padded(shape):
+        def numel(shape, chunk=1):
             rows, row = (shape[0], 1) if shape else (1, 1)
             for n in shape[1:]:
                 row *= n
-            return -(-rows // k) * k * row * 4
+            return -(-rows // chunk) * chunk * row
         assert sorted(s for b in buckets for s in b) == sorted(shapes)
-        full = sum(padded(s) for b in buckets for s in b)
+        if zero == 3:
+            full = sum(numel(s, k) * 4 for b in buckets for s in b)
+        else:
+            full = sum(-(-sum(numel(s) for s in b) // (k * 64)) * k * 64 * 4 for b in buckets)
         assert comm_bytes["dp_shard.reduce_scatter"] == full
         assert comm_bytes["dp_rep.all_reduce"] == full // k
         gathers = 1 if zero == 1 else 2      # ZeRO-3: forward and backward

@@ -24,7 +24,8 @@ def _measure(w, zero, grad_bytes):
     model = Llama(ModelConfig(**BASE), ctx)
     model.init_weights(7)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = DistributedOptimizer([model], ctx, zero=zero, precision="bf16", bucket_size_mb=0.004,
+    # the default bucket size (one bucket here): contiguous buckets pad only at their end (< N x 64 elements)
+    opt = DistributedOptimizer([model], ctx, zero=zero, precision="bf16",
                                grad_dtype=torch.bfloat16 if grad_bytes == 2 else None)
     tokens = global_batches(64, 1)[0]
     per = tokens.shape[0] // w.world_size

@@ -22,11 +22,12 @@ from parallel3d.mesh import ParallelContext
 
 class OptimizerState(Protocol):
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
-        """name -> (held rows, global shape, global slices); every element held by exactly one rank."""
+        """name -> (held data, global shape, global slices); every element held by exactly one rank. A rank
+        whose piece of a tensor is several boxes returns "name#1", "name#2", ... for the further ones."""
 
     def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],
                            kinds: tuple[str, ...] = ...) -> None:
-        """Fill the held rows from read(name, global slices), only the given kinds."""
+        """Fill the held elements from read(name, global slices), only the given kinds."""
 
     def scalar_state(self) -> dict[str, Any]: ...
 

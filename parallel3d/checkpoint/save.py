@@ -38,6 +38,7 @@ from parallel3d.checkpoint.protocol import Checkpointable, layout_of
 from parallel3d.checkpoint.rng import capture_rng
 from parallel3d.checkpoint.store import (METADATA, CheckpointError, merge_indices, sha256_file, write_metadata,
                                          write_shard_file)
+from parallel3d.checkpoint.store import PIECE
 from parallel3d.params import real_part
 
 LATEST = "latest"
@@ -50,12 +51,25 @@ def step_dir_name(step: int) -> str:
 
 
 def optim_tensor_name(key: str, tied: dict[str, str]) -> str:
-    """Optimizer key "exp_avg/<param>" -> on-disk "optim.exp_avg.<canonical param>".
+    """Optimizer key "exp_avg/<param>" (or a further piece of it, "exp_avg/<param>#2") -> on-disk tensor
+    "optim.exp_avg.<canonical param>".
 
     The "optim." prefix keeps optimizer state out of weight consumers (export_hf skips it); tied copies
     (lm_head tied to embed on another stage) map to their source so the state reloads under any pp."""
     kind, _, param = key.partition("/")
+    param = param.split(PIECE, 1)[0]
     return f"optim.{kind}.{tied.get(param, param)}"
+
+
+def base_name(key: str) -> str:
+    return key.split(PIECE, 1)[0]
+
+
+def _piece_suffix(key: str) -> str:
+    """"#2" of a further piece's key (a rank's second box of one tensor), "" for the first: the entry
+    keeps it so that several boxes of one tensor can sit in one file (store.write_shard_file)."""
+    _, sep, i = key.partition(PIECE)
+    return sep + i
 
 
 def local_tensor_name(key: str, rank: int) -> str:
@@ -81,7 +95,7 @@ def collect_tensors(run: Checkpointable) -> tuple[Entries, Entries]:
     if run.optimizer is None:
         raise TypeError("a run without an optimizer (evaluation) has no training state to checkpoint")
     state = run.optimizer.state_tensors()
-    optim: Entries = {optim_tensor_name(key, tied): (data, tuple(shape), tuple(slices))
+    optim: Entries = {optim_tensor_name(key, tied) + _piece_suffix(key): (data, tuple(shape), tuple(slices))
                       for key, (data, shape, slices) in state.items()}
     local = getattr(run.optimizer, "local_state_tensors", dict)()  # e.g. compression residuals: this rank's own
     optim.update({local_tensor_name(key, run.ctx.rank): (t, tuple(t.shape), tuple(slice(0, n) for n in t.shape))
@@ -92,9 +106,11 @@ def collect_tensors(run: Checkpointable) -> tuple[Entries, Entries]:
             if materialized(p):
                 model.setdefault(tied[name], (real_part(p.detach(), p.meta), tuple(p.meta.global_shape),
                                               tuple(p.meta.slices)))
-            elif f"master/{name}" in state:  # ZeRO-3: write the weight from this rank's master rows
-                data, shape, slices = state[f"master/{name}"]
-                model.setdefault(tied[name], (data.to(p.dtype), tuple(shape), tuple(slices)))
+            else:  # ZeRO-3: write the weight from this rank's master pieces
+                for key, (data, shape, slices) in state.items():
+                    if base_name(key) == f"master/{name}":
+                        model.setdefault(tied[name] + _piece_suffix(key), (data.to(p.dtype), tuple(shape),
+                                                                            tuple(slices)))
         for name, b in state_buffers(chunk):
             model.setdefault(name, (real_part(b.detach(), b.meta), tuple(b.meta.global_shape), tuple(b.meta.slices)))
     return model, optim
@@ -106,7 +122,7 @@ def state_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _owned(entries: Entries, run: Checkpointable) -> Entries:
-    keys = [entry_key(name, slices) for name, (_, _, slices) in entries.items()]
+    keys = [entry_key(name.split(PIECE, 1)[0], slices) for name, (_, _, slices) in entries.items()]
     owners = first_holders(keys, run.ctx.world, run.ctx.device)
     return {name: e for (name, e), own in zip(entries.items(), owners) if own}
 

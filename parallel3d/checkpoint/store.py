@@ -8,6 +8,8 @@
 
 A tensor's shards tile its global shape (a slice list per shard), so a reader can assemble any sub-slice
 a rank needs under a different layout, reading only the overlapping parts (`safe_open(...).get_slice`).
+One file may hold several shards of a tensor (a ZeRO rank's flat range of a parameter cut into boxes):
+their keys are "<name>#<i>" (PIECE); readers only follow "key", so older checkpoints read the same way.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT = "parallel3d/1"
+PIECE = "#"   # "name#2": a further shard of tensor `name` written by the same rank (its file key keeps the suffix)
 METADATA = "metadata.json"
 
 
@@ -44,13 +47,16 @@ def write_shard_file(directory: str, file_name: str,
                      tensors: dict[str, tuple[torch.Tensor, Sequence[int], Sequence[slice]]]) -> dict[str, Any]:
     """Write one safetensors file; return its index entries {"tensors": {...}, "files": {...}}.
 
-    tensors: name -> (local data covering exactly `slices` of the global tensor, global shape, slices).
+    tensors: key -> (local data covering exactly `slices` of the global tensor, global shape, slices); the
+    key is the tensor's name, or "<name>#<i>" for a further shard of the same tensor (PIECE).
     """
     payload, index = {}, {}
-    for name, (data, global_shape, slices) in tensors.items():
-        payload[name] = data.detach().to("cpu").contiguous()
-        index[name] = {"global_shape": list(global_shape), "dtype": str(data.dtype).replace("torch.", ""),
-                       "shards": [{"file": file_name, "key": name, "slices": slices_to_json(slices)}]}
+    for key, (data, global_shape, slices) in tensors.items():
+        payload[key] = data.detach().to("cpu").contiguous()
+        name = key.split(PIECE, 1)[0]
+        entry = index.setdefault(name, {"global_shape": list(global_shape),
+                                        "dtype": str(data.dtype).replace("torch.", ""), "shards": []})
+        entry["shards"].append({"file": file_name, "key": key, "slices": slices_to_json(slices)})
     path = os.path.join(directory, file_name)
     save_file(payload, path)
     with open(path, "rb+") as f:

@@ -21,8 +21,8 @@ BLOCK = 1 << 17  # elements per block: p, m, v, g and one temporary (5 x 512 KiB
 
 
 def decay_ranges(b: Bucket) -> list[tuple[int, int]]:
-    """[start, end) element ranges of the segment whose parameters take weight decay."""
-    return [(s.offset, s.offset + s.chunk_numel) for s in b.slots if s.decay]
+    """[start, end) element ranges of the held segment whose parameters take weight decay."""
+    return [(s.h_seg, s.h_seg + s.h_len) for s in b.slots if s.decay and s.h_len]
 
 
 @torch.no_grad()

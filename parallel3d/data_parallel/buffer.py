@@ -1,23 +1,27 @@
-"""Flat gradient buckets in rank-major shard layout.
+"""Flat gradient buckets: two layouts of the same interface (which elements segment k holds, where a
+parameter's gradient lives, the range this rank holds).
 
-A bucket holds whole parameters that share one reduction group (dense: DP x CP; expert: expert-DP).
-With N shards (N = group size under ZeRO, N = 1 without) each parameter is cut along dim 0 into N chunks
-of c = ceil(rows / N) rows, and chunk k of every parameter lives in segment k of the bucket:
+A bucket holds whole parameters that share one reduction group (dense: DP x CP; expert: expert-DP) and is
+split into N equal segments (N = the ZeRO shard group's size, 1 without ZeRO); rank r holds segment r after
+the reduce-scatter, and its optimizer state covers exactly that segment.
 
-    bucket, N * S elements (S = sum of chunk sizes c * row_numel)
-    ┌──────── segment 0 (rank 0) ─────────┬──────── segment 1 (rank 1) ─────────┐
-    │ A rows [0, cA) │ B rows [0, cB)     │ A rows [cA, 2cA) │ B rows [cB, rows)░ │  ░ zero padding
-    └────────────────┴────────────────────┴──────────────────┴────────────────────┘
-      offset oA = 0    offset oB = cA*nA    (the same offsets in every segment)
+Contiguous ranges (ZeRO-1/2, HSDP's shard groups included; Megatron's distributed optimizer):
 
-Why rank-major: a reduce-scatter of the bucket leaves rank r holding segment r, i.e. rows
-[r*c, (r+1)*c) of every parameter -- a rectangular dim-0 slice. Optimizer state (master weights, Adam m
-and v) is kept per segment, so each rank's share of every tensor is an exact global slice, which is what
-checkpoints store (`DistributedOptimizer.state_tensors`). A Megatron-style param-contiguous buffer would
-cut parameters at arbitrary flat offsets instead. The price: a parameter's chunks are not adjacent, so
-`param.grad` cannot be a view of the buffer; autograd's grad is added into it by a post-accumulate hook
-(two strided adds per parameter) and gathered parameters are copied out (as FSDP2 does). With N = 1
-the layout is simply param-contiguous and parameters can be views of a flat parameter buffer.
+    bucket, N * S elements, parameters one after another, zero padding only at the end
+    ┌──── segment 0 (rank 0) ────┬──── segment 1 (rank 1) ────┬──── segment 2 (rank 2) ───┐
+    │ A            │ B           │             │ C            │        │░░░░░░░░░░░░░░░░░│
+    └──────────────┴─────────────┴─────────────┴──────────────┴────────┴─────────────────┘
+     offset oA = 0   oB = nA       (B straddles segments 0 and 1)        ░ pad to a multiple of N * ALIGN
+
+The padding is at most N * ALIGN - 1 elements per bucket, so optimizer state is 1/N of the parameters up to
+that; a parameter's gradient is one flat add and its gathered value one flat copy. A rank's piece of a
+parameter is a flat element range (Slot.h_*), possibly empty, possibly cutting rows: clipping counts it
+once, AdamW decays it, and checkpoints write it as a few rectangular boxes (state.py).
+
+Rank-major rows (ZeRO-3 units, and ZeRO-0 where N = 1 and it is simply param-contiguous): each parameter is
+cut along dim 0 into N chunks of c = ceil(rows / N) rows, and chunk k of every parameter lives in segment k
+at the same offset. ZeRO-3 keeps it because its gathers work per unit and its fp8 gather (fp8_gather.py)
+scales whole rows held by one rank; the price is padding of up to N - 1 rows per parameter.
 """
 from __future__ import annotations
 
@@ -31,55 +35,79 @@ from parallel3d.comm import Group
 from parallel3d.params import ParamMeta
 
 
+# Each segment (and so each rank's range, and the bucket) starts at a multiple of ALIGN elements: 256 bytes
+# in fp32 (gradients, master, Adam state), 128 in bf16/fp16 (the parameter all-gather). NCCL's kernels and
+# our Triton/fused kernels read 16-byte vectors and 128-byte lines best from aligned starts; the cost is
+# under N * ALIGN padding per bucket (0.13M elements at dp=2048, against buckets of 40M+ elements).
+ALIGN = 64
+
+
 @dataclass
 class Slot:
-    """One parameter inside a bucket."""
+    """One parameter inside a bucket, and the part of it this rank holds (h_*: elements of the held
+    segment [h_seg, h_seg + h_len) are elements [h_param, h_param + h_len) of the flattened parameter;
+    the first h_real of them are real, not vocabulary padding)."""
     name: str
     param: nn.Parameter
     shape: tuple[int, ...]   # local (TP-local, padded) shape; a 0-d parameter is treated as (1,)
     rows: int                # shape[0]
     row_numel: int           # elements per row
-    chunk_rows: int          # c = ceil(rows / N)
-    offset: int = 0          # start of this parameter's chunk inside every segment
+    chunk_rows: int          # rows layout: c = ceil(rows / N)
+    offset: int = 0          # rows: start of the chunk inside every segment; contiguous: start in the bucket
     decay: bool = True
     real_rows: int = 0       # rows without vocabulary padding (meta.local_real_shape[0])
     scalar: bool = False     # the parameter is 0-d
     local_copy: bool = False  # a tied copy whose source is on this rank too (V pipeline placement)
+    contiguous: bool = False  # the bucket's layout (module docstring)
+    h_seg: int = 0
+    h_param: int = 0
+    h_len: int = 0
+    h_real: int = 0
 
     @property
     def meta(self) -> ParamMeta:
         return self.param.meta
 
     @property
+    def numel(self) -> int:
+        return self.rows * self.row_numel
+
+    @property
     def chunk_numel(self) -> int:
         return self.chunk_rows * self.row_numel
 
     def valid_rows(self, k: int) -> int:
-        """Rows of the parameter held in segment k (the last chunks may be short or empty)."""
+        """Rows layout: rows of the parameter held in segment k (the last chunks may be short or empty)."""
         return max(0, min(self.chunk_rows, self.rows - k * self.chunk_rows))
 
     def real_rows_in(self, k: int) -> int:
-        """Rows of segment k that are real (not vocabulary padding)."""
+        """Rows layout: rows of segment k that are real (not vocabulary padding)."""
         return max(0, min(self.valid_rows(k), self.real_rows - k * self.chunk_rows))
 
     def flat(self, segment: torch.Tensor) -> torch.Tensor:
-        """This parameter's chunk in a flat segment tensor (S,), 1-D."""
+        """This parameter's part of a flat segment tensor (S,): rows layout, its chunk (in any segment);
+        contiguous, the held range (of the held segment, or of the whole bucket when N = 1)."""
+        if self.contiguous:
+            return segment[self.h_seg: self.h_seg + self.h_len]
         return segment[self.offset: self.offset + self.chunk_numel]
 
+    def held(self, segment: torch.Tensor, real: bool = True) -> torch.Tensor:
+        """The held elements (real ones only, by default) in the held segment (S,), 1-D."""
+        return segment[self.h_seg: self.h_seg + (self.h_real if real else self.h_len)]
+
+    def whole(self, full: torch.Tensor) -> Optional[torch.Tensor]:
+        """The whole parameter in a full bucket tensor (N*S,) as a flat view; None where it is not one piece
+        (rows layout with N > 1)."""
+        if self.contiguous or self.chunk_rows == self.rows:
+            return full[self.offset: self.offset + self.numel]
+        return None
+
     def rows_view(self, segment: torch.Tensor) -> torch.Tensor:
-        """The chunk as (chunk_rows, *row shape)."""
+        """Rows layout: the chunk as (chunk_rows, *row shape)."""
         return self.flat(segment).view((self.chunk_rows,) + self.shape[1:])
 
-    def global_slices(self, k: int, nrows: int) -> tuple[slice, ...]:
-        """Global slices of local rows [k*c, k*c + nrows)."""
-        if self.scalar:
-            return ()
-        sl = self.meta.slices
-        r0 = sl[0].start + k * self.chunk_rows
-        return (slice(r0, r0 + nrows),) + tuple(sl[1:])
 
-
-def make_slot(name: str, p: nn.Parameter, nshard: int, decay: bool) -> Slot:
+def make_slot(name: str, p: nn.Parameter, nshard: int, decay: bool, contiguous: bool = False) -> Slot:
     shape = tuple(p.shape) if p.dim() > 0 else (1,)
     meta: ParamMeta = p.meta
     real = meta.local_real_shape if p.dim() > 0 else (1,)
@@ -91,18 +119,25 @@ def make_slot(name: str, p: nn.Parameter, nshard: int, decay: bool) -> Slot:
     for n in shape[1:]:
         row_numel *= n
     return Slot(name, p, shape, rows, row_numel, -(-rows // nshard), decay=decay, real_rows=real[0],
-                scalar=p.dim() == 0)
+                scalar=p.dim() == 0, contiguous=contiguous)
 
 
 def add_rows(full: torch.Tensor, seg: int, nshard: int, slot: Slot, src: torch.Tensor) -> None:
-    """full (N*S,) rank-major  +=  src (rows, ...) laid out chunk k -> segment k."""
-    _rows_op(full, seg, nshard, slot, src.reshape(-1), "add")
+    """full (N*S,) bucket layout  +=  src (rows, ...), the parameter's gradient."""
+    whole = slot.whole(full)
+    if whole is not None:
+        whole.add_(src.reshape(-1))
+    else:
+        _rows_op(full, seg, nshard, slot, src.reshape(-1), "add")
 
 
 def copy_rows_out(full: torch.Tensor, seg: int, nshard: int, slot: Slot, dst: torch.Tensor) -> None:
-    """dst (rows, ...)  <-  the chunks of `slot` in full (N*S,) rank-major. dst must be contiguous."""
-    _rows_op(full, seg, nshard, slot, dst.view(-1), "out")
-
+    """dst (rows, ...)  <-  the parameter `slot` in full (N*S,), bucket layout. dst must be contiguous."""
+    whole = slot.whole(full)
+    if whole is not None:
+        dst.view(-1).copy_(whole)
+    else:
+        _rows_op(full, seg, nshard, slot, dst.view(-1), "out")
 
 def _rows_op(full: torch.Tensor, seg: int, nshard: int, slot: Slot, flat: torch.Tensor, op: str) -> None:
     c, rn = slot.chunk_rows, slot.row_numel
@@ -170,25 +205,69 @@ class Bucket:
         return self.nshard * self.seg
 
 
-def layout(slots: list[Slot]) -> int:
-    """Assign chunk offsets; returns the segment size S."""
+def layout(slots: list[Slot], nshard: int = 1, shard: int = 0) -> int:
+    """Rows layout: assign chunk offsets and the held ranges of segment `shard`; returns the segment size S."""
     off = 0
     for s in slots:
         s.offset = off
         off += s.chunk_numel
+        s.h_seg, s.h_param = s.offset, shard * s.chunk_numel
+        s.h_len, s.h_real = s.valid_rows(shard) * s.row_numel, s.real_rows_in(shard) * s.row_numel
     return off
 
 
+def padded_numel(total: int, nshard: int) -> int:
+    """Elements of a contiguous bucket holding `total`: the next multiple of nshard * ALIGN (no padding
+    without shards: the bucket is one allocation, aligned by the allocator, and there are no ranges)."""
+    if nshard == 1:
+        return total
+    quantum = nshard * ALIGN
+    return -(-total // quantum) * quantum
+
+
+def contiguous_layout(slots: list[Slot], nshard: int, shard: int) -> int:
+    """Parameters one after another, padded at the end (padded_numel); held ranges of segment `shard`.
+    Returns the segment size S."""
+    off = 0
+    for s in slots:
+        s.offset = off
+        off += s.numel
+    seg = padded_numel(off, nshard) // nshard
+    lo_seg, hi_seg = shard * seg, (shard + 1) * seg
+    for s in slots:
+        lo, hi = max(s.offset, lo_seg), min(s.offset + s.numel, hi_seg)
+        real_hi = min(hi, s.offset + s.real_rows * s.row_numel)
+        if lo < hi:
+            s.h_seg, s.h_param, s.h_len, s.h_real = lo - lo_seg, lo - s.offset, hi - lo, max(0, real_hi - lo)
+        else:
+            s.h_seg = s.h_param = s.h_len = s.h_real = 0
+    return seg
+
+
+def own_bucket(p: nn.Parameter) -> bool:
+    """A parameter whose gradient is also summed over a group of ranks holding it in *other* buckets
+    (the tied embedding on the first and the last pipeline stage): alone in its bucket, its held range
+    depends only on its size and DP, so it is the same range on both stages (Megatron does the same)."""
+    return "embedding" in p.meta.grad_reduce
+
+
 def split_buckets(named: list[tuple[str, nn.Parameter, bool]], group: Group, nshard: int, shard: int,
-                  max_bytes: float, elem_bytes: int) -> list[Bucket]:
-    """Consecutive runs of whole parameters, each closed once it reaches `max_bytes` of gradient."""
-    buckets, cur, size = [], [], 0
+                  max_elems: float) -> list[Bucket]:
+    """Contiguous buckets: consecutive runs of whole parameters, each closed once it holds `max_elems`
+    elements (own_bucket parameters alone)."""
+    groups, cur, size = [], [], 0
     for name, p, decay in named:
-        cur.append(make_slot(name, p, nshard, decay))
-        size += p.numel() * elem_bytes
-        if size >= max_bytes:
-            buckets.append(cur)
+        if own_bucket(p):
+            if cur:
+                groups.append(cur)
+            groups.append([make_slot(name, p, nshard, decay, contiguous=True)])
+            cur, size = [], 0
+            continue
+        cur.append(make_slot(name, p, nshard, decay, contiguous=True))
+        size += p.numel()
+        if size >= max_elems:
+            groups.append(cur)
             cur, size = [], 0
     if cur:
-        buckets.append(cur)
-    return [Bucket(s, group, nshard, shard, layout(s)) for s in buckets]
+        groups.append(cur)
+    return [Bucket(s, group, nshard, shard, contiguous_layout(s, nshard, shard)) for s in groups]

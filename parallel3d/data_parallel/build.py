@@ -1,10 +1,11 @@
 """Building the optimizer's buckets: which parameters go together, and how their storage is set up.
 
 ZeRO 0-2: per model chunk and per reduction group (dense DP x CP / expert-DP), parameters in reverse
-registration order (about the order backward produces their gradients) are cut into buckets of about
-`bucket_size_mb` of gradient, so the first buckets are ready, and reduced, while backward still runs.
-ZeRO-3: one bucket per (unit, group), units being the blocks and the chunk's root (zero3.py), because a
-unit is also what is gathered and freed together.
+registration order (about the order backward produces their gradients) are cut into contiguous buckets of
+about `bucket_elems` parameters (parallel.bucket_size; bucket_size_for), so the first buckets are ready, and
+reduced, while backward still runs. ZeRO-3: one rows-layout bucket per (unit, group), units being the
+blocks and the chunk's root (zero3.py), because a unit is also what is gathered and freed together.
+Layouts: buffer.py.
 
 Each bucket is a launch *sequence* member: buckets of one sequence are reduced strictly in order, so
 every rank issues the same collectives in the same order even if a bucket is complete earlier on one rank
@@ -25,6 +26,22 @@ from parallel3d.mesh import ParallelContext
 from parallel3d.params import ParamMeta, full_slices
 
 Named = list[tuple[str, nn.Parameter, bool]]   # (global name, parameter, weight decay?)
+
+
+DEFAULT_BUCKET = 40_000_000        # Megatron's default bucket: max(40M, 1M x DP) parameters; larger DP
+BUCKET_PER_RANK = 1_000_000        # degrees need larger buckets, or the reduce-scatter is latency-bound
+
+
+def bucket_elems(dp: int, bucket_size: int = 0, bucket_size_mb: float = 0.0, grad_elem_bytes: int = 4) -> int:
+    """Parameters per gradient bucket (parallel.bucket_size / bucket_size_mb). Precedence: bucket_size_mb > 0
+    (MiB of gradient, the older key) over bucket_size > 0 over the default max(40M, 1M x dp), dp being the
+    size of the dense reduction group (DP x CP). A ring reduce-scatter over dp ranks costs 2(dp-1) latency
+    steps per bucket, so buckets must grow with dp to stay bandwidth-bound."""
+    if bucket_size_mb > 0:
+        return max(1, int(bucket_size_mb * 2 ** 20 / grad_elem_bytes))
+    if bucket_size > 0:
+        return bucket_size
+    return max(DEFAULT_BUCKET, BUCKET_PER_RANK * dp)
 
 
 def reduction_group(ctx: ParallelContext, expert: bool) -> Group:
@@ -54,8 +71,8 @@ def named_params(modules: list[nn.Module], no_decay: Callable[[str, nn.Parameter
     return out
 
 
-def plan(modules: list[nn.Module], ctx: ParallelContext, zero: int, no_decay: Callable, bucket_bytes: float,
-         grad_elem_bytes: int) -> tuple[list[list[Bucket]], list[list[Unit]]]:
+def plan(modules: list[nn.Module], ctx: ParallelContext, zero: int, no_decay: Callable,
+         bucket_elems: float) -> tuple[list[list[Bucket]], list[list[Unit]]]:
     """(launch sequences of buckets, ZeRO-3 unit chains [root, block0, ...] per chunk)."""
     seqs, chains = [], []
     for chunk, (module, named) in enumerate(zip(modules, named_params(modules, no_decay))):
@@ -69,7 +86,7 @@ def plan(modules: list[nn.Module], ctx: ParallelContext, zero: int, no_decay: Ca
                 if part:
                     group = shard_group(ctx, expert) if zero else reduction_group(ctx, expert)
                     n, k = (group.size, group.rank) if zero else (1, 0)
-                    bs = split_buckets(part, group, n, k, bucket_bytes, grad_elem_bytes)
+                    bs = split_buckets(part, group, n, k, bucket_elems)
                     for b in bs:
                         b.expert = expert
                     mine.append(bs)
@@ -99,7 +116,8 @@ def _unit_buckets(module: nn.Module, named: Named, ctx: ParallelContext) -> tupl
             if part:
                 group = shard_group(ctx, expert)
                 slots = [make_slot(n, p, group.size, d) for n, p, d in part]
-                b = Bucket(slots, group, group.size, group.rank, layout(slots), unit=unit, expert=expert)
+                b = Bucket(slots, group, group.size, group.rank, layout(slots, group.size, group.rank), unit=unit,
+                           expert=expert)
                 unit.buckets.append(b)
                 seq.append(b)
         if seq:
@@ -113,10 +131,10 @@ def fill_segment(b: Bucket, a: int, e: int, out: torch.Tensor) -> torch.Tensor:
     The whole segment is the initial master; chunks of it initialise state streamed to NVMe."""
     out.zero_()
     for s in b.slots:
-        n, r0 = s.valid_rows(b.shard), b.shard * s.chunk_rows * s.row_numel
-        lo, hi = max(a, s.offset), min(e, s.offset + n * s.row_numel)
+        lo, hi = max(a, s.h_seg), min(e, s.h_seg + s.h_len)
         if lo < hi:
-            out[lo - a: hi - a].copy_(s.param.data.reshape(-1)[r0 + lo - s.offset: r0 + hi - s.offset])
+            r0 = s.h_param - s.h_seg   # segment position -> position in the flattened parameter
+            out[lo - a: hi - a].copy_(s.param.data.reshape(-1)[r0 + lo: r0 + hi])
     return out
 
 

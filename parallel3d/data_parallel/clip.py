@@ -3,8 +3,9 @@ update on the held shard is in adamw.py).
 
 After gradient reduction each rank holds, per bucket, the reduced gradient of its segment (ZeRO >= 1)
 or of the whole bucket (ZeRO-0). A gradient element is counted by exactly one rank:
-  * ZeRO >= 1: the rank whose segment holds the element (segments partition DP x CP / expert-DP; under
-    HSDP they partition a shard group, and only replica 0 of the shard counts);
+  * ZeRO >= 1: the rank whose segment holds the element (segments partition each bucket over DP x CP /
+    expert-DP, a parameter straddling segments counts on each rank for its own range; under HSDP they
+    partition a shard group, and only replica 0 of the shard counts);
     ZeRO-0: DP x CP (or expert-DP) rank 0, the others hold identical copies;
   * the first rank (rank 0) of every group in `meta.replicated` (TP-replicated norms, the tied
     embedding copy on the last pipeline stage);
@@ -40,9 +41,9 @@ def counts_once(b: Bucket, s: Slot, ctx: ParallelContext, zero: int) -> bool:
     return True
 
 
-def held(b: Bucket, s: Slot) -> tuple[int, int]:
-    """(segment index, real rows) of `s` held in this rank's reduced segment."""
-    return b.shard, s.real_rows_in(b.shard)
+def held(b: Bucket, s: Slot) -> int:
+    """Real (not vocabulary padding) elements of `s` in this rank's segment (buffer.py: Slot.h_*)."""
+    return s.h_real
 
 
 @torch.no_grad()
@@ -59,9 +60,8 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
     norms = []
     for b in buckets:
         for s in b.slots:
-            _, n = held(b, s)
-            if n and counts_once(b, s, ctx, zero):
-                norms.append(torch.linalg.vector_norm(s.flat(b.grad.shard)[: n * s.row_numel], dtype=torch.float32))
+            if held(b, s) and counts_once(b, s, ctx, zero):
+                norms.append(torch.linalg.vector_norm(s.held(b.grad.shard), dtype=torch.float32))
     sumsq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
                                                                                     device=ctx.device)
     stats = torch.stack([sumsq, found[0].double()])

@@ -1,7 +1,7 @@
 """Gradient compression with error feedback for ZeRO-0/1: PowerSGD (low rank) and top-k (sparse).
 
 Each rank keeps a residual e_i (what it has not sent yet) per bucket, in the bucket's own flat layout
-(buffer.py). At a compressed step, with g_i this rank's accumulated gradient and N the group size:
+(buffer.py: the contiguous one, so a parameter's residual is one flat range of it). At a compressed step, with g_i this rank's accumulated gradient and N the group size:
 
     E_i = g_i + e_i                                  error feedback: add what earlier steps held back
     S   ~ sum_i E_i                                  sent compressed (below); every rank gets the same S
@@ -40,8 +40,9 @@ MODES = ("none", "powersgd", "topk")
 
 
 def check_compression(mode: str, zero: int, rank: int, ratio: float, start: int, hsdp: bool,
-                      precision: str) -> None:
-    """parallel.grad_compression and its keys; compression replaces the ZeRO-0/1 gradient reduction."""
+                      precision: str, group_size: int = 1) -> None:
+    """parallel.grad_compression and its keys; compression replaces the ZeRO-0/1 gradient reduction.
+    group_size: the ranks a dense bucket is reduced over (DP x CP), for top-k's break-even (topk_wire_ratio)."""
     if mode not in MODES:
         raise ValueError(f"parallel.grad_compression={mode!r} is not one of {', '.join(MODES)}")
     if mode == "none":
@@ -60,12 +61,32 @@ def check_compression(mode: str, zero: int, rank: int, ratio: float, start: int,
         raise ValueError(f"parallel.topk_ratio must be in (0, 1], got {ratio!r}")
     if start < 0:
         raise ValueError(f"parallel.compression_start_step must be >= 0, got {start}")
+    if mode == "topk" and topk_wire_ratio(ratio, group_size) >= 1.0:
+        n = group_size
+        raise ValueError(
+            f"parallel.topk_ratio={ratio} over {n} ranks (DP x CP) sends more than the dense all-reduce it replaces: "
+            f"each rank receives the k = ratio x n entries of every rank, values and int32 indices, "
+            f"{n} x {ratio} x n x 8 = {8 * n * ratio:.3g} x n bytes per bucket of n fp32 gradients, against "
+            f"2 x ({n}-1)/{n} x n x 4 = {8 * (n - 1) / n:.3g} x n bytes for a ring all-reduce. Use "
+            f"parallel.topk_ratio < {(n - 1) / n ** 2:.3g} (that is (N-1)/N^2), or parallel.grad_compression=none")
+
+
+def topk_wire_ratio(ratio: float, n: int) -> float:
+    """Bytes top-k moves per rank over those of the dense ring all-reduce it replaces, for a bucket of
+    numel fp32 gradients reduced over n ranks: all-gathering k = ratio*numel values and int32 indices from
+    every rank receives n*k*(4+4) bytes; the ring all-reduce sends 2*(n-1)/n*numel*4. So top-k loses past
+    ratio = (n-1)/n^2, about 1/n. With one rank nothing travels either way (0)."""
+    if n <= 1:
+        return 0.0
+    return (n * ratio * 8) / (2 * (n - 1) / n * 4)
 
 
 def _read(full: torch.Tensor, b: Bucket, s: Slot) -> torch.Tensor:
-    """Slot s of a bucket-layout tensor as an (m, n) matrix: a view without shards, else a copy."""
-    if b.nshard == 1:
-        return s.flat(full).view(s.rows, s.row_numel)   # (m, n)
+    """Slot s of a bucket-layout tensor as an (m, n) matrix: a view where the layout keeps the parameter in
+    one piece (contiguous buckets, or no shards), else a copy."""
+    whole = s.whole(full)
+    if whole is not None:
+        return whole.view(s.rows, s.row_numel)   # (m, n)
     out = torch.empty((s.rows, s.row_numel), dtype=full.dtype, device=full.device)
     copy_rows_out(full, b.seg, b.nshard, s, out)
     return out
@@ -73,8 +94,9 @@ def _read(full: torch.Tensor, b: Bucket, s: Slot) -> torch.Tensor:
 
 def _write(full: torch.Tensor, b: Bucket, s: Slot, value: Optional[torch.Tensor]) -> None:
     """Slot s of a bucket-layout tensor <- value (m, n), or zeros for None."""
-    if b.nshard == 1:
-        dst = s.flat(full).view(s.rows, s.row_numel)
+    whole = s.whole(full)
+    if whole is not None:
+        dst = whole.view(s.rows, s.row_numel)
         dst.zero_() if value is None else dst.copy_(value)
         return
     for k in range(b.nshard):   # zero the slot's rows in every segment, then add the new ones

@@ -20,7 +20,7 @@ already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradien
     3     reduce-scatter; params gathered     1/N                     1/N                 1/N
           around each unit's fwd and bwd (zero3.py)
 
-Buckets, shard layout and why it is rank-major: buffer.py, build.py. Gradient hooks and each bucket's
+Buckets and their layouts (contiguous ranges for ZeRO 0-2, rank-major rows for ZeRO-3): buffer.py, build.py. Gradient hooks and each bucket's
 reduction (HSDP, compression, qgZ): sync.py. Parameters from the updated master: publishing.py.
 Norm and clipping: clip.py; AdamW: adamw.py. Checkpoint state, gradient views and memory accounting:
 state.py. The optimizer only assumes its `modules` list (the model chunks on this rank): it works under
@@ -38,7 +38,7 @@ from torch import nn
 
 from parallel3d.data_parallel.state import OptimizerState
 from parallel3d.data_parallel.buffer import Bucket
-from parallel3d.data_parallel.build import init_bucket, local_ties, plan
+from parallel3d.data_parallel.build import bucket_elems, init_bucket, local_ties, plan
 from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.data_parallel.compression import Compressor, check_compression
@@ -54,11 +54,13 @@ from parallel3d.mesh import ParallelContext, check_hpz
 
 class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
     """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
-    and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads)."""
+    and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads).
+    Bucket size: build.bucket_elems (bucket_size_mb > 0 overrides bucket_size; both unset: max(40M, 1M x dp))."""
 
     def __init__(self, modules: list[nn.Module], ctx: ParallelContext, *, zero: int = 0, precision: str = "fp32",
                  lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 bucket_size_mb: float = 25.0, no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
+                 bucket_size: int = 0, bucket_size_mb: float = 0.0,
+                 no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
                  loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
                  min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None,
                  offload_optimizer: str = "none", offload_params: str = "none", offload_dir: Optional[str] = None,
@@ -70,7 +72,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
         check_compression(grad_compression, zero, powersgd_rank, topk_ratio, compression_start_step,
-                          ctx.spec.hsdp, precision)
+                          ctx.spec.hsdp, precision, ctx.dp_cp.size)
         check_zeropp(zero, quantized_weights, hpz, quantized_gradients, quant_block)
         if hpz:
             check_hpz(ctx.spec)
@@ -96,8 +98,9 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         self._inflight: collections.deque[Bucket] = collections.deque()
         self.zero3: Optional[Zero3] = None
         no_decay = no_decay or (lambda name, p: p.dim() == 1)
-        self.seqs, chains = plan(self.modules, ctx, zero, no_decay, bucket_size_mb * 2 ** 20,
-                                 torch.finfo(self.grad_dtype).bits // 8)
+        self.bucket_elems = bucket_elems(ctx.dp_cp.size, bucket_size, bucket_size_mb,
+                                         torch.finfo(self.grad_dtype).bits // 8)
+        self.seqs, chains = plan(self.modules, ctx, zero, no_decay, self.bucket_elems)
         self.buckets = [b for bs in self.seqs for b in bs]
         if fp8_gather:  # the recipe of the fp8 linears (convert_to_fp8 tags their weights); "none": there are none
             recipe = next((s.param.fp8.recipe for b in self.buckets for s in fp8_slots(b)), "none")

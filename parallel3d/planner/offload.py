@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 
+from parallel3d.data_parallel.build import bucket_elems
 from parallel3d.planner.hardware import GPU
 from parallel3d.training.config import ExperimentConfig
 
@@ -57,7 +58,8 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
         extra["host_bytes"] += state if p.offload_optimizer == "cpu" else 0
         pcie = gpu.pcie_bytes_per_s * PCIE_EFFICIENCY
         extra["grads_down_s"], extra["params_up_s"] = 4 * shard_params / pcie, 2 * shard_params / pcie
-        extra["bucket_copy_s"] = min(p.bucket_size_mb * 2 ** 20 / pcie, extra["grads_down_s"])
+        bucket = 4 * bucket_elems(p.dp * p.cp, p.bucket_size, p.bucket_size_mb)   # fp32 gradient bytes
+        extra["bucket_copy_s"] = min(bucket / pcie, extra["grads_down_s"])
         extra["host_s"] = shard_params / HOST_ADAM_PARAMS_PER_S
         if p.offload_optimizer == "nvme":
             extra["host_s"] += 2 * state / NVME_BYTES_PER_S   # read and write back master, m, v

@@ -69,7 +69,8 @@ class ParallelConfig:
     schedule: str = "1f1b"       # gpipe | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1      # model chunks per pipeline rank (interleaved only)
     layers_per_stage: Optional[list[int]] = None  # one entry per (virtual) stage; None: even split
-    bucket_size_mb: float = 25.0  # gradient-reduction bucket size
+    bucket_size: int = 0         # parameters per gradient bucket; 0: max(40M, 1M x DP x CP) (Megatron's rule)
+    bucket_size_mb: float = 0.0  # > 0: MiB of gradient per bucket instead (overrides bucket_size); 0: unset
     timeout_s: float = 600.0     # collective timeout: a hung peer ends the job with the op named
     offload_optimizer: str = "none"  # none | cpu | nvme: fp32 master + Adam state in host memory / files, AdamW on the CPU
     offload_params: str = "none"     # none | cpu | nvme (zero=3): the parameter shard lives off the device between uses

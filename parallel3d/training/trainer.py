@@ -122,7 +122,8 @@ class Trainer:
         t, p = self.cfg.train, self.cfg.parallel
         return DistributedOptimizer(self.chunks, self.ctx, zero=p.zero, precision=t.precision, lr=t.lr,
                                     betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-                                    bucket_size_mb=p.bucket_size_mb, loss_scale=t.loss_scale,
+                                    bucket_size=p.bucket_size, bucket_size_mb=p.bucket_size_mb,
+                                    loss_scale=t.loss_scale,
                                     initial_loss_scale=t.initial_loss_scale,
                                     loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
                                     offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,

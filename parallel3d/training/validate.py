@@ -78,7 +78,11 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     _choice(p.cp_mode, "parallel.cp_mode", CP_MODES)
     _choice(p.schedule, "parallel.schedule", SCHEDULE_NAMES)
     _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
-    _require(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
+    _require(isinstance(p.bucket_size, int) and p.bucket_size >= 0,
+             f"parallel.bucket_size must be an integer >= 0 (parameters per bucket; 0: max(40M, 1M x DP x CP)), "
+             f"got {p.bucket_size!r}")
+    _require(p.bucket_size_mb >= 0, f"parallel.bucket_size_mb must be >= 0 (0: unset, parallel.bucket_size "
+                                    f"applies), got {p.bucket_size_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
     _choice(t.precision, "train.precision", tuple(DTYPES))
@@ -102,7 +106,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                                              p.gpus_per_node))
     p.dp = spec.dp   # dp_shard stays as given (0: all of dp), so a saved config stays portable
     _owned(lambda: check_compression(p.grad_compression, p.zero, p.powersgd_rank, p.topk_ratio,
-                                     p.compression_start_step, spec.hsdp, t.precision))
+                                     p.compression_start_step, spec.hsdp, t.precision, spec.dp * spec.cp))
     _owned(lambda: check_zeropp(p.zero, p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients,
                                 p.quant_block))
     if p.zero_hpz:
