@@ -1,5 +1,6 @@
-"""The multi-rank harness as a user's test suite sees it: a test file outside tests/, run by
-`python -m pytest -p parallel3d.testing` in a temporary directory, using the `multirank` fixture."""
+"""The multi-rank harness as a user's test suite sees it: test files outside tests/, run by
+`python -m pytest -p parallel3d.testing` in a temporary directory, using the `multirank` fixture. One file
+is docs/testing.md's code blocks as written (so the guide cannot drift); the other shows the failure reports."""
 import os
 import re
 import subprocess
@@ -8,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "testing.md"
 
 USER_TESTS = textwrap.dedent('''
     import torch
@@ -52,13 +54,16 @@ USER_TESTS = textwrap.dedent('''
 
 def test_multirank_fixture_from_a_users_suite(tmp_path):
     (tmp_path / "test_user.py").write_text(USER_TESTS)
+    (tmp_path / "test_guide.py").write_text("\n\n".join(re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "parallel3d.testing", "-p", "no:cacheprovider",
-                          "-q", "-rA", "test_user.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          "-q", "-rA", "test_user.py", "test_guide.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     text = out.stdout + out.stderr
-    assert out.returncode == 1, text  # two of the four tests fail, on purpose
-    assert re.search(r"2 failed, 2 passed", text), text
+    assert out.returncode == 1, text  # two of the user's tests fail, on purpose
+    assert re.search(r"2 failed, 5 passed", text), text
+    for name in ("test_all_reduce", "test_tp_mlp_matches_one_rank", "test_tp_mlp_dry_run_on_meta"):
+        assert f"PASSED test_guide.py::{name}" in text, text
     assert "PASSED test_user.py::test_sum_on_two_ranks" in text, text
     assert "PASSED test_user.py::test_default_world_size_is_two" in text, text
     # a rank that raises: the failure names the rank and carries its traceback and message
