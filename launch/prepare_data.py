@@ -1,4 +1,4 @@
-"""Turn text or JSONL files into a 1-D NumPy token file for `data.path` (DESIGN.md section 3).
+"""Turn text or JSONL files into a 1-D NumPy token file for `data.path` (walk-through: docs/getting-started.md).
 
     python launch/prepare_data.py --input a.txt 'shards/*.jsonl' --out tokens.npy \
         [--tokenizer tokenizer.json] [--jsonl-key text] [--eval-fraction 0.05 --eval-out eval.npy]

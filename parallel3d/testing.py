@@ -123,7 +123,7 @@ def _watch_torch_distributed(worker: Worker) -> None:
 def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any, status: Any,
                  sys_path: list[str]) -> None:
     sys.path[:] = sys_path
-    if backend == "gloo":  # CPU ranks run Triton kernels through the interpreter (DESIGN.md 5)
+    if backend == "gloo":  # CPU ranks run Triton kernels through the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
