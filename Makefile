@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 
-.PHONY: install demo demo-next test bench sweep
+.PHONY: install demo demo-next test bench sweep config-doc
 
 install:
 	$(PIP_INSTALL)
@@ -26,6 +26,10 @@ demo: install
 
 demo-next:
 	@for line in $(DEMO_NEXT); do echo "$$line"; done
+
+# docs/configuration.md from the config dataclasses (tests/test_docs.py fails when it is stale)
+config-doc:
+	$(PYTHON) launch/config_doc.py > docs/configuration.md
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -124,7 +124,7 @@ class TrainConfig:
 class DataConfig:
     path: Optional[str] = None       # 1-D .npy token file; None: the trainer's built-in synthetic demo data
     eval_path: Optional[str] = None  # 1-D .npy token file for evaluation (train.eval_interval, launch/evaluate.py)
-    tokenizer: Optional[str] = None  # Hugging Face tokenizer.json used by prepare_data (informational)
+    tokenizer: Optional[str] = None  # tokenizer.json the data was prepared with; convert_hf export falls back to it
     paths: Any = None                # mixture: [[0.7, a.npy], [0.3, b.npy]] or "a.npy:0.7,b.npy:0.3" (data.py)
     document_masking: bool = False   # attend only within each packed document (EOS ends a document)
     eos_id: Optional[int] = None     # None: from the token file's sidecar (prepare_data.py); needed for documents
