@@ -2,14 +2,34 @@
 PYTHON ?= python3
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 
-.PHONY: install demo test bench sweep
+.PHONY: install demo demo-next test bench sweep config-doc
 
 install:
 	$(PIP_INSTALL)
 
-# Main job: the tiny Llama trained on 4 gloo CPU ranks (tp=2, dp=2), printing a falling loss.
+# Main job: the tiny Llama trained on 4 gloo CPU ranks (tp=2, dp=2), printing a falling loss and a summary,
+# then the next commands to try (DEMO_NEXT; tests/test_run_summary.py runs its pretrain commands, tiny).
+TORCHRUN = $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=4
+DEMO_NEXT = \
+	"pipeline instead of tensor parallelism (interleaved schedule):" \
+	"  $(TORCHRUN) launch/pretrain.py --config configs/tiny.yaml parallel.tp=1 parallel.pp=2 parallel.schedule=interleaved parallel.virtual_stages=2" \
+	"ZeRO-3 over the 4 ranks, with held-out evaluation every 20 steps:" \
+	"  $(TORCHRUN) launch/pretrain.py --config configs/tiny.yaml parallel.tp=1 parallel.zero=3 train.eval_interval=20" \
+	"plan a 70B layout for 64 H100s on this CPU:" \
+	"  $(PYTHON) launch/plan.py --config configs/llama3_70b.yaml --world-size 64 --gpu h100" \
+	"your own text, a Hugging Face tokenizer and an exported model: docs/getting-started.md" \
+	"every configuration key: docs/configuration.md"
+
 demo: install
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=4 launch/pretrain.py --config configs/tiny.yaml
+	$(TORCHRUN) launch/pretrain.py --config configs/tiny.yaml
+	@echo; echo "next:"; for line in $(DEMO_NEXT); do echo "  $$line"; done
+
+demo-next:
+	@for line in $(DEMO_NEXT); do echo "$$line"; done
+
+# docs/configuration.md from the config dataclasses (tests/test_docs.py fails when it is stale)
+config-doc:
+	$(PYTHON) launch/config_doc.py > docs/configuration.md
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -1,4 +1,4 @@
-"""Turn text or JSONL files into a 1-D NumPy token file for `data.path` (DESIGN.md section 3).
+"""Turn text or JSONL files into a 1-D NumPy token file for `data.path` (walk-through: docs/getting-started.md).
 
     python launch/prepare_data.py --input a.txt 'shards/*.jsonl' --out tokens.npy \
         [--tokenizer tokenizer.json] [--jsonl-key text] [--eval-fraction 0.05 --eval-out eval.npy]
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             progress.close()
         if len(tokens) == 0:
             raise DataError(f"no tokens in {inputs}")
-        tokenizer_name = args.tokenizer or ("bytes+" + ",".join(args.special_tokens) if args.special_tokens
+        # the tokenizer's absolute path: convert_hf.py export finds it from here, wherever it runs
+        tokenizer_name = os.path.abspath(args.tokenizer) if args.tokenizer else ("bytes+" + ",".join(args.special_tokens) if args.special_tokens
                                             else "bytes")
         outputs = [(args.out, tokens)]
         if args.eval_fraction > 0:

@@ -6,39 +6,51 @@ from typing import Optional
 
 from parallel3d.kernels.attention_backend import ATTENTION_BACKENDS
 from parallel3d.expert_parallel.experts import IMPLS as EXPERT_IMPLS
+from parallel3d.expert_parallel.router import SCORES as ROUTER_SCORES
+from parallel3d.kernels.dispatch import BACKENDS as KERNEL_BACKENDS
+
+# Model keys with a closed set of values -> that set, from its owner; ModelConfig.validate checks against
+# these and docs/configuration.md lists them (launch/config_doc.py).
+CHOICES: dict[str, tuple] = {
+    "kernels": KERNEL_BACKENDS,
+    "expert_impl": EXPERT_IMPLS,
+    "attention": ATTENTION_BACKENDS,
+    "router_score": ROUTER_SCORES,
+    "attention_type": ("mha", "mla"),
+}
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
+    vocab_size: int = 256        # tokens in the vocabulary (embedding and output rows)
+    hidden_size: int = 64        # width of the residual stream
+    num_layers: int = 2          # transformer blocks
+    num_heads: int = 4           # attention (query) heads
     num_kv_heads: int = 2              # grouped-query attention: num_heads % num_kv_heads == 0
     head_dim: int = 0                  # width of one attention head; 0: hidden_size // num_heads (Qwen3: 128)
-    ffn_hidden_size: int = 172
-    rope_theta: float = 10000.0
+    ffn_hidden_size: int = 172   # inner width of the SwiGLU MLP
+    rope_theta: float = 10000.0  # RoPE base frequency
     rope_scaling: Optional[dict] = None  # Llama-3: factor, low/high_freq_factor, original_max_position_embeddings
-    norm_eps: float = 1e-5
-    max_seq_len: int = 256
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    norm_eps: float = 1e-5       # RMSNorm epsilon
+    max_seq_len: int = 256       # longest sequence the RoPE tables cover
+    tie_embeddings: bool = False  # the output head shares the input embedding's weight
+    init_std: float = 0.02       # standard deviation of the normal initial weights
     qk_norm: bool = False              # Qwen3: RMSNorm over each query and key head (weight (head_dim,)) before RoPE
     qkv_bias: bool = False             # Qwen2/2.5: biases on the q, k and v projections (not on o)
-    kernels: str = "auto"              # auto | triton | torch (DESIGN.md section 3: model.kernels)
+    kernels: str = "auto"        # fused kernels: triton, the torch reference, or auto (triton where it runs)
     fused_head: bool = True            # loss by the chunked fused linear + CE: no full logits in training
-    expert_impl: str = "auto"          # auto | loop | padded | grouped_mm | triton (routed experts' GEMMs)
-    attention: str = "auto"            # auto | triton | sdpa | flash_attn (attention backend)
+    expert_impl: str = "auto"    # how the routed experts' GEMMs run (auto picks per device)
+    attention: str = "auto"      # attention backend (flash_attn needs its package; auto picks per device)
     # Mixture-of-Experts (num_experts == 0 means dense). Filled in by the MoE issue.
-    num_experts: int = 0
-    moe_top_k: int = 2
-    moe_ffn_hidden_size: int = 0       # 0: ffn_hidden_size
-    num_shared_experts: int = 0
+    num_experts: int = 0         # routed experts per MoE layer; 0: a dense model
+    moe_top_k: int = 2           # experts each token is routed to
+    moe_ffn_hidden_size: int = 0  # inner width of each expert's MLP; 0: ffn_hidden_size
+    num_shared_experts: int = 0  # experts every token goes through besides its routed ones
     first_k_dense: int = 0             # DeepSeek-style: the first k layers keep a dense MLP
-    router_score: str = "softmax"      # softmax | sigmoid
-    router_norm_topk: bool = True
-    aux_loss_coef: float = 0.0
-    z_loss_coef: float = 0.0
+    router_score: str = "softmax"  # router scores: softmax over experts, or a sigmoid per expert (DeepSeek-V3)
+    router_norm_topk: bool = True  # renormalise the chosen experts' weights to sum to 1
+    aux_loss_coef: float = 0.0   # coefficient of the load-balancing auxiliary loss
+    z_loss_coef: float = 0.0     # coefficient of the router z-loss (keeps router logits small)
     router_bias_update_rate: float = 0.0   # >0: DeepSeek-V3 auxiliary-loss-free balancing
     capacity_factor: float = 0.0       # 0: drop-less
     # DeepSeek-V3 routing (parallel3d.expert_parallel.router): group-limited top-k, scaled combine weights
@@ -47,7 +59,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # routed experts' combine weights are multiplied by this
     seq_aux_loss_coef: float = 0.0     # DeepSeek-V3 sequence-wise balance loss coefficient (alpha)
     # Attention: mha (multi/grouped-query, models/llama.py) | mla (DeepSeek Multi-Latent, models/mla.py)
-    attention_type: str = "mha"
+    attention_type: str = "mha"  # mha: multi/grouped-query (models/llama.py); mla: DeepSeek Multi-Latent (models/mla.py)
     q_lora_rank: int = 0               # mla: query latent rank (0: plain q projection)
     kv_lora_rank: int = 0              # mla: key/value latent rank
     qk_nope_head_dim: int = 0          # mla: per-head query/key dims without RoPE
@@ -55,7 +67,7 @@ class ModelConfig:
     v_head_dim: int = 0                # mla: per-head value dims
     mtp_depth: int = 0                 # DeepSeek-V3 multi-token prediction modules (models/mtp.py); 0: none
     mtp_loss_coef: float = 0.3         # lambda: the MTP losses add lambda / mtp_depth * each depth's loss
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # free-form settings for custom models (ignored by the built-in ones)
 
     @property
     def attn_head_dim(self) -> int:
@@ -74,25 +86,18 @@ class ModelConfig:
                              f"model.num_kv_heads={self.num_kv_heads}")
         if self.attn_head_dim % 2:
             raise ValueError(f"model.head_dim={self.attn_head_dim} must be even for RoPE")
-        if self.kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"model.kernels must be auto, triton or torch, got {self.kernels!r}")
-        for key, value, choices in (("expert_impl", self.expert_impl, EXPERT_IMPLS),
-                                    ("attention", self.attention, ATTENTION_BACKENDS)):
-            if value not in choices:
-                raise ValueError(f"model.{key} must be one of {', '.join(choices)}, got {value!r}")
+        for key, choices in CHOICES.items():
+            if getattr(self, key) not in choices:
+                raise ValueError(f"model.{key} must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"model.moe_top_k={self.moe_top_k} must be in [1, num_experts="
                              f"{self.num_experts}]")
-        if self.router_score not in ("softmax", "sigmoid"):
-            raise ValueError(f"model.router_score must be softmax or sigmoid, got {self.router_score!r}")
         if self.num_experts:
             from parallel3d.expert_parallel.router import check_group_limits
             check_group_limits(self.num_experts, self.moe_top_k, self.router_num_groups, self.router_topk_groups)
         if self.mtp_depth < 0 or (self.mtp_depth and not self.num_experts):
             raise ValueError(f"model.mtp_depth={self.mtp_depth}: multi-token prediction is built for the MoE "
                              f"transformer (model.num_experts > 0), depth >= 0")
-        if self.attention_type not in ("mha", "mla"):
-            raise ValueError(f"model.attention_type must be mha or mla, got {self.attention_type!r}")
         if self.attention_type == "mla":
             from parallel3d.models.mla import check_mla_config
             check_mla_config(self)

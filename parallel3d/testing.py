@@ -1,12 +1,24 @@
-"""Run a function on N ranks from pytest, reusing spawned worlds across tests.
+"""Multi-rank tests: run a function on N ranks from pytest, reusing spawned worlds across tests.
 
-    pool = WorldPool()                       # one per test session (tests/conftest.py fixture `worlds`)
-    results = pool.run(4, fn, arg1, arg2)    # fn(worker, arg1, arg2) runs on 4 ranks; list of returns
+As a pytest plugin (`pytest -p parallel3d.testing`, or automatically once parallel3d is installed, through
+its `pytest11` entry point) it gives any test suite a fixture:
 
-`fn` must be a module-level function. It receives a `Worker` (rank, world_size, device and
-`worker.context(spec)`, which builds a `ParallelContext` once per mesh and reuses it). Worlds stay alive
-between calls, since spawning 8 ranks costs seconds. A call that exceeds its timeout fails with each
-stuck rank and the last collective it entered; a rank that raises fails the call with its traceback.
+    def check_sum(worker, scale):             # module-level: it is pickled to the ranks
+        t = torch.full((2,), float(worker.rank + 1), device=worker.device)
+        torch.distributed.all_reduce(t)
+        return t * scale
+
+    def test_sum(multirank):
+        results = multirank(check_sum, 4, 10.0)   # fn(worker, *args) on 4 ranks; the list of returns by rank
+        assert results[0].tolist() == [100.0, 100.0]
+
+and the markers `gpu` / `multigpu` (skipped without enough CUDA GPUs). Without pytest: `WorldPool().run(n, fn)`.
+
+`fn` receives a `Worker` (rank, world_size, device and `worker.context(spec)`, which builds a
+`ParallelContext` once per mesh and reuses it). Worlds stay alive between calls, since spawning 8 ranks
+costs seconds. A call that exceeds its timeout (`timeout=` per call; `--multirank-timeout`, default 120 s)
+fails with each stuck rank and the last collective it entered (parallel3d's own collectives and the
+torch.distributed calls a test makes itself); a rank that raises fails the call with its traceback.
 Either way the poisoned world is torn down and the next call spawns a fresh one.
 
 Backend: gloo on CPU; with `backend="auto"` and at least N CUDA GPUs, NCCL with one rank per GPU, so the
@@ -24,11 +36,18 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import pytest
 import torch
 
 _STATUS_LEN = 512
+DEFAULT_TIMEOUT = 120.0
+# torch.distributed calls whose entry a rank reports, so a hang names the operation it is stuck in
+_WATCHED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+            "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+            "reduce", "gather", "scatter", "barrier", "send", "recv", "batch_isend_irecv")
+# (isend/irecv stay unwrapped: P2POp checks its op is torch.distributed.isend/irecv itself)
 
 
 class WorldError(RuntimeError):
@@ -49,6 +68,7 @@ class Worker:
     device: torch.device
     status: Any  # shared char array: the last collective entered (read by the parent on timeout)
     _contexts: dict = field(default_factory=dict)
+    _collective: Optional[str] = None  # parallel3d's name of the collective being entered (group and ranks)
 
     def context(self, spec: Any) -> Any:
         """The ParallelContext of `spec` on this world (built once per spec, stats reset every call)."""
@@ -56,21 +76,54 @@ class Worker:
 
         if spec not in self._contexts:
             ctx = ParallelContext.build(spec, device=self.device)
-            ctx.stats.on_op = self.report
+            ctx.stats.on_op = self._enter_collective
             self._contexts[spec] = ctx
         ctx = self._contexts[spec]
         ctx.stats.reset()
         return ctx
 
     def report(self, what: str) -> None:
-        data = what.encode()[: _STATUS_LEN - 1]
-        self.status.value = data
+        """Publish what this rank is doing now (the parent prints it if the call times out)."""
+        self._collective = None
+        self.status.value = what.encode()[: _STATUS_LEN - 1]
+
+    def _enter_collective(self, what: str) -> None:
+        self.report(what)
+        self._collective = what
+
+    def _enter_torch_call(self, what: str) -> None:
+        """A torch.distributed call: joined to parallel3d's description when it is the same collective."""
+        self.report(f"{self._collective} -> {what}" if self._collective else what)
+
+
+def _describe(args: tuple) -> str:
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None and args and isinstance(args[0], (list, tuple)):
+        t = next((a for a in args[0] if isinstance(a, torch.Tensor)), None)
+    return f"tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" if t is not None else ""
+
+
+def _watch_torch_distributed(worker: Worker) -> None:
+    """Wrap the torch.distributed collectives so each call reports itself before it can block."""
+    import torch.distributed as dist
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            worker._enter_torch_call(f"torch.distributed.{name}({_describe(args)})")
+            return fn(*args, **kwargs)
+        watched._parallel3d_watched = True
+        return watched
+
+    for name in _WATCHED:
+        fn = getattr(dist, name, None)
+        if fn is not None and not getattr(fn, "_parallel3d_watched", False):
+            setattr(dist, name, wrap(name, fn))
 
 
 def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any, status: Any,
                  sys_path: list[str]) -> None:
     sys.path[:] = sys_path
-    if backend == "gloo":  # CPU ranks run Triton kernels through the interpreter (DESIGN.md 5)
+    if backend == "gloo":  # CPU ranks run Triton kernels through the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -82,6 +135,8 @@ def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resu
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=600))
     worker = Worker(rank, size, device, status)
+    _watch_torch_distributed(worker)
+    worker.report("idle")  # ready: the parent's per-call timeout starts once every rank is here
     parent = os.getppid()
     while True:
         try:
@@ -120,7 +175,18 @@ class World:
         for p in self.procs:
             p.start()
 
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Block until every rank has joined the process group (start-up does not count against a call)."""
+        deadline = time.monotonic() + timeout
+        while not all(st.value for st in self.status):
+            if not self.alive or time.monotonic() > deadline:
+                self.close()
+                raise WorldError(f"a world of {self.size} ranks ({self.backend}) did not start: ranks "
+                                 f"{[r for r, st in enumerate(self.status) if not st.value]} never joined")
+            time.sleep(0.05)
+
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
+        self.wait_ready()
         payload = pickle.dumps((fn, args, kwargs))
         for q in self.tasks:
             q.put(payload)
@@ -179,7 +245,7 @@ class WorldPool:
             return self.backend
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
 
-    def run(self, size: int, fn: Callable, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list:
+    def run(self, size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list:
         backend = self._backend_for(size)
         key = (size, backend)
         world = self.worlds.get(key)
@@ -197,3 +263,47 @@ class WorldPool:
                 q.put(None)
             w.close()
         self.worlds.clear()
+
+
+# ----------------------------------------------------------------------------- pytest plugin
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--multirank-timeout", type=float, default=DEFAULT_TIMEOUT,
+                     help="seconds a multirank call may run before it fails naming each stuck rank's last "
+                          f"collective (default {DEFAULT_TIMEOUT:.0f})")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not torch.cuda.is_available():
+        # parallel3d's Triton kernels run on CPU through the interpreter; set before any kernel module import
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    config.addinivalue_line("markers", "gpu: needs one CUDA GPU (skipped without)")
+    config.addinivalue_line("markers", "multigpu: needs several CUDA GPUs (skipped with fewer than 2)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    n_gpu = torch.cuda.device_count()
+    for item in items:
+        if "gpu" in item.keywords and n_gpu < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(pytest.mark.skip(reason="needs at least 2 CUDA GPUs"))
+
+
+@pytest.fixture(scope="session")
+def world_pool() -> Any:
+    """The session's spawned worlds (gloo, or NCCL with a GPU per rank): `world_pool.run(n, fn, *args)`."""
+    pool = WorldPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def multirank(world_pool: WorldPool, request: pytest.FixtureRequest) -> Callable:
+    """`multirank(fn, world_size=2, *args, timeout=None, **kwargs)`: fn(worker, *args, **kwargs) on
+    `world_size` ranks; returns the list of results by rank, or fails naming the rank and its operation."""
+    default = request.config.getoption("--multirank-timeout", DEFAULT_TIMEOUT)
+
+    def run(fn: Callable, world_size: int = 2, *args: Any, timeout: Optional[float] = None, **kwargs: Any) -> list:
+        return world_pool.run(world_size, fn, *args, timeout=timeout or default, **kwargs)
+    return run

@@ -1,4 +1,5 @@
-"""Test setup. TRITON_INTERPRET must be set before any Triton kernel module is imported (DESIGN.md 5)."""
+"""Test setup. The multi-rank harness, the gpu/multigpu markers and TRITON_INTERPRET on CPU come from the
+parallel3d.testing pytest plugin (loaded by pytest.ini's `-p parallel3d.testing`, as a user's suite loads it)."""
 import os
 
 import pytest
@@ -15,25 +16,10 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs one CUDA GPU")
-    config.addinivalue_line("markers", "multigpu: needs several CUDA GPUs")
     config.addinivalue_line("markers", "slow: slow test (still run in CI)")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    n_gpu = torch.cuda.device_count()
-    for item in items:
-        if "gpu" in item.keywords and n_gpu < 1:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "multigpu" in item.keywords and n_gpu < 2:
-            item.add_marker(pytest.mark.skip(reason="needs at least 2 CUDA GPUs"))
-
-
 @pytest.fixture(scope="session")
-def worlds():
+def worlds(world_pool):
     """Spawned gloo (or NCCL) worlds reused across the whole session: `worlds.run(n, fn, *args)`."""
-    from parallel3d.testing import WorldPool
-
-    pool = WorldPool()
-    yield pool
-    pool.close()
+    return world_pool

@@ -71,7 +71,7 @@ def test_sequence_balance_loss_is_the_reports_formula():
     (["model.num_kv_heads=2"], "set model.num_kv_heads = model.num_heads"),
     (["model.kv_lora_rank=0"], "kv_lora_rank >= 1"),
     (["model.rope_scaling={rope_type: llama3, factor: 8}"], "must be YaRN"),
-    (["model.attention_type=gqa"], "attention_type must be mha or mla"),
+    (["model.attention_type=gqa"], "attention_type must be one of mha, mla"),
 ])
 def test_bad_deepseek_config_is_one_clear_error(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -6,13 +6,15 @@ through it. Configs travel as plain dicts of ModelConfig field values.
 
     import_hf(hf_dir, out_dir, adapter)     weights-only native checkpoint (+ the model fields)
     export_hf(ckpt_dir, out_dir, adapter)   a directory transformers loads, one tensor at a time
+    write_hf_tokenizer(source, out_dir)     the tokenizer beside it, so AutoTokenizer loads the same directory
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+import shutil
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from safetensors import safe_open
@@ -158,3 +160,60 @@ def export_hf(ckpt_dir: str, out_dir: str, adapter: StateDictAdapter, max_shard_
         for name in model_tensor_names(reader):
             yield from adapter.to_hf(name, reader.read(name)).items()
     write_hf_directory(tensors(), config, out_dir, max_shard_bytes)
+
+
+# the files a Hugging Face tokenizer directory may hold (AutoTokenizer reads whichever are present)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def token_name(tokenizer_json: str, token_id: int) -> Optional[str]:
+    """The text of token `token_id` in a tokenizer.json (added tokens first, then the model's vocabulary)."""
+    with open(tokenizer_json) as f:
+        spec = json.load(f)
+    for added in spec.get("added_tokens", []):
+        if added.get("id") == token_id:
+            return added["content"]
+    vocab = spec.get("model", {}).get("vocab", {})
+    if isinstance(vocab, dict):
+        return next((name for name, i in vocab.items() if i == token_id), None)
+    return None
+
+
+def write_hf_tokenizer(source: str, out_dir: str, eos_id: Optional[int] = None,
+                       max_length: Optional[int] = None) -> None:
+    """Put a Hugging Face tokenizer into an exported model directory so that
+    `AutoTokenizer.from_pretrained(out_dir)` loads it and `generate` stops at its end-of-text token.
+
+    `source`: a tokenizer.json file (the one prepare_data.py read) or a directory holding tokenizer files.
+    A bare tokenizer.json gets a tokenizer_config.json (PreTrainedTokenizerFast, eos token `eos_id`);
+    `eos_id` also goes into config.json as `eos_token_id` when the adapter did not set one."""
+    if os.path.isdir(source):
+        present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
+        if not present:
+            raise CheckpointError(f"tokenizer directory {source} holds none of {', '.join(TOKENIZER_FILES)}")
+        for name in present:
+            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+    elif os.path.isfile(source):
+        shutil.copyfile(source, os.path.join(out_dir, "tokenizer.json"))
+    else:
+        raise CheckpointError(f"tokenizer {source} does not exist (pass --tokenizer PATH: a tokenizer.json "
+                              f"or a Hugging Face tokenizer directory)")
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        eos = token_name(os.path.join(out_dir, "tokenizer.json"), eos_id) if eos_id is not None else None
+        if eos is not None:
+            tok_config["eos_token"] = eos
+        if max_length:
+            tok_config["model_max_length"] = int(max_length)
+        with open(config_path, "w") as f:
+            json.dump(tok_config, f, indent=1)
+    model_config = os.path.join(out_dir, "config.json")
+    if eos_id is not None and os.path.isfile(model_config):
+        with open(model_config) as f:
+            config = json.load(f)
+        if config.get("eos_token_id") is None:
+            config["eos_token_id"] = int(eos_id)
+            with open(model_config, "w") as f:
+                json.dump(config, f, indent=1)

@@ -1,4 +1,4 @@
-"""Typed experiment configuration: YAML presets plus dotted `key=value` overrides (DESIGN.md section 3).
+"""Typed experiment configuration: YAML presets plus dotted `key=value` overrides (every key: docs/configuration.md).
 
 The model section is whatever dataclass the caller passes as `model_cls` (normally
 `models.config.ModelConfig`): `parallel3d` must not import `models`, so the loader is generic and what the
@@ -58,26 +58,26 @@ class TransformerShape(Protocol):
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1                  # tensor-parallel degree: each layer's weights split over tp ranks
+    pp: int = 1                  # pipeline-parallel degree: the layers split into pp stages
     dp: int = 0                  # 0: whatever the world size leaves (world // (tp*cp*pp))
-    cp: int = 1
-    ep: int = 1                  # carved out of dp*cp (DESIGN.md section 2)
+    cp: int = 1                  # context-parallel degree: each sequence split over cp ranks
+    ep: int = 1                  # expert-parallel degree, carved out of dp*cp (each EP rank holds num_experts/ep)
     sp: bool = False             # Megatron sequence parallelism; a no-op (resolved to False) when tp == 1
-    cp_mode: str = "ring"        # ring | allgather | ulysses
-    zero: int = 0                # 0..3
-    schedule: str = "1f1b"       # gpipe | 1f1b | interleaved | zb-h1
+    cp_mode: str = "ring"        # how attention spans CP ranks: ring passes K/V, allgather gathers it, ulysses swaps heads
+    zero: int = 0                # ZeRO stage: 1 shards optimizer state over DP, 2 also gradients, 3 also parameters
+    schedule: str = "1f1b"       # pipeline schedule (interleaved: virtual_stages chunks a rank; zb-v, dualpipe-v: 2 in a V)
     virtual_stages: int = 1      # model chunks per pipeline rank (interleaved only)
     layers_per_stage: Optional[list[int]] = None  # one entry per (virtual) stage; None: even split
     bucket_size: int = 0         # parameters per gradient bucket; 0: max(40M, 1M x DP x CP) (Megatron's rule)
     bucket_size_mb: float = 0.0  # > 0: MiB of gradient per bucket instead (overrides bucket_size); 0: unset
     timeout_s: float = 600.0     # collective timeout: a hung peer ends the job with the op named
-    offload_optimizer: str = "none"  # none | cpu | nvme: fp32 master + Adam state in host memory / files, AdamW on the CPU
-    offload_params: str = "none"     # none | cpu | nvme (zero=3): the parameter shard lives off the device between uses
+    offload_optimizer: str = "none"  # fp32 master + Adam state in host memory (cpu) or files (nvme); AdamW on the CPU
+    offload_params: str = "none"  # zero=3: the parameter shard lives in host memory (cpu) or files (nvme) between uses
     offload_dir: Optional[str] = None  # nvme: directory for the per-rank state files (fast local disk)
     offload_buffer_mb: float = 64.0  # nvme: host buffer pool that every read and write streams through
     dp_shard: int = 0            # HSDP: ZeRO shards over groups of dp_shard DP ranks, replicated across (0: all dp)
-    grad_compression: str = "none"  # none | powersgd | topk (ZeRO-0/1, error feedback; data_parallel/compression.py)
+    grad_compression: str = "none"  # compressed gradient reduction, ZeRO-0/1, error feedback (data_parallel/compression.py)
     powersgd_rank: int = 4       # rank r of PowerSGD's P (m, r) and Q (n, r)
     topk_ratio: float = 0.01     # top-k: fraction of each bucket's entries sent per step
     compression_start_step: int = 10  # steps before this one reduce uncompressed (warm-up)
@@ -91,41 +91,41 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
+    micro_batch_size: int = 1    # sequences per forward/backward on one DP rank
+    global_batch_size: int = 8   # sequences per optimizer step over all DP ranks
     num_microbatches: int = 0    # derived by resolve_and_validate: global / (micro * dp); if set, must agree
-    seq_len: int = 128
-    steps: int = 20
-    seed: int = 1234
-    precision: str = "fp32"      # fp32 | bf16 | fp16
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 0
-    lr_schedule: str = "cosine"  # cosine | linear | constant (see lr_schedule.py)
+    seq_len: int = 128           # tokens per training sequence (<= model.max_seq_len)
+    steps: int = 20              # optimizer steps to run
+    seed: int = 1234             # seed of the initial weights and the synthetic data (the same for every layout)
+    precision: str = "fp32"      # compute dtype of the model; bf16/fp16 keep fp32 master weights and Adam state
+    lr: float = 3e-4             # peak learning rate (reached after warmup_steps)
+    min_lr: float = 3e-5         # learning rate at the end of the decay
+    warmup_steps: int = 0        # steps of linear warmup from lr/warmup_steps to lr
+    lr_schedule: str = "cosine"  # decay after warmup, from lr to min_lr (lr_schedule.py)
     lr_decay_steps: int = 0      # 0: decay over train.steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1    # AdamW decoupled weight decay
+    beta1: float = 0.9           # AdamW first-moment decay
+    beta2: float = 0.95          # AdamW second-moment decay
+    eps: float = 1e-8            # AdamW denominator epsilon
     grad_clip: float = 1.0       # 0: no clipping
-    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing: str = "none"  # recompute in backward: full = each block, selective = the attention core
     activation_offload: bool = False  # saved activations to host memory during forward (offload/activations.py)
     compile: bool = False        # torch.compile each transformer block (per block: PP and checkpointing keep working)
-    fp8: str = "none"            # none | tensorwise | rowwise: linear-layer matmuls in float8 (bf16 precision)
+    fp8: str = "none"            # linear-layer matmuls in float8, tensorwise or rowwise scales (bf16 precision)
     eval_interval: int = 0       # 0: no periodic evaluation
-    eval_steps: int = 10
-    nan_policy: str = "skip"     # skip: drop the step and go on | stop: raise
+    eval_steps: int = 10         # batches of data.eval_path per evaluation
+    nan_policy: str = "skip"     # non-finite loss or gradients: skip drops the step and goes on, stop raises
     loss_scale: float = 0.0      # fp16 only; 0: dynamic scaling, >0: static scale
-    initial_loss_scale: float = 65536.0
+    initial_loss_scale: float = 65536.0  # fp16 dynamic scaling: the starting scale
     loss_scale_window: int = 1000  # good steps before the dynamic scale doubles
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = 1.0  # fp16 dynamic scaling: the scale never goes below this
 
 
 @dataclass
 class DataConfig:
     path: Optional[str] = None       # 1-D .npy token file; None: the trainer's built-in synthetic demo data
-    eval_path: Optional[str] = None
-    tokenizer: Optional[str] = None  # Hugging Face tokenizer.json used by prepare_data (informational)
+    eval_path: Optional[str] = None  # 1-D .npy token file for evaluation (train.eval_interval, launch/evaluate.py)
+    tokenizer: Optional[str] = None  # tokenizer.json the data was prepared with; convert_hf export falls back to it
     paths: Any = None                # mixture: [[0.7, a.npy], [0.3, b.npy]] or "a.npy:0.7,b.npy:0.3" (data.py)
     document_masking: bool = False   # attend only within each packed document (EOS ends a document)
     eos_id: Optional[int] = None     # None: from the token file's sidecar (prepare_data.py); needed for documents
@@ -134,16 +134,16 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_dir: Optional[str] = None
-    load_dir: Optional[str] = None
+    save_dir: Optional[str] = None  # directory for checkpoints (step_N subdirectories); None: no saving
+    load_dir: Optional[str] = None  # checkpoint (or directory of them) to resume from; any layout reshards on load
     interval: int = 0            # 0: save only at the end (when save_dir is set)
     keep: int = 0                # 0: keep every checkpoint
-    async_save: bool = False
+    async_save: bool = False     # write checkpoints in a background thread while training goes on
 
 
 @dataclass
 class LogConfig:
-    jsonl: Optional[str] = None
+    jsonl: Optional[str] = None  # path of a JSON-lines metrics file (one record per step)
     tensorboard: Optional[str] = None  # directory; needs the tensorboard package (pip install tensorboard)
     interval: int = 1            # progress-line interval (the jsonl gets every step)
     peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; None: table / CPU measurement

@@ -7,6 +7,8 @@ end. Resuming replays the exact data, LR and optimizer state, so the losses cont
 """
 from __future__ import annotations
 
+import time
+
 from parallel3d.mesh import ParallelContext
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import MetricsLogger, flops_per_token
@@ -40,6 +42,7 @@ def write_run_timeline(trainer: Trainer, rows: list) -> None:
 def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> list[dict]:
     from parallel3d.checkpoint import CheckpointManager
 
+    started = time.perf_counter()  # the summary's wall time covers building, training, evaluation, saving
     trainer = Trainer(cfg, ctx, build_stage)
     checkpoints = CheckpointManager(trainer)
     checkpoints.resume()
@@ -65,4 +68,5 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
                 write_run_timeline(trainer, out["timeline"])
             checkpoints.after_step()
         checkpoints.finish()
+        logger.print_summary(started)
     return records

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+LR_SCHEDULES = ("cosine", "linear", "constant")  # train.lr_schedule
+
 
 def lr_at(step: int, cfg: Any) -> float:
     """Learning rate for 0-based optimizer step `step` under a `TrainConfig`-like `cfg`.
@@ -35,4 +37,4 @@ def lr_at(step: int, cfg: Any) -> float:
         return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
     if kind == "linear":
         return peak + (floor - peak) * progress
-    raise ValueError(f"unknown lr_schedule {kind!r} (cosine, linear or constant)")
+    raise ValueError(f"unknown lr_schedule {kind!r} (one of {', '.join(LR_SCHEDULES)})")

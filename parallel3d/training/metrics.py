@@ -175,6 +175,43 @@ def _scalar(x: Any) -> Any:
     return x
 
 
+class RunTotals:
+    """What this run did, accumulated from the step records, for the summary line at its end."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: Optional[dict] = None
+        self.last: Optional[dict] = None
+        self.steps = self.skipped = self.tokens = 0
+        self.step_time = 0.0
+        self.eval_loss: Optional[float] = None
+
+    def add(self, record: dict) -> None:
+        self.first = self.first or record
+        self.last = record
+        self.steps += 1
+        self.skipped += int(bool(record.get("skipped", False)))
+        self.tokens += record["tokens"]
+        self.step_time += record["step_time_s"]
+        if record.get("eval_loss") is not None:
+            self.eval_loss = record["eval_loss"]
+
+    def summary(self, started: Optional[float] = None) -> str:
+        wall = time.perf_counter() - (self.start if started is None else started)
+        if self.first is None:
+            return f"done: no steps run (the run was already complete) | wall {wall:.1f} s"
+        first, last = self.first, self.last
+        parts = [f"done: {self.steps} steps (step {first['step']} to {last['step']})",
+                 f"loss {first['loss']:.4f} -> {last['loss']:.4f}"]
+        if self.eval_loss is not None:
+            parts.append(f"eval loss {self.eval_loss:.4f}")
+        if self.skipped:
+            parts.append(f"skipped {self.skipped}")
+        tok_s = self.tokens / self.step_time if self.step_time > 0 else 0.0
+        parts += [f"{self.tokens:,} tokens at {tok_s:,.0f} tok/s", f"wall {wall:.1f} s"]
+        return " | ".join(parts)
+
+
 class MetricsLogger:
     """One JSON object per optimizer step to a jsonl file, a progress line, optional TensorBoard.
 
@@ -195,6 +232,7 @@ class MetricsLogger:
         self.peak_flops = resolve_peak_flops(precision, device, peak_flops)
         self._file: Optional[TextIO] = None
         self._tb = None
+        self._run = RunTotals()
         if is_rank0 and jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._file = open(jsonl_path, "a")
@@ -213,6 +251,7 @@ class MetricsLogger:
                   "peak_mem_bytes": peak_memory_bytes(self.device)}
         for k, v in (extra or {}).items():
             record[k] = _scalar(v)
+        self._run.add(record)
         if not self.is_rank0:
             return record
         if self._file is not None:
@@ -222,11 +261,26 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"train/{k}", v, step)
-        if step % self.print_interval == 0:
-            self.printer(f"step {step:>6} | loss {record['loss']:.4f} | gnorm {record['grad_norm']:.3f} | "
-                         f"lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | mfu {100 * mfu:.2f}% | "
-                         f"mem {record['peak_mem_bytes'] / 2 ** 30:.2f} GiB")
+        evaluated = record.get("eval_loss") is not None
+        if step % self.print_interval == 0 or evaluated:  # an eval loss is always shown when computed
+            line = (f"step {step:>6} | loss {record['loss']:.4f} | gnorm {record['grad_norm']:.3f} | "
+                    f"lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | mfu {100 * mfu:.2f}% | "
+                    f"mem {record['peak_mem_bytes'] / 2 ** 30:.2f} GiB")
+            if evaluated:
+                line += f" | eval loss {record['eval_loss']:.4f}"
+            if self._run.skipped:
+                line += f" | skipped {self._run.skipped}"
+            self.printer(line)
         return record
+
+    def summary(self, started: Optional[float] = None) -> str:
+        """One line for the end of a run: steps, loss from and to, throughput, wall time since `started`
+        (a `time.perf_counter()` value; default: this logger's creation)."""
+        return self._run.summary(started)
+
+    def print_summary(self, started: Optional[float] = None) -> None:
+        if self.is_rank0:
+            self.printer(self.summary(started))
 
     def close(self) -> None:
         if self._file is not None:

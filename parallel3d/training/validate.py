@@ -12,10 +12,10 @@ from typing import Any, Optional, Sequence
 
 from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
-from parallel3d.data_parallel.adamw import check_offload
-from parallel3d.data_parallel.compression import check_compression
+from parallel3d.data_parallel.adamw import OFFLOAD_MODES, check_offload
+from parallel3d.data_parallel.compression import MODES as COMPRESSION_MODES, check_compression
 from parallel3d.data_parallel.precision import DTYPES
-from parallel3d.tensor_parallel.fp8 import check_fp8
+from parallel3d.tensor_parallel.fp8 import RECIPES as FP8_RECIPES, check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.mesh_spec import MeshSpec, check_hpz
@@ -27,6 +27,23 @@ from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
 from parallel3d.training.config import ConfigError, ExperimentConfig
 from parallel3d.training.data_sources import resolve_documents
+from parallel3d.training.lr_schedule import LR_SCHEDULES
+
+# Every key with a closed set of values -> that set, each read from its owner. Validation checks values
+# against these tuples (or the owner's check does) and docs/configuration.md lists them (launch/config_doc.py).
+CHOICES: dict[str, tuple] = {
+    "parallel.cp_mode": CP_MODES,
+    "parallel.zero": (0, 1, 2, 3),
+    "parallel.schedule": SCHEDULE_NAMES,
+    "parallel.offload_optimizer": OFFLOAD_MODES,
+    "parallel.offload_params": OFFLOAD_MODES,
+    "parallel.grad_compression": COMPRESSION_MODES,
+    "train.precision": tuple(DTYPES),
+    "train.lr_schedule": LR_SCHEDULES,
+    "train.activation_checkpointing": ("none", "full", "selective"),
+    "train.fp8": FP8_RECIPES,
+    "train.nan_policy": ("skip", "stop"),
+}
 
 
 def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
@@ -75,9 +92,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     for name in ("tp", "pp", "cp", "ep", "virtual_stages"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     _require(p.dp >= 0, f"parallel.dp must be >= 0 (0: fill from the world size), got {p.dp}")
-    _choice(p.cp_mode, "parallel.cp_mode", CP_MODES)
-    _choice(p.schedule, "parallel.schedule", SCHEDULE_NAMES)
-    _choice(p.zero, "parallel.zero", (0, 1, 2, 3))
+    _choice(p.cp_mode, "parallel.cp_mode", CHOICES["parallel.cp_mode"])
+    _choice(p.schedule, "parallel.schedule", CHOICES["parallel.schedule"])
+    _choice(p.zero, "parallel.zero", CHOICES["parallel.zero"])
     _require(isinstance(p.bucket_size, int) and p.bucket_size >= 0,
              f"parallel.bucket_size must be an integer >= 0 (parameters per bucket; 0: max(40M, 1M x DP x CP)), "
              f"got {p.bucket_size!r}")
@@ -85,14 +102,14 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                                     f"applies), got {p.bucket_size_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
-    _choice(t.precision, "train.precision", tuple(DTYPES))
+    _choice(t.precision, "train.precision", CHOICES["train.precision"])
     hd = m.head_dim or m.hidden_size // m.num_heads
     _owned(lambda: check_fp8(t.fp8, t.precision, {
         "model.hidden_size": m.hidden_size, "model.ffn_hidden_size/tp": m.ffn_hidden_size // max(p.tp, 1),
         "num_heads*head_dim/tp": m.num_heads * hd // max(p.tp, 1)}))
-    _choice(t.activation_checkpointing, "train.activation_checkpointing", ("none", "full", "selective"))
-    _choice(t.nan_policy, "train.nan_policy", ("skip", "stop"))
-    _choice(t.lr_schedule, "train.lr_schedule", ("cosine", "linear", "constant"))
+    _choice(t.activation_checkpointing, "train.activation_checkpointing", CHOICES["train.activation_checkpointing"])
+    _choice(t.nan_policy, "train.nan_policy", CHOICES["train.nan_policy"])
+    _choice(t.lr_schedule, "train.lr_schedule", CHOICES["train.lr_schedule"])
     for name in ("micro_batch_size", "global_batch_size", "seq_len"):
         _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
     for name in ("steps", "warmup_steps", "lr_decay_steps", "eval_interval", "eval_steps"):
