@@ -46,6 +46,8 @@ class ModelConfig:
     router_topk_groups: int = 1        # tokens pick experts only inside their best groups (HF topk_group)
     routed_scaling_factor: float = 1.0  # routed experts' combine weights are multiplied by this
     seq_aux_loss_coef: float = 0.0     # DeepSeek-V3 sequence-wise balance loss coefficient (alpha)
+    moe_aux_scope: str = "global"      # global: balancing statistics all-reduced over DP x CP in forward;
+                                       # local: this rank's tokens, no collective (expert_parallel/layer.py)
     # Attention: mha (multi/grouped-query, models/llama.py) | mla (DeepSeek Multi-Latent, models/mla.py)
     attention_type: str = "mha"
     q_lora_rank: int = 0               # mla: query latent rank (0: plain q projection)
@@ -85,6 +87,8 @@ class ModelConfig:
                              f"{self.num_experts}]")
         if self.router_score not in ("softmax", "sigmoid"):
             raise ValueError(f"model.router_score must be softmax or sigmoid, got {self.router_score!r}")
+        from parallel3d.expert_parallel.layer import check_aux_scope
+        check_aux_scope(self.moe_aux_scope)
         if self.num_experts:
             from parallel3d.expert_parallel.router import check_group_limits
             check_group_limits(self.num_experts, self.moe_top_k, self.router_num_groups, self.router_topk_groups)
