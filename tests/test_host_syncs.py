@@ -215,3 +215,48 @@ def test_the_tracker_sees_blocking_uploads_onto_the_stand_in():
         torch.empty(4, dtype=torch.int64, device="meta").copy_(host)
     assert syncs.summary() == {"upload": 2, "total": 2}
     assert not blocking_upload(torch.ops.aten._to_copy.default, (host,), {"device": torch.device("cpu")}, "cpu")
+
+
+# ---- model.moe_aux_scope ------------------------------------------------------------------------------------
+AUX = dict(aux_loss_coef=0.1, z_loss_coef=0.01, seq_aux_loss_coef=0.1, score="sigmoid")
+
+
+def _aux_term(ctx: ParallelContext, scope: str, x: torch.Tensor) -> tuple[float, dict]:
+    """One MoE layer forward (weights seeded by name: the same global weights on any layout): its auxiliary
+    term and the collectives the forward ran."""
+    from parallel3d.expert_parallel import MoELayer
+    from parallel3d.params import init_parameters
+
+    layer = MoELayer(16, 24, 4, 2, ctx, aux_scope=scope, **AUX)
+    init_parameters(layer, 0, 0.3)
+    ctx.stats.reset()
+    layer(x)
+    return layer.pop_aux_loss().item(), ctx.stats.summary()
+
+
+def _scopes(w):
+    ctx = w.context(MeshSpec(dp=2, ep=2))
+    xs = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    out = {scope: _aux_term(ctx, scope, xs[w.rank]) for scope in ("global", "local")}
+    out["alone"] = _aux_term(ParallelContext.single(), "global", xs[w.rank])[0]   # this rank's tokens
+    out["whole"] = _aux_term(ParallelContext.single(), "global", torch.cat(xs))[0]  # the global micro-batch
+    return out
+
+
+def test_local_aux_scope_runs_no_collective_in_forward_and_global_keeps_the_global_statistics(worlds):
+    results = worlds.run(2, _scopes)
+    for r in results:
+        (local, local_ops), (glob, glob_ops) = r["local"], r["global"]
+        assert set(local_ops) == {("ep", "all_to_all")}, local_ops  # the dispatch only: no statistics reduced
+        assert ("dp_cp", "all_reduce") in glob_ops, glob_ops
+        assert local == pytest.approx(r["alone"], rel=1e-6)  # the loss of this rank's own tokens
+    # global (the default, today's behaviour): the ranks' terms sum to the world-size-1 term of the batch
+    assert sum(r["global"][0] for r in results) == pytest.approx(results[0]["whole"], rel=1e-5)
+    assert results[0]["local"][0] != pytest.approx(results[0]["global"][0], rel=1e-3)  # the scopes differ
+
+
+def test_bad_aux_scope_is_one_clear_error():
+    from parallel3d.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.moe_aux_scope must be one of global, local, got 'dp'"):
+        _config("configs/tiny.yaml", [*SMALL, *MOE, "model.moe_aux_scope=dp"], [], 1, 2, 1)
