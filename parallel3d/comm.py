@@ -302,20 +302,23 @@ def even_split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def all_gather_varlen(data: torch.Tensor, group: Group, device: torch.device) -> list[torch.Tensor]:
-    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest."""
+def all_gather_varlen(data: torch.Tensor, group: Group, device: torch.device, category: str = "logging"
+                      ) -> list[torch.Tensor]:
+    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest.
+    Two host syncs (the lengths, the payloads), counted under `category` (parallel3d.host_sync)."""
     if group.size == 1:
         return [data]
     syncs = group.stats.syncs if group.stats is not None else None
     length = torch.full((1,), data.numel(), dtype=torch.int64, device=device)
-    lengths = read_list(all_gather(length, group), syncs, "logging", [data.numel()] * group.size)
+    lengths = read_list(all_gather(length, group), syncs, category, [data.numel()] * group.size)
     padded = torch.zeros(max(max(lengths), 1), dtype=data.dtype, device=device)
     padded[: data.numel()] = upload(data, device)
-    everyone = read_tensor(all_gather(padded, group).view(group.size, -1), syncs, "logging")  # on the host
+    everyone = read_tensor(all_gather(padded, group).view(group.size, -1), syncs, category)  # on the host
     return [everyone[r, :n] for r, n in enumerate(lengths)]
 
 
-def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = None) -> list:
+def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = None, category: str = "logging"
+                    ) -> list:
     """Every rank's JSON-able `obj`, in group-rank order (size 1: `[obj]`, no communication). JSON travels
     as uint8 tensors on `device` (NCCL needs device tensors): no pickle, no object collectives."""
     import json
@@ -324,7 +327,7 @@ def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = 
         return [obj]
     device = device or group.device or torch.device("cpu")
     raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    return [json.loads(bytes(t.tolist()).decode()) for t in all_gather_varlen(raw, group, device)]
+    return [json.loads(bytes(t.tolist()).decode()) for t in all_gather_varlen(raw, group, device, category)]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -18,13 +18,18 @@ is their one owner:
 Categories (`CATEGORIES`):
   step        the step's own decisions: the global target-token count, the loss-scale probe, the gradient
               norm and non-finite flag (clipping, NaN policy, fp16 overflow), the loss. Once per step each.
-  logging     values read only to report them: MoE load and auxiliary-loss statistics (once per stage),
+  logging     values read only to report them: MoE load and auxiliary-loss statistics (once per model chunk),
               the timeline, evaluation.
   moe_splits  drop-less expert dispatch: an all-to-all with uneven splits needs the split sizes on the
               host, so one read per MoE layer forward (recomputation repeats it), as in Megatron and
               DeepSpeed without a capacity factor. The only category that grows with layers x microbatches.
   checkpoint  the asynchronous checkpoint poll.
   upload      a blocking host-to-device copy (pageable memory): a bug to fix, never expected.
+
+What the dry run cannot see: `torch.tensor(data, device=...)` and `Tensor.new_tensor` copy from the host
+below the dispatcher (no dispatch mode sees them); on CUDA they are blocking copies, so the step's code
+builds device constants with `torch.full` / `torch.zeros` or uploads host data with `upload`. A CUDA run
+under torch.cuda.set_sync_debug_mode("error") catches what review misses (tests/test_gpu_async.py).
 """
 from __future__ import annotations
 
