@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values: re-exported)
+from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
 
 
 @dataclass

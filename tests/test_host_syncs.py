@@ -186,8 +186,8 @@ def test_jsonl_rows_and_plan_json_report_host_syncs(tmp_path):
     cfg = _config("configs/tiny.yaml", [*SMALL, *MOE], ["parallel.pp=2", "parallel.ep=2"], 4, 4, 8)
     result = plan(cfg, stage_builder, gpu("h100"), 8).to_json()
     assert result["host_syncs"]["moe_splits"] == 2 * 8  # 2 MoE layers per stage, 8 microbatches
-    assert result["host_syncs"]["step"] <= 4 and result["host_syncs"]["total"] == sum(
-        v for k, v in result["host_syncs"].items() if k != "total")
+    assert result["host_syncs"]["logging"] == 1 and result["host_syncs"]["step"] <= 4  # as the JSONL rows
+    assert result["host_syncs"]["total"] == sum(v for k, v in result["host_syncs"].items() if k != "total")
 
 
 def test_reads_are_counted_and_nominal_on_the_stand_in():

@@ -131,7 +131,10 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
         result.param_shard_bytes = sum(st.nbytes() for st in shards)
     result.activation_offload_bytes = out["activation_offload_bytes"] // max(1, cfg.train.num_microbatches)
-    result.host_syncs = out["host_syncs"]
+    for chunk in trainer.chunks:  # the MoE telemetry the training loop reads after each step (one host sync)
+        if hasattr(chunk, "moe_load_stats"):
+            chunk.moe_load_stats()
+    result.host_syncs = ctx.stats.syncs.summary()  # what the JSONL row reports
     return result
 
 
