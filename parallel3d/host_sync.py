@@ -21,8 +21,9 @@ Categories (`CATEGORIES`):
   logging     values read only to report them: MoE load and auxiliary-loss statistics (once per model chunk),
               the timeline, evaluation.
   moe_splits  drop-less expert dispatch: an all-to-all with uneven splits needs the split sizes on the
-              host, so one read per MoE layer forward (recomputation repeats it), as in Megatron and
-              DeepSpeed without a capacity factor. The only category that grows with layers x microbatches.
+              host, so one read per MoE layer forward, as in Megatron and DeepSpeed without a capacity
+              factor (full recomputation replays the forward's sizes: MoELayer.recompute_contexts). The
+              only category that grows with layers x microbatches.
   checkpoint  the asynchronous checkpoint poll.
   upload      a blocking host-to-device copy (pageable memory): a bug to fix, never expected.
 
@@ -41,7 +42,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 CATEGORIES = ("step", "logging", "moe_splits", "checkpoint", "upload")
-PER_LAYER = ("moe_splits",)  # categories that scale with MoE layers x microbatches (x2 with recomputation)
+PER_LAYER = ("moe_splits",)  # categories that scale with MoE layers x microbatches
 
 
 

@@ -96,7 +96,9 @@ class ExpertExchange:
     run assumes no drops and spreads them evenly over the experts).
     """
 
-    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int) -> None:
+    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None) -> None:
+        """`known`: the host counts (`self.host`) of an earlier exchange of the same routing, e.g. the forward
+        that an activation recomputation repeats: used instead of reading the device again."""
         ep, num_experts = group.size, counts.numel()
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
@@ -105,14 +107,17 @@ class ExpertExchange:
         nominal = comm.even_split(num_rows, num_experts)
         syncs = group.stats.syncs if group.stats is not None else None
         if ep == 1:
-            sent = read_list(counts, syncs, "moe_splits", nominal)  # (E,) rows for each expert
+            sent = known if known is not None else read_list(counts, syncs, "moe_splits", nominal)  # (E,)
+            self.host = sent
             self.send_splits = self.recv_splits = [sum(sent)]
             self.local_counts, self.rows_sent = sent, sum(sent)
             self.regroup = None
             return
         recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
         mine = nominal[group.rank * self.local_experts:(group.rank + 1) * self.local_experts]
-        both = read_list(torch.cat([counts, recv.flatten()]), syncs, "moe_splits", nominal + mine * ep)
+        both = known if known is not None else read_list(torch.cat([counts, recv.flatten()]), syncs, "moe_splits",
+                                                        nominal + mine * ep)
+        self.host = both
         sent, received = both[:num_experts], both[num_experts:]  # (E,) sent; [src-major] (ep * E_local,)
         self.rows_sent = sum(sent)
         self.send_splits = [sum(sent[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]

@@ -32,7 +32,8 @@ time (models/moe.py, moe_load_stats), so the forward (and its recomputation) nev
 """
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -49,6 +50,33 @@ from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, e
 from parallel3d.mesh import ParallelContext
 
 AUX_SCOPES = ("global", "local")
+
+
+class SplitTape:
+    """The host split sizes of one checkpointed forward of a layer, in call order, replayed by each of its
+    recomputations (which route the same tokens the same way: checkpointing requires identical shapes)."""
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self.replaying, self._next = False, 0
+
+    def record(self, host: list) -> None:
+        self.rows.append(host)
+
+    def replay(self) -> list:
+        if self._next >= len(self.rows):
+            raise RuntimeError("a recomputed MoE forward exchanged more often than the forward it repeats")
+        self._next += 1
+        return self.rows[self._next - 1]
+
+
+@contextmanager
+def _taping(layer: "MoELayer", tape: SplitTape, replay: bool) -> Iterator[None]:
+    layer._tape, tape.replaying, tape._next = tape, replay, 0
+    try:
+        yield
+    finally:
+        layer._tape = None
 
 
 def check_aux_scope(scope: str) -> None:
@@ -113,6 +141,7 @@ class MoELayer(nn.Module):
         self.shared_experts = (SharedExperts(hidden, shared_ffn_hidden, ctx.tp, self.sp, backend, std=std)
                                if shared_ffn_hidden else None)
         self._aux_term: Optional[torch.Tensor] = None
+        self._tape: Optional[SplitTape] = None  # set while a checkpointed forward or its recomputation runs
         self.last_aux: dict[str, torch.Tensor] = {}  # name -> device scalar of the last micro-batch (this rank's view)
         self.reset_load()
 
@@ -135,8 +164,12 @@ class MoELayer(nn.Module):
             term = self._aux(r, counts, b * s, b)
             if not in_backward():
                 self._aux_term = term
-        # the layer's one host sync: the exchange reads the split sizes; permuting then needs no read
-        exchange = ExpertExchange(kept_counts(r.indices, self.num_experts, keep), self.ep, b * s * self.top_k)
+        # the layer's one host sync: the exchange reads the split sizes (a recomputation replays them)
+        tape = self._tape
+        known = tape.replay() if tape is not None and tape.replaying else None
+        exchange = ExpertExchange(kept_counts(r.indices, self.num_experts, keep), self.ep, b * s * self.top_k, known)
+        if tape is not None and not tape.replaying:
+            tape.record(exchange.host)
         perm = permute(r.indices, self.num_experts, keep, kept=exchange.rows_sent)
         rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
         rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
@@ -185,6 +218,12 @@ class MoELayer(nn.Module):
         grad_part = sequence_balance_loss(stats, seq_len, self.top_k).sum() / sequences
         local = grad_part + (grad_part / self.cp.size - grad_part).detach()
         return _SumLocalGrad.apply(local[None], self.dp_cp)[0] if self.dp_cp.size > 1 else local
+
+    def recompute_contexts(self) -> tuple:
+        """torch.utils.checkpoint's context_fn for a block holding this layer: the checkpointed forward records
+        its split sizes, the recomputation replays them, so full recomputation adds no host sync."""
+        tape = SplitTape()
+        return _taping(self, tape, False), _taping(self, tape, True)
 
     def pop_aux_loss(self) -> Optional[torch.Tensor]:
         """This layer's auxiliary term of the last forward (summed-loss units, see module doc), then forget it."""
