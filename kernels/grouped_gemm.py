@@ -14,6 +14,7 @@ The torch twin `grouped_mm_reference` is the per-expert loop; `GroupedMM` is the
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -95,6 +96,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def upload_ints(rows: list, device: torch.device) -> torch.Tensor:
+    """Host-planned int32 metadata on `device` without a host sync: a pageable host-to-device copy makes torch
+    synchronise the stream, so CUDA gets a pinned, non-blocking copy (parallel3d.host_sync.upload's rule;
+    kernels do not import the library)."""
+    host = torch.tensor(rows, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device, non_blocking=True)
+
+
 def tile_plan(counts: Sequence[int], block_m: int, device: torch.device) -> torch.Tensor:
     """(3, T) int32 on `device`: expert, first row, end row of each row tile (host arithmetic)."""
     experts, starts, ends, row = [], [], [], 0
@@ -104,7 +115,7 @@ def tile_plan(counts: Sequence[int], block_m: int, device: torch.device) -> torc
             starts.append(s)
             ends.append(row + n)
         row += n
-    return torch.tensor([experts, starts, ends], dtype=torch.int32).to(device)
+    return upload_ints([experts, starts, ends], device)
 
 
 def grouped_mm_forward(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], transpose_b: bool = True
@@ -132,7 +143,7 @@ def grouped_mm_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: Sequence[i
     dw = torch.empty((len(counts), m_dim, k_dim), dtype=x.dtype, device=x.device)  # (E, M, K)
     if len(counts) == 0 or m_dim == 0 or k_dim == 0:
         return dw
-    offsets = torch.tensor([0, *torch.tensor(list(counts)).cumsum(0).tolist()], dtype=torch.int32).to(x.device)
+    offsets = upload_ints([0, *accumulate(counts)], x.device)  # (E+1,) first row of each expert
     block_r, block_m, block_k = _blocks(x.dtype)
     block_m = min(block_m, 64)  # (BLOCK_M, BLOCK_K) accumulator: keep it in registers
     _grouped_mm_wgrad_kernel[(len(counts), triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_k))](

@@ -6,6 +6,7 @@ from typing import Optional
 
 from parallel3d.kernels.attention_backend import ATTENTION_BACKENDS
 from parallel3d.expert_parallel.experts import IMPLS as EXPERT_IMPLS
+from parallel3d.expert_parallel.layer import AUX_SCOPES
 from parallel3d.expert_parallel.router import SCORES as ROUTER_SCORES
 from parallel3d.kernels.dispatch import BACKENDS as KERNEL_BACKENDS
 
@@ -17,6 +18,7 @@ CHOICES: dict[str, tuple] = {
     "attention": ATTENTION_BACKENDS,
     "router_score": ROUTER_SCORES,
     "attention_type": ("mha", "mla"),
+    "moe_aux_scope": AUX_SCOPES,
 }
 
 
@@ -58,6 +60,8 @@ class ModelConfig:
     router_topk_groups: int = 1        # tokens pick experts only inside their best groups (HF topk_group)
     routed_scaling_factor: float = 1.0  # routed experts' combine weights are multiplied by this
     seq_aux_loss_coef: float = 0.0     # DeepSeek-V3 sequence-wise balance loss coefficient (alpha)
+    moe_aux_scope: str = "global"      # global: balancing statistics all-reduced over DP x CP in forward;
+                                       # local: this rank's tokens, no collective (expert_parallel/layer.py)
     # Attention: mha (multi/grouped-query, models/llama.py) | mla (DeepSeek Multi-Latent, models/mla.py)
     attention_type: str = "mha"  # mha: multi/grouped-query (models/llama.py); mla: DeepSeek Multi-Latent (models/mla.py)
     q_lora_rank: int = 0               # mla: query latent rank (0: plain q projection)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from parallel3d.kernels import dispatch
 from parallel3d.kernels.attention_backend import attention_setting
@@ -219,7 +219,8 @@ class Llama(nn.Module):
             x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
         for block in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, **extra)
+                replay = getattr(getattr(block, "mlp", None), "recompute_contexts", noop_context_fn)  # MoE splits
+                x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, context_fn=replay, **extra)
             else:
                 x = block(x, cos, sin, position_ids, **extra)
         return x, cos, sin

@@ -22,8 +22,9 @@ returns (hidden, aux) with the same units; the pipeline runtime reports it and b
 like the loss (AuxObjective).
 
 Telemetry and bias balancing: `moe_load_stats()` once per optimizer step on every rank (a collective over
-DP x CP) returns the step's tokens per expert per layer and imbalance (max/mean), applies the DeepSeek-V3
-bias update from the step's global load and resets the counters; `moe_load_stats(step_end=False)` peeks.
+DP x CP and one host sync for all the stage's layers; the layers keep their statistics on the device)
+returns the step's tokens per expert per layer and imbalance (max/mean), applies the DeepSeek-V3 bias
+update from the step's global load and resets the counters; `moe_load_stats(step_end=False)` peeks.
 """
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ from parallel3d.models.llama import Block, Llama
 from parallel3d.models.mtp import MTPModule, future_labels, vocab_embed
 from parallel3d import comm
 from parallel3d.expert_parallel import MoELayer
+from parallel3d.host_sync import read_tensor
 from parallel3d.mesh import ParallelContext
 from parallel3d.tensor_parallel import VocabParallelEmbedding
+
+
+AUX_KEYS = ("aux_loss", "z_loss", "seq_aux_loss")  # MoELayer.last_aux names, in the telemetry's order
 
 
 class MoETransformer(Llama):
@@ -75,7 +80,7 @@ class MoETransformer(Llama):
                        bias_update_rate=cfg.router_bias_update_rate, capacity_factor=cfg.capacity_factor,
                        impl=self.expert_impl, backend=cfg.kernels, num_groups=cfg.router_num_groups,
                        topk_groups=cfg.router_topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
-                       seq_aux_loss_coef=cfg.seq_aux_loss_coef)
+                       seq_aux_loss_coef=cfg.seq_aux_loss_coef, aux_scope=cfg.moe_aux_scope)
         return Block(cfg, self.ctx, self.sp, cp_mode, recompute, mlp=mlp)
 
     def moe_layers(self) -> dict[int, MoELayer]:
@@ -123,13 +128,22 @@ class MoETransformer(Llama):
 
     # ---- telemetry ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _global_load(self) -> dict[int, torch.Tensor]:
+    def _global_stats(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Per MoE layer: the step's load (2, E) summed over DP x CP on the device, and the same load with the
+        last micro-batch's auxiliary values (mean over DP x CP) on the host: one all-reduce and one host
+        sync for all of this stage's layers (host-sync category "logging")."""
         layers = self.moe_layers()
         if not layers:
-            return {}
-        local = torch.stack([layer.local_load() for layer in layers.values()])  # (L, 2, E) float64
-        glob = comm.all_reduce(local.to(self.ctx.device), self.ctx.dp_cp).cpu()
-        return dict(zip(layers, glob))
+            return {}, {}
+        aux = [torch.stack([layer.last_aux.get(k, torch.zeros((), device=self.ctx.device)).double()
+                            for k in AUX_KEYS]) for layer in layers.values()]  # (3,) each
+        local = torch.stack([torch.cat([layer.local_load().flatten(), a.to(self.ctx.device)])
+                             for layer, a in zip(layers.values(), aux)])  # (L, 2E + 3) float64
+        glob = comm.all_reduce(local, self.ctx.dp_cp)
+        host = read_tensor(glob, self.ctx.stats.syncs, "logging")  # (L, 2E + 3)
+        e = self.cfg.num_experts
+        device = {i: glob[j, :2 * e].view(2, e) for j, i in enumerate(layers)}
+        return device, {i: host[j] for j, i in enumerate(layers)}
 
     def moe_load_stats(self, step_end: bool = True) -> dict[str, Any]:
         """Global expert load of this stage's MoE layers since the last step end, as flat JSON-ready keys
@@ -138,31 +152,35 @@ class MoETransformer(Llama):
             moe_tokens_per_expert.{layer}   [E ints] routed slots per expert (before capacity drops)
             moe_dropped_per_expert.{layer}  [E ints] of which dropped (only with a capacity factor)
             moe_imbalance.{layer}           max / mean load (1.0 is perfect balance)
-            moe_aux_loss.{layer}, moe_z_loss.{layer}   last micro-batch's global values (when enabled)
+            moe_aux_loss.{layer}, moe_z_loss.{layer}, moe_seq_aux_loss.{layer}   last micro-batch's values
+                                            (when enabled; mean over DP x CP: the global value under
+                                            model.moe_aux_scope=global, the ranks' mean under local)
             moe_imbalance_max, moe_imbalance_mean, moe_drop_fraction   over this stage's layers
 
         step_end=True (call exactly once per optimizer step, on every rank): also applies the DeepSeek-V3
-        bias update from the step's global load and resets the counters. step_end=False only peeks.
-        A collective over DP x CP.
+        bias update from the step's global load (on the device) and resets the counters. step_end=False
+        only peeks. A collective over DP x CP and one host sync, whatever the number of layers.
         """
-        loads = self._global_load()
+        loads, host = self._global_stats()
         if not loads:
             return {}
         layers = self.moe_layers()
+        e, ranks = self.cfg.num_experts, self.ctx.dp_cp.size
         out: dict[str, Any] = {}
-        imbalance = []
-        for i, load in loads.items():
-            routed, dropped = load[0], load[1]
+        imbalance, routed_all, dropped_all = [], 0.0, 0.0
+        for i, row in host.items():
+            routed, dropped = row[:e], row[e:2 * e]
             imbalance.append(float(routed.max() / routed.mean()) if routed.sum() > 0 else 1.0)
+            routed_all, dropped_all = routed_all + float(routed.sum()), dropped_all + float(dropped.sum())
             out[f"moe_tokens_per_expert.{i}"] = [int(v) for v in routed.tolist()]
             out[f"moe_imbalance.{i}"] = imbalance[-1]
             if layers[i].capacity_factor > 0:
                 out[f"moe_dropped_per_expert.{i}"] = [int(v) for v in dropped.tolist()]
-            for key, value in layers[i].last_aux.items():
-                out[f"moe_{key}.{i}"] = value
-        routed_all = sum(float(l[0].sum()) for l in loads.values())
+            for k, key in enumerate(AUX_KEYS):
+                if key in layers[i].last_aux:
+                    out[f"moe_{key}.{i}"] = float(row[2 * e + k]) / ranks
         out.update(moe_imbalance_max=max(imbalance), moe_imbalance_mean=sum(imbalance) / len(imbalance),
-                   moe_drop_fraction=sum(float(l[1].sum()) for l in loads.values()) / routed_all if routed_all else 0.0)
+                   moe_drop_fraction=dropped_all / routed_all if routed_all else 0.0)
         if step_end:
             for i, layer in layers.items():
                 layer.update_bias(loads[i][0])

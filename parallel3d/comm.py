@@ -18,6 +18,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
+
 
 @dataclass
 class CommStats:
@@ -27,6 +29,7 @@ class CommStats:
     last_op: str = ""
     on_op: Optional[Callable[[str], None]] = None   # e.g. the test harness's hang reporter
     listener: Optional[Callable[[str, str, int], None]] = None  # (group, op, bytes) per call: the planner
+    syncs: HostSyncs = field(default_factory=HostSyncs)  # host syncs of this rank (parallel3d.host_sync)
 
     def record(self, group: "Group", op: str, nbytes: int) -> None:
         key = (group.name, op)
@@ -41,6 +44,7 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.syncs.reset()
 
     def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
         """{(group, op): (calls, bytes)} for every op recorded since the last reset."""
@@ -291,46 +295,30 @@ def _simulate_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
         out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
 
 
-# ---- reading device values on the host ------------------------------------------------------------------
-# A dry run (meta or fake tensors) has shapes but no values. Every place that needs a value on the host (a
-# loss, a norm, split sizes) reads it through these, naming the nominal value a dry run assumes instead.
-
-def has_values(t: torch.Tensor) -> bool:
-    """False for meta tensors and fake tensors (dry runs): shapes and devices only."""
-    if t.device.type == "meta":
-        return False
-    from torch._subclasses.fake_tensor import FakeTensor
-    return not isinstance(t, FakeTensor)
-
-
-def host_float(t: torch.Tensor, nominal: float = 0.0) -> float:
-    """float(t) for a one-element tensor (a device sync); `nominal` in a dry run."""
-    return float(t.item()) if has_values(t) else float(nominal)
-
-
-def host_list(t: torch.Tensor, nominal: Sequence[int]) -> list[int]:
-    """t as a list of ints (a device sync); `nominal` in a dry run."""
-    return [int(v) for v in t.tolist()] if has_values(t) else [int(v) for v in nominal]
-
+# ---- reading device values on the host: parallel3d.host_sync (read_float, read_list, read_tensor), counted
 
 def even_split(total: int, parts: int) -> list[int]:
     """`total` items over `parts` as evenly as possible (the dry run's balanced routing)."""
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def all_gather_varlen(data: torch.Tensor, group: Group, device: torch.device) -> list[torch.Tensor]:
-    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest."""
+def all_gather_varlen(data: torch.Tensor, group: Group, device: torch.device, category: str = "logging"
+                      ) -> list[torch.Tensor]:
+    """All-gather 1-D tensors of different lengths: lengths first, then the payloads padded to the longest.
+    Two host syncs (the lengths, the payloads), counted under `category` (parallel3d.host_sync)."""
     if group.size == 1:
         return [data]
-    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    lengths = all_gather(length, group).tolist()
+    syncs = group.stats.syncs if group.stats is not None else None
+    length = torch.full((1,), data.numel(), dtype=torch.int64, device=device)
+    lengths = read_list(all_gather(length, group), syncs, category, [data.numel()] * group.size)
     padded = torch.zeros(max(max(lengths), 1), dtype=data.dtype, device=device)
-    padded[: data.numel()] = data.to(device)
-    everyone = all_gather(padded, group).view(group.size, -1).cpu()
+    padded[: data.numel()] = upload(data, device)
+    everyone = read_tensor(all_gather(padded, group).view(group.size, -1), syncs, category)  # on the host
     return [everyone[r, :n] for r, n in enumerate(lengths)]
 
 
-def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = None) -> list:
+def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = None, category: str = "logging"
+                    ) -> list:
     """Every rank's JSON-able `obj`, in group-rank order (size 1: `[obj]`, no communication). JSON travels
     as uint8 tensors on `device` (NCCL needs device tensors): no pickle, no object collectives."""
     import json
@@ -339,7 +327,7 @@ def all_gather_json(obj: object, group: Group, device: Optional[torch.device] = 
         return [obj]
     device = device or group.device or torch.device("cpu")
     raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    return [json.loads(bytes(t.tolist()).decode()) for t in all_gather_varlen(raw, group, device)]
+    return [json.loads(bytes(t.tolist()).decode()) for t in all_gather_varlen(raw, group, device, category)]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from parallel3d.models.config import ModelConfig
 from parallel3d.models.moe import MoETransformer
 from parallel3d.expert_parallel import MoELayer, permute, unpermute
+from parallel3d.expert_parallel.dispatch import kept_counts
 from parallel3d.expert_parallel.experts import (grouped_swiglu_loop, grouped_swiglu_padded, per_expert_reference)
 from parallel3d.expert_parallel.router import capacity_keep_mask, expert_capacity
 from parallel3d.mesh import MeshSpec, ParallelContext
@@ -40,7 +41,7 @@ def test_unpermute_round_trip_and_weights():
 def test_dropped_slots_are_not_sent_and_contribute_zero():
     idx, x = _routing(), torch.randn(24, 5)
     keep = torch.rand(24, 2, generator=torch.Generator().manual_seed(1)) > 0.3
-    perm = permute(idx, 6, keep)
+    perm = permute(idx, 6, keep, kept=int(keep.sum()))
     assert perm.order.numel() == int(keep.sum())
     assert torch.equal(perm.counts, torch.bincount(idx[keep], minlength=6))
     out = unpermute(x[perm.token_index], perm, torch.ones(24, 2))
@@ -179,7 +180,7 @@ def _accounting(w, ep, capacity):
         keep = None
         if capacity:
             keep = capacity_keep_mask(r.indices.view(2, 16, -1), expert_capacity(capacity, 16, 2, 4), 4).view(32, -1)
-        counts = permute(r.indices, 4, keep).counts
+        counts = kept_counts(r.indices, 4, keep)
         ctx.stats.reset()
         layer(x)
         forward = ctx.stats.summary()

@@ -22,6 +22,7 @@ from parallel3d import comm
 from parallel3d.checkpoint.protocol import Checkpointable
 from parallel3d.checkpoint.load import LoadResult, latest_checkpoint, load_checkpoint
 from parallel3d.checkpoint.save import PendingSave, begin_save, finish_save
+from parallel3d.host_sync import read_float
 
 
 def restart_count() -> int:
@@ -98,9 +99,9 @@ class CheckpointManager:
         if self.pending is None:
             return
         ctx = self.run.ctx
-        done = torch.tensor([1.0 if self.pending.written() else 0.0], device=ctx.device)
+        done = torch.full((1,), 1.0 if self.pending.written() else 0.0, device=ctx.device)
         comm.all_reduce(done, ctx.world, op="min")
-        if comm.host_float(done, nominal=1.0) == 1.0:
+        if read_float(done, ctx.stats.syncs, "checkpoint", nominal=1.0) == 1.0:
             self.wait()
 
     def wait(self) -> None:

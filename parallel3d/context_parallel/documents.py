@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from parallel3d.context_parallel.sharding import cp_chunk_indices
+from parallel3d.host_sync import upload
 
 
 def document_ids(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -55,7 +56,8 @@ class Documents:
 
     @classmethod
     def from_host(cls, host: torch.Tensor, device: torch.device | str = "cpu") -> "Documents":
-        return cls(host.to(device=device, dtype=torch.int32), host.to(torch.int64).cpu())
+        return cls(upload(host.to(torch.int32), device),  # pinned, non-blocking: no host sync
+                   host.to(torch.int64).cpu())
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

@@ -23,6 +23,7 @@ import torch
 
 from parallel3d import comm
 from parallel3d.data_parallel.buffer import Bucket, Slot
+from parallel3d.host_sync import read_list
 from parallel3d.mesh import ParallelContext
 
 
@@ -66,7 +67,8 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
                                                                                     device=ctx.device)
     stats = torch.stack([sumsq, found[0].double()])
     comm.all_reduce(stats, ctx.world)
-    total, bad = comm.host_float(stats[0]), comm.host_float(stats[1]) > 0
+    total, flag = read_list(stats, ctx.stats.syncs, "step", [0.0, 0.0])  # one host sync: norm and flag
+    bad = flag > 0
     norm = math.sqrt(total) if math.isfinite(total) else float("nan")
     return norm, bad or not math.isfinite(norm)
 

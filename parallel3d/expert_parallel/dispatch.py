@@ -2,9 +2,10 @@
 
 A routed *slot* is one (token, choice) pair; T tokens with top-k give T*k slots, numbered t*k + j.
 
-    permute      sort the kept slots by expert (stable: token order within an expert), count per expert
-    exchange     all-to-all of the per-expert counts first, so every rank knows how many rows it will
-                 receive from each source for each of its local experts (the uneven splits)
+    exchange     all-to-all of the per-expert counts of the kept slots first, so every rank knows how many
+                 rows it will receive from each source for each of its local experts (the uneven splits);
+                 the one host sync of the layer reads the sent and received counts together
+    permute      sort the kept slots by expert (stable: token order within an expert)
     dispatch     all-to-all of the sorted rows; regroup the received (source-major) rows expert-major
     experts      run the local experts on contiguous row ranges (experts.py)
     combine      undo the regrouping, all-to-all back with the splits swapped
@@ -24,6 +25,7 @@ import torch
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.expert_parallel.router import expert_counts
+from parallel3d.host_sync import read_list
 
 
 @dataclass
@@ -39,16 +41,32 @@ class Permutation:
         return self.order // self.top_k  # (N,) token of each sorted row
 
 
-def permute(indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None) -> Permutation:
-    """indices (T, k) chosen experts, keep (T, k) bool or None -> Permutation."""
-    num_tokens, top_k = indices.shape
+def _slot_experts(indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """(T*k,) expert of every slot; dropped slots get the id num_experts (they sort last)."""
     expert = indices.flatten()  # (T*k,)
+    if keep is None:
+        return expert
+    return torch.where(keep.flatten(), expert, torch.full_like(expert, num_experts))
+
+
+def kept_counts(indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(E,) int64 kept slots per expert, on the device (what the exchange sends)."""
+    return expert_counts(_slot_experts(indices, num_experts, keep), num_experts + 1)[:num_experts]
+
+
+def permute(indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None,
+            kept: Optional[int] = None) -> Permutation:
+    """indices (T, k) chosen experts, keep (T, k) bool or None -> Permutation. With a keep mask, `kept` is
+    the number of kept slots (a host int: the sum of the exchange's host counts), so permuting needs no
+    read of the device."""
+    num_tokens, top_k = indices.shape
+    if keep is not None and kept is None:
+        raise ValueError("permute with a keep mask needs kept= (the kept slots, e.g. ExpertExchange.rows_sent)")
+    expert = _slot_experts(indices, num_experts, keep)  # (T*k,)
+    order = torch.argsort(expert, stable=True)  # (T*k,)
     if keep is not None:
-        expert = torch.where(keep.flatten(), expert, torch.full_like(expert, num_experts))  # dropped sort last
-    counts = expert_counts(expert, num_experts + 1)[:num_experts]  # (E,)
-    kept = num_tokens * top_k if keep is None else comm.host_float(counts.sum(), nominal=num_tokens * top_k)
-    order = torch.argsort(expert, stable=True)[: int(kept)]  # (N,)
-    return Permutation(order, counts, num_tokens, top_k)
+        order = order[:kept]  # (N,) dropped slots sorted last
+    return Permutation(order, kept_counts(indices, num_experts, keep), num_tokens, top_k)
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
@@ -73,25 +91,35 @@ class ExpertExchange:
 
     Construction exchanges the counts (one all-to-all of E int64 per rank): recv[src, e] is how many rows
     source rank `src` sends to this rank's local expert e. That fixes the uneven splits of both directions.
-    `num_rows` is the number of rows this rank sends (the dry run spreads them evenly over the experts).
+    The all-to-all with uneven splits needs them on the host: one read of the sent and received counts
+    together (host-sync category "moe_splits"). `num_rows` is the number of slots this rank routes (the dry
+    run assumes no drops and spreads them evenly over the experts).
     """
 
-    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int) -> None:
+    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None) -> None:
+        """`known`: the host counts (`self.host`) of an earlier exchange of the same routing, e.g. the forward
+        that an activation recomputation repeats: used instead of reading the device again."""
         ep, num_experts = group.size, counts.numel()
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
         self.group, self.local_experts = group, num_experts // ep
         # a dry run has no routing decisions: it assumes balanced routing of the rows it holds
         nominal = comm.even_split(num_rows, num_experts)
-        sent = comm.host_list(counts, nominal)  # (E,) rows this rank sends to each expert
+        syncs = group.stats.syncs if group.stats is not None else None
         if ep == 1:
+            sent = known if known is not None else read_list(counts, syncs, "moe_splits", nominal)  # (E,)
+            self.host = sent
             self.send_splits = self.recv_splits = [sum(sent)]
-            self.local_counts = sent
+            self.local_counts, self.rows_sent = sent, sum(sent)
             self.regroup = None
             return
         recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
         mine = nominal[group.rank * self.local_experts:(group.rank + 1) * self.local_experts]
-        received = comm.host_list(recv.flatten(), mine * ep)  # [src-major] rows per (source, local expert)
+        both = known if known is not None else read_list(torch.cat([counts, recv.flatten()]), syncs, "moe_splits",
+                                                        nominal + mine * ep)
+        self.host = both
+        sent, received = both[:num_experts], both[num_experts:]  # (E,) sent; [src-major] (ep * E_local,)
+        self.rows_sent = sum(sent)
         self.send_splits = [sum(sent[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]
         self.recv_splits = [sum(received[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]
         self.local_counts = [sum(received[r * self.local_experts + e] for r in range(ep))

@@ -20,6 +20,7 @@ many small experts: benchmarks/experts.py, RESULTS.md).
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 
 from parallel3d.kernels import dispatch as kernels
 from parallel3d.comm import Group
+from parallel3d.host_sync import upload
 from parallel3d.params import ParamMeta, new_param
 
 IMPLS = ("auto", "loop", "padded", "grouped_mm", "triton")
@@ -53,9 +55,9 @@ def grouped_swiglu_padded(x: torch.Tensor, counts: Sequence[int], w_gate: torch.
                           w_down: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """Same as the loop with three batched matmuls over (E_local, max_count, .) padded rows."""
     num, cap = len(counts), max(counts) if len(counts) else 0
-    counts_t = torch.tensor(list(counts), device=x.device)
+    counts_t = upload(torch.tensor(list(counts)), x.device)  # (E_local,) pinned, non-blocking
     starts = torch.cumsum(counts_t, 0) - counts_t  # (E_local,)
-    expert = torch.repeat_interleave(torch.arange(num, device=x.device), counts_t)  # (N,)
+    expert = torch.repeat_interleave(torch.arange(num, device=x.device), counts_t, output_size=x.shape[0])  # (N,)
     slot = expert * cap + torch.arange(x.shape[0], device=x.device) - starts[expert]  # (N,) padded row
     padded = x.new_zeros(num * cap, x.shape[1]).index_copy(0, slot, x).view(num, cap, x.shape[1])  # (E_l, C, h)
     hid = _swiglu(torch.bmm(padded, w_gate.transpose(1, 2)), torch.bmm(padded, w_up.transpose(1, 2)),
@@ -80,7 +82,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def grouped_swiglu_mm(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
                       w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """torch's grouped GEMM; offs are the cumulative row counts."""
-    offs = torch.cumsum(torch.tensor(list(counts), device=x.device), 0).to(torch.int32)
+    offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,) no host sync
     gate = _ContiguousGrad.apply(F.grouped_mm(x, w_gate.transpose(1, 2), offs=offs))  # (N, f)
     up = _ContiguousGrad.apply(F.grouped_mm(x, w_up.transpose(1, 2), offs=offs))  # (N, f)
     return _ContiguousGrad.apply(F.grouped_mm(_swiglu(gate, up, backend), w_down.transpose(1, 2), offs=offs))

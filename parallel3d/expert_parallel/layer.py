@@ -6,22 +6,34 @@ the SP all-gather), every TP rank routes the same tokens identically and runs it
 expert (routed and shared), and the partial outputs are summed by one all-reduce (or SP reduce-scatter).
 The all-to-all runs inside each EP group, whose ranks share the TP rank.
 
-Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) are
-computed from *global* statistics: per-expert counts, probability sums, squared log-partition sums and the
-token count are all-reduced over DP x CP (every rank of a stage holding different tokens; EP is a subset),
-so every layout gets the world-size-1 value of the same global micro-batch (the sequence-wise loss sums each
-sequence over CP first, see MoELayer._sequence_aux). The all-reduce passes gradients through unchanged (each rank
-back-propagates the global loss through its own tokens; the DP gradient sum completes it).
+Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) come from
+balancing statistics (per-expert counts, probability sums, squared log-partition sums, the token count) whose
+scope is `model.moe_aux_scope`:
+  global (default)  all-reduced over DP x CP in forward (every rank of a stage holding different tokens; EP
+                    is a subset), so every layout gets the world-size-1 value of the same global micro-batch
+                    (the sequence-wise loss sums each sequence over CP first, see MoELayer._sequence_aux). The
+                    all-reduce passes gradients through unchanged (each rank back-propagates the global loss
+                    through its own tokens; the DP gradient sum completes it). One blocking collective per
+                    MoE layer forward.
+  local             this rank's tokens only (Megatron's and DeepSeek's "local" balancing): no collective in
+                    forward; each rank's loss is that of its own tokens, and the trainer's sum over DP x CP
+                    makes the token-weighted mean of the ranks' losses.
 
-`pop_aux_loss()` returns this layer's term in *summed-loss units*: its value is T * A / n_dpcp per rank
-(T = tokens routed in the global micro-batch, A = aux_coef * aux + z_coef * z, n_dpcp ranks), so summing
+`pop_aux_loss()` returns this layer's term in *summed-loss units*. Global: its value is T * A / n_dpcp per
+rank (T = tokens routed in the global micro-batch, A = aux_coef * aux + z_coef * z, n_dpcp ranks), so summing
 over DP x CP and dividing by the global target-token count, as the trainer does with the summed token loss,
-adds A with weight T / N_tokens, i.e. exactly the coefficient when every position has a target. Its
-gradient is scaled 1/tp because every TP rank back-propagates the same replicated term.
+adds A with weight T / N_tokens, i.e. exactly the coefficient when every position has a target. Local: its
+value is T_r * A_r (this rank's tokens and loss). The gradient is scaled 1/tp because every TP rank
+back-propagates the same replicated term.
+
+Telemetry stays on the device: the routed (and dropped) slots per expert accumulate in device tensors and the
+last micro-batch's auxiliary values are kept as device scalars; the model reads them once per step at log
+time (models/moe.py, moe_load_stats), so the forward (and its recomputation) never waits for the device.
 """
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,13 +41,48 @@ from torch import nn
 from parallel3d.kernels import dispatch as kernels
 from parallel3d import comm
 from parallel3d.comm import Group
-from parallel3d.expert_parallel.dispatch import ExpertExchange, permute, unpermute
+from parallel3d.expert_parallel.dispatch import ExpertExchange, kept_counts, permute, unpermute
 from parallel3d.expert_parallel.experts import GroupedExperts
 from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, expert_capacity, expert_counts,
                                                sequence_balance_loss, sequence_balance_stats,
                                                sharded_capacity_keep_mask, switch_aux_loss, update_expert_bias,
                                                z_loss_sum)
 from parallel3d.mesh import ParallelContext
+
+AUX_SCOPES = ("global", "local")
+
+
+class SplitTape:
+    """The host split sizes of one checkpointed forward of a layer, in call order, replayed by each of its
+    recomputations (which route the same tokens the same way: checkpointing requires identical shapes)."""
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self.replaying, self._next = False, 0
+
+    def record(self, host: list) -> None:
+        self.rows.append(host)
+
+    def replay(self) -> list:
+        if self._next >= len(self.rows):
+            raise RuntimeError("a recomputed MoE forward exchanged more often than the forward it repeats")
+        self._next += 1
+        return self.rows[self._next - 1]
+
+
+@contextmanager
+def _taping(layer: "MoELayer", tape: SplitTape, replay: bool) -> Iterator[None]:
+    layer._tape, tape.replaying, tape._next = tape, replay, 0
+    try:
+        yield
+    finally:
+        layer._tape = None
+
+
+def check_aux_scope(scope: str) -> None:
+    """model.moe_aux_scope: where the balancing statistics come from (see the module docstring)."""
+    if scope not in AUX_SCOPES:
+        raise ValueError(f"model.moe_aux_scope must be one of {', '.join(AUX_SCOPES)}, got {scope!r}")
 from parallel3d.params import in_backward
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
                                         reduce_from_tp, reduce_scatter_to_sp)
@@ -78,9 +125,12 @@ class MoELayer(nn.Module):
                  norm_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
                  bias_update_rate: float = 0.0, capacity_factor: float = 0.0, impl: str = "auto",
                  backend: str = "auto", std: Optional[float] = None, num_groups: int = 1, topk_groups: int = 1,
-                 routed_scaling_factor: float = 1.0, seq_aux_loss_coef: float = 0.0) -> None:
+                 routed_scaling_factor: float = 1.0, seq_aux_loss_coef: float = 0.0,
+                 aux_scope: str = "global") -> None:
         super().__init__()
+        check_aux_scope(aux_scope)
         self.tp, self.ep, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.cp, ctx.dp_cp
+        self.aux_scope = aux_scope
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.z_loss_coef, self.seq_aux_loss_coef = aux_loss_coef, z_loss_coef, seq_aux_loss_coef
@@ -91,7 +141,8 @@ class MoELayer(nn.Module):
         self.shared_experts = (SharedExperts(hidden, shared_ffn_hidden, ctx.tp, self.sp, backend, std=std)
                                if shared_ffn_hidden else None)
         self._aux_term: Optional[torch.Tensor] = None
-        self.last_aux: dict[str, float] = {}
+        self._tape: Optional[SplitTape] = None  # set while a checkpointed forward or its recomputation runs
+        self.last_aux: dict[str, torch.Tensor] = {}  # name -> device scalar of the last micro-batch (this rank's view)
         self.reset_load()
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -113,8 +164,13 @@ class MoELayer(nn.Module):
             term = self._aux(r, counts, b * s, b)
             if not in_backward():
                 self._aux_term = term
-        perm = permute(r.indices, self.num_experts, keep)
-        exchange = ExpertExchange(perm.counts, self.ep, perm.order.shape[0])
+        # the layer's one host sync: the exchange reads the split sizes (a recomputation replays them)
+        tape = self._tape
+        known = tape.replay() if tape is not None and tape.replaying else None
+        exchange = ExpertExchange(kept_counts(r.indices, self.num_experts, keep), self.ep, b * s * self.top_k, known)
+        if tape is not None and not tape.replaying:
+            tape.record(exchange.host)
+        perm = permute(r.indices, self.num_experts, keep, kept=exchange.rows_sent)
         rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
         rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
         out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
@@ -127,19 +183,23 @@ class MoELayer(nn.Module):
     def _aux(self, r: Routing, counts: torch.Tensor, num_tokens: int, batch: int) -> torch.Tensor:
         e = self.num_experts
         probs = balance_probs(r.scores, self.router.score)  # (T, E)
-        local = torch.cat([probs.sum(0), z_loss_sum(r.logits)[None],
-                           torch.cat([counts.float(), counts.new_tensor([num_tokens]).float()])])  # (2E+2,)
-        glob = _SumLocalGrad.apply(local, self.dp_cp) if self.dp_cp.size > 1 else local
+        tokens_here = torch.full((1,), float(num_tokens), device=counts.device)  # no host-to-device copy
+        local = torch.cat([probs.sum(0), z_loss_sum(r.logits)[None], counts.float(), tokens_here])  # (2E+2,)
+        scoped = self.aux_scope == "global" and self.dp_cp.size > 1
+        glob = _SumLocalGrad.apply(local, self.dp_cp) if scoped else local
         prob_sum, z_sum, count_sum, tokens = glob[:e], glob[e], glob[e + 1:2 * e + 1], glob[-1].detach()
         aux = switch_aux_loss(prob_sum, count_sum.detach(), tokens, self.top_k)
         z = z_sum / tokens
-        self.last_aux = {"aux_loss": comm.host_float(aux.detach()), "z_loss": comm.host_float(z.detach())}
+        stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}  # device scalars, read at log time
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         if self.seq_aux_loss_coef:
             seq_aux = self._sequence_aux(probs, r.indices, batch)
-            self.last_aux["seq_aux_loss"] = comm.host_float(seq_aux.detach())
+            stats["seq_aux_loss"] = seq_aux.detach()
             total = total + self.seq_aux_loss_coef * seq_aux
-        grad_weight, value_weight = tokens / self.tp.size, tokens / self.dp_cp.size
+        if not in_backward():  # recomputation repeats the same values
+            self.last_aux = stats
+        ranks = self.dp_cp.size if self.aux_scope == "global" else 1  # ranks holding the same value
+        grad_weight, value_weight = tokens / self.tp.size, tokens / ranks
         return total * grad_weight + (total * (value_weight - grad_weight)).detach()
 
     def _sequence_aux(self, probs: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
@@ -148,6 +208,9 @@ class MoELayer(nn.Module):
         holds that sequence's loss, so its *value* counts 1/cp per rank, while its *gradient* (which reaches
         only the rank's own tokens, the all-reduces passing gradients through) counts fully."""
         stats = sequence_balance_stats(probs, indices, batch)  # (b, 2E) over local tokens
+        if self.aux_scope == "local":  # this rank's part of each sequence; no collective
+            loss = sequence_balance_loss(stats, probs.shape[0] // batch, self.top_k)  # (b,)
+            return loss.sum() / batch
         if self.cp.size > 1:
             stats = _SumLocalGrad.apply(stats, self.cp)  # (b, 2E) whole sequences
         seq_len = probs.shape[0] // batch * self.cp.size
@@ -156,6 +219,12 @@ class MoELayer(nn.Module):
         local = grad_part + (grad_part / self.cp.size - grad_part).detach()
         return _SumLocalGrad.apply(local[None], self.dp_cp)[0] if self.dp_cp.size > 1 else local
 
+    def recompute_contexts(self) -> tuple:
+        """torch.utils.checkpoint's context_fn for a block holding this layer: the checkpointed forward records
+        its split sizes, the recomputation replays them, so full recomputation adds no host sync."""
+        tape = SplitTape()
+        return _taping(self, tape, False), _taping(self, tape, True)
+
     def pop_aux_loss(self) -> Optional[torch.Tensor]:
         """This layer's auxiliary term of the last forward (summed-loss units, see module doc), then forget it."""
         term, self._aux_term = self._aux_term, None
@@ -163,21 +232,25 @@ class MoELayer(nn.Module):
 
     # ---- load telemetry and auxiliary-loss-free balancing --------------------------------------------------
     def reset_load(self) -> None:
-        self._load = torch.zeros(self.num_experts, dtype=torch.float64)     # routed slots per expert
-        self._dropped = torch.zeros(self.num_experts, dtype=torch.float64)  # of which dropped (capacity)
+        """Forget the counted load. The (2, E) int64 counter [routed, dropped slots per expert] lives on the
+        device and is created by the first forward that counts."""
+        self._load: Optional[torch.Tensor] = None
 
     @torch.no_grad()
     def _observe(self, counts: torch.Tensor, keep: Optional[torch.Tensor], indices: torch.Tensor) -> None:
-        if not comm.has_values(counts):  # a dry run routes nothing real
-            return
-        self._load += counts.to("cpu", torch.float64)
-        if keep is not None:
-            dropped = expert_counts(indices[~keep], self.num_experts)
-            self._dropped += dropped.to("cpu", torch.float64)
+        """Add one micro-batch's routed (and dropped) slots, on the device: no host sync."""
+        if self._load is None:
+            self._load = counts.new_zeros(2, self.num_experts)  # (2, E) int64: exact in any order
+        self._load[0] += counts
+        if keep is not None:  # a scatter-add weighted by the drop mask: no data-dependent shape, no sync
+            self._load[1].scatter_add_(0, indices.flatten(), (~keep).flatten().long())
 
     def local_load(self) -> torch.Tensor:
-        """(2, E) float64 [routed, dropped] slots per expert seen by this rank since the last reset."""
-        return torch.stack([self._load, self._dropped])
+        """(2, E) float64 [routed, dropped] slots per expert seen by this rank since the last reset, on the
+        device of the router."""
+        if self._load is None:
+            return torch.zeros(2, self.num_experts, dtype=torch.float64, device=self.router.weight.device)
+        return self._load.double()
 
     @torch.no_grad()
     def update_bias(self, global_load: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from parallel3d import comm
+from parallel3d.host_sync import read_float
 from parallel3d.mesh import ParallelContext
 
 from .backward import WeightWork, backward_input, backward_weight
@@ -173,7 +174,7 @@ class _Executor:
             self.backward(probe)
             if probe.grad is None:
                 raise RuntimeError("the backward callback did not backpropagate its loss argument")
-            self._objective_scale = comm.host_float(probe.grad, nominal=1.0) * self.loss_scale
+            self._objective_scale = read_float(probe.grad, self.ctx.stats.syncs, "step", nominal=1.0) * self.loss_scale
         return self._objective_scale
 
     def _seed(self, a: Action, slot: _Slot) -> torch.Tensor:

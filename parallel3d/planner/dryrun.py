@@ -89,6 +89,7 @@ class RoleRun:
     derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
     param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
     activation_offload_bytes: int = 0  # train.activation_offload: saved bytes sent to the host, per microbatch
+    host_syncs: dict = field(default_factory=dict)  # category -> host syncs in the step (parallel3d.host_sync)
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -130,6 +131,10 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
         result.param_shard_bytes = sum(st.nbytes() for st in shards)
     result.activation_offload_bytes = out["activation_offload_bytes"] // max(1, cfg.train.num_microbatches)
+    for chunk in trainer.chunks:  # the MoE telemetry the training loop reads after each step (one host sync)
+        if hasattr(chunk, "moe_load_stats"):
+            chunk.moe_load_stats()
+    result.host_syncs = ctx.stats.syncs.summary()  # what the JSONL row reports
     return result
 
 
@@ -137,7 +142,7 @@ def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
     """One `trainer.train_step()` under a StepTracker (the model state it starts with adopted by category),
     for the dry run and for the real step it is checked against. Returns (the step's record, tracker)."""
     opt = trainer.optimizer
-    tracker = StepTracker(device_type=device_type)
+    tracker = StepTracker(device_type=device_type, syncs=trainer.ctx.stats.syncs)
     state = opt.state_by_category()
     for category in ("params", "grads", "optimizer"):
         tracker.adopt(state[category], category, resizable=category == "params" and opt.zero == 3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from parallel3d.host_sync import PER_LAYER
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
@@ -45,12 +46,13 @@ class Plan:
     breakdown: dict = field(default_factory=dict)   # seconds by component
     roles: list = field(default_factory=list)       # per role: rank, stage, memory
     bubble: float = 0.0
+    host_syncs: dict = field(default_factory=dict)  # category -> host syncs per step, the most of any role
 
     def to_json(self) -> dict:
         return {"fits": self.fits, "layout": self.layout, "memory": self.memory,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "comm_bytes": self.comm_bytes, "breakdown": self.breakdown, "bubble": self.bubble,
-                "roles": self.roles}
+                "roles": self.roles, "host_syncs": self.host_syncs}
 
 
 def layout_of(cfg: ExperimentConfig) -> dict:
@@ -184,7 +186,19 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,
                 step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * gpu.peak_flops["bf16"]),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
-                bubble=float(timeline.bubble_fraction))
+                bubble=float(timeline.bubble_fraction), host_syncs=_scale_syncs(stage_run.values(), m, m_run))
+
+
+def _scale_syncs(runs, m: int, m_run: int) -> dict:
+    """Host syncs of the full step, the most of any role per category: the per-layer category (MoE split
+    sizes, read once per layer and microbatch) grows with the microbatches, the others are once per step."""
+    out: dict = {}
+    for run in runs:
+        for key, n in run.host_syncs.items():
+            if key != "total":
+                out[key] = max(out.get(key, 0), n * m // m_run if key in PER_LAYER else n)
+    out["total"] = sum(out.values())
+    return out
 
 
 def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from parallel3d.host_sync import HostSyncs, blocking_upload
 from parallel3d.planner.kernels import CAUSAL_ARG
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -75,6 +76,7 @@ class StepTracker(TorchDispatchMode):
     _clock: int = 0
     _comm_file: str = ""
     _watched: list = field(default_factory=list)  # (weakref to storage, alloc index) polled for resizes
+    syncs: Optional[HostSyncs] = None  # where blocking host-to-device copies onto the device are counted
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -147,6 +149,8 @@ class StepTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._watched:
             self._poll_resizes()
+        if self.syncs is not None and blocking_upload(func, args, kwargs, self.device_type):
+            self.syncs.add("upload")  # a host sync on CUDA (reads of values are counted where they happen)
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         fresh = [t.untyped_storage() for t in outs if t.device.type == self.device_type]

@@ -60,6 +60,8 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
             for chunk in trainer.chunks:
                 if hasattr(chunk, "moe_load_stats"):
                     extra.update(chunk.moe_load_stats())
+            # the step's host syncs by category (parallel3d.host_sync) with the MoE telemetry read above
+            extra["host_syncs"] = ctx.stats.syncs.summary()
             if eval_data is not None and trainer.step % cfg.train.eval_interval == 0:
                 extra["eval_loss"], _ = trainer.evaluate(eval_data, cfg.train.eval_steps)
             records.append(logger.log(out["step"], loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parallel3d import comm
+from parallel3d.host_sync import read_float, upload
 from parallel3d.data_parallel.zero3 import find_units
 from parallel3d.mesh import ParallelContext
 from parallel3d.offload import ActivationOffload
@@ -78,7 +79,8 @@ def split_microbatch(tokens: torch.Tensor, ctx: ParallelContext, eos_id: Optiona
         positions = positions.index_select(-1, cp_chunk_indices(s, ctx.cp.size, ctx.cp.rank))
     device = ctx.device
     targets = int((labels != IGNORE_INDEX).sum())  # counted on the host, before the copy: no device sync
-    return {"ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device),
+    # pinned, non-blocking copies: a pageable copy per microbatch would make the host wait for the device
+    return {"ids": upload(ids, device), "labels": upload(labels, device), "position_ids": upload(positions, device),
             "targets": targets, **out}
 
 
@@ -154,9 +156,9 @@ class Trainer:
     def _global_token_count(self, mbs: list[dict[str, torch.Tensor]]) -> float:
         """Target tokens of the global batch: this rank's count, summed over DP x CP on the device."""
         local = float(sum(mb["targets"] for mb in mbs))
-        count = torch.tensor([local], device=self.ctx.device)  # NCCL reduces device tensors only
+        count = torch.full((1,), local, device=self.ctx.device)  # NCCL reduces device tensors only
         comm.all_reduce(count, self.ctx.dp_cp)
-        return max(comm.host_float(count, nominal=local * self.ctx.dp_cp.size), 1.0)
+        return max(read_float(count, self.ctx.stats.syncs, "step", nominal=local * self.ctx.dp_cp.size), 1.0)
 
     def _forward_backward(self, mbs: list[dict[str, torch.Tensor]], tokens: float,
                           record: Optional[Record] = None) -> torch.Tensor:
@@ -187,7 +189,7 @@ class Trainer:
         comm.all_reduce(loss, ctx.dp_cp)
         comm.all_reduce(loss, ctx.pp)  # only the last stage holds a nonzero loss
         grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)
-        loss_value = comm.host_float(loss)
+        loss_value = read_float(loss, ctx.stats.syncs, "step")  # the NaN policy and the log
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         # fp16 overflow is the dynamic loss scaler's business (skip + back off), not a NaN-policy event
         overflow = not finite and opt.scaler is not None and not opt.scaler.static
@@ -207,7 +209,8 @@ class Trainer:
         moved = self.activation_offload.offloaded_bytes if self.activation_offload else 0
         return {"timeline": timeline, "activation_offload_bytes": moved, "step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped,
                 "loss_scale": opt.loss_scale, "comm_bytes": comm_bytes(ctx.stats),
-                "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0}
+                "tokens": cfg.train.global_batch_size * cfg.train.seq_len, "elapsed_s": time.perf_counter() - t0,
+                "host_syncs": ctx.stats.syncs.summary()}
 
     @torch.no_grad()
     def evaluate(self, dataset: TokenDataset, steps: int) -> tuple[float, float]:
@@ -228,4 +231,4 @@ class Trainer:
             chunk.train()
         comm.all_reduce(total, ctx.dp_cp)
         comm.all_reduce(total, ctx.pp)
-        return comm.host_float(total) / max(count, 1.0), count
+        return read_float(total, ctx.stats.syncs, "logging") / max(count, 1.0), count
