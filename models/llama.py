@@ -26,7 +26,7 @@ from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import init_parameters
 from parallel3d.tensor_parallel import (ColumnParallelLinear, KVParallelLinear, RMSNorm, RowParallelLinear,
-                                        VocabParallelEmbedding, enter_tp_region, gather_from_tp,
+                                        VocabParallelEmbedding, column_entry, enter_tp_region, gather_from_tp,
                                         vocab_parallel_cross_entropy)
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.tensor_parallel.layers import vocab_shard
@@ -67,11 +67,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
         """documents: packed-document ids (parallel3d.context_parallel.Documents) or None (plain causal)."""
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nkv/tp or 1, d)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        # enter the TP region and project; under sp only the (b, s/tp, h) shard is kept for backward
+        q, k, v = column_entry(x, (self.q_proj, self.k_proj, self.v_proj), self.tp, self.sp)
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
+        k = k.view(b, s, -1, self.head_dim)  # (b, s, nkv/tp or 1, d)
+        v = v.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head: normalised over d, before RoPE
         q, k = dispatch.rope(q, k, cos, sin, self.backend)
@@ -94,8 +95,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(f, h, ctx.tp, sp)
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
-        return self.down_proj(dispatch.swiglu(self.gate_proj(x), self.up_proj(x), self.backend))  # (b, s, f/tp)->h
+        gate, up = column_entry(x, (self.gate_proj, self.up_proj), self.tp, self.sp)  # (b, s, f/tp) each
+        return self.down_proj(dispatch.swiglu(gate, up, self.backend))  # (b, s, h) or (b, s/tp, h) with sp
 
 
 class Block(nn.Module):
