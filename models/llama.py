@@ -142,6 +142,7 @@ class Llama(nn.Module):
         self.cfg, self.ctx, self.pre, self.post = cfg, ctx, pre, post
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.recompute = recompute
+        self.recompute_layers = 0  # train.recompute_layers (set_recompute_layers)
         tp = ctx.tp
         layer_ids = list(range(cfg.num_layers)) if layers is None else list(layers)
         if pre:
@@ -169,6 +170,16 @@ class Llama(nn.Module):
     def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:
         """The residual stream between pipeline stages (parallel3d.pipeline.stage.PipelineStage)."""
         return batch, seq_local // self.ctx.tp.size if self.sp else seq_local, self.cfg.hidden_size  # (b, s, h)
+
+    def set_recompute_layers(self, n: int) -> None:
+        """train.recompute_layers: the first n blocks of this chunk are recomputed whole in backward (all of
+        them when n exceeds the chunk's blocks), the others follow `recompute`. A whole-recomputed block
+        does not also checkpoint its attention core (selective) inside."""
+        self.recompute_layers = n
+        for i, block in enumerate(self.layers.values()):
+            attn = getattr(block, "attn", None)
+            if attn is not None and hasattr(attn, "recompute_core"):
+                attn.recompute_core = self.recompute == "selective" and i >= n
 
     def make_block(self, index: int, cp_mode: str, recompute: str) -> nn.Module:
         """Override to build a different block per layer (the MoE model does)."""
@@ -218,8 +229,8 @@ class Llama(nn.Module):
         extra = {} if documents is None else {"documents": documents}  # custom blocks may not take it
         if self.pre:
             x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
-        for block in self.layers.values():
-            if self.recompute == "full" and torch.is_grad_enabled():
+        for i, block in enumerate(self.layers.values()):
+            if (self.recompute == "full" or i < self.recompute_layers) and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, **extra)
             else:
                 x = block(x, cos, sin, position_ids, **extra)

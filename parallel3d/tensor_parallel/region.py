@@ -49,7 +49,8 @@ def _gemm(x: torch.Tensor, layer, weight, bias, kind: str, rows) -> torch.Tensor
 
 
 def _gather_start(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, Optional[object]]:
-    """Start the all-gather of x (b, s/tp, h) along the sequence into a (tp, b, s/tp, h) buffer."""
+    """Start the all-gather of x (b, s/tp, h) along the sequence into a (tp, b, s/tp, h) buffer (x is
+    sent as it is: no staging copy)."""
     buf = torch.empty((group.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     return buf, comm.start_all_gather(buf.view(-1), x.contiguous().view(-1), group)
 
@@ -63,7 +64,12 @@ def _gathered(buf: torch.Tensor) -> torch.Tensor:
 class _ColumnEntry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: Group, sp: bool, layers: tuple, *params):
-        full = comm.all_gather(x, group, SEQ_DIM) if sp else x  # (b, s, h)
+        if sp:
+            buf, work = _gather_start(x, group)
+            comm.wait_work(work, group, "all_gather")
+            full = _gathered(buf)  # (b, s, h)
+        else:
+            full = x
         outs = []
         for i, layer in enumerate(layers):
             weight, bias, kind, rows = _operands(layer, list(params[2 * i: 2 * i + 2]))

@@ -108,6 +108,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0       # 0: no clipping
     activation_checkpointing: str = "none"  # none | full | selective
+    # the first N transformer layers of every pipeline chunk are recomputed whole in backward, the others
+    # follow activation_checkpointing (Megatron's --recompute-method block); N beyond a chunk's layers
+    # recomputes all of them (clamped per chunk, as Megatron); 0: off; needs activation_checkpointing != full
+    recompute_layers: int = 0
     activation_offload: bool = False  # saved activations to host memory during forward (offload/activations.py)
     compile: bool = False        # torch.compile each transformer block (per block: PP and checkpointing keep working)
     fp8: str = "none"            # none | tensorwise | rowwise: linear-layer matmuls in float8 (bf16 precision)
