@@ -30,6 +30,8 @@ CASES = [  # (world, layout incl. recompute, model)
     (2, ["parallel.tp=2", "parallel.sp=true", "train.recompute_layers=1", "train.activation_checkpointing=selective"],
      ["model.num_layers=3", *MOE, "model.num_shared_experts=1"]),   # the fused SP entries recomputed
     (2, ["parallel.pp=2", "parallel.schedule=1f1b", "train.recompute_layers=5"], ["model.num_layers=4"]),  # clamped
+    (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.schedule=zb-h1", "train.recompute_layers=1"],
+     ["model.num_layers=4"]),  # the weight pass through the fused SP entry (dW only: no dX, no reduce-scatter)
 ]
 
 

@@ -61,6 +61,18 @@ def _gathered(buf: torch.Tensor) -> torch.Tensor:
     return buf.transpose(0, 1).reshape(b, tp * s_local, h)
 
 
+def _will_run(node) -> bool:
+    """Whether this backward needs the gradient of the entry's input: not in a zero-bubble weight pass
+    (pipeline/backward.py differentiates towards the parameters only), which then skips dX and its
+    reduce-scatter. Undecidable cases (a leaf input under autograd.grad) answer yes."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
+
+
 class _ColumnEntry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: Group, sp: bool, layers: tuple, *params):
@@ -87,10 +99,15 @@ class _ColumnEntry(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         group, sp, layers = ctx.group, ctx.sp, ctx.layers
         pending = _gather_start(x, group) if sp else None  # overlaps the dX GEMMs below
+        need_dx = ctx.needs_input_grad[0] and _will_run(ctx.next_functions[0][0])
         dx, states = None, []
         for i, (layer, dy) in enumerate(zip(layers, dys)):
             weight, bias, kind, rows = _operands(layer, params[2 * i: 2 * i + 2])
             dy2 = dy.reshape(-1, dy.shape[-1])  # (n, out_i/tp)
+            if not need_dx:
+                states.append((dy2, None if layer.fp8 == "none" else
+                               fp8.grad_state(dy2, layer.fp8, layer.group if kind == "column" else None)))
+                continue
             if layer.fp8 == "none":
                 part, state = dy2 @ _rows(weight, rows), None  # (n, h)
             else:
@@ -99,14 +116,15 @@ class _ColumnEntry(torch.autograd.Function):
                                       ctx.fp8w[i] if rows is None else None, dy.dtype)
             dx = part if dx is None else dx.add_(part)
             states.append((dy2, state))
-        dx = dx.view(*dys[0].shape[:-1], dx.shape[-1])  # (b, s, h) partial over TP
+        if dx is not None:
+            dx = dx.view(*dys[0].shape[:-1], dx.shape[-1])  # (b, s, h) partial over TP
+            # sp: (b, s/tp, h); else in place: dx is this Function's own sum
+            dx = comm.reduce_scatter(dx, group, SEQ_DIM) if sp else comm.all_reduce(dx, group)
         if sp:
-            dx = comm.reduce_scatter(dx, group, SEQ_DIM)  # (b, s/tp, h)
             buf, work = pending
             comm.wait_work(work, group, "all_gather")
             full = _gathered(buf)  # (b, s, h)
         else:
-            dx = comm.all_reduce(dx, group)  # in place: dx is this Function's own sum
             full = x
         x2 = full.reshape(-1, full.shape[-1])  # (n, h)
         grads = []
