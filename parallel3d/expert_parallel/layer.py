@@ -66,10 +66,11 @@ class SharedExperts(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
         self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std, reduce=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: tokens (T, h) inside the TP region, or with sp the (b, s/tp, h) shard (entered here, sp_entry.py)."""
-        if x.dim() == 3:
-            gate, up = column_entry(x, (self.gate_proj, self.up_proj), self.gate_proj.group, True)  # (b, s, f/tp)
+    def forward(self, x: torch.Tensor, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: tokens inside the TP region, (T, h); with sp also `shard`, the (b, s/tp, h) input they were
+        gathered from, which is all the GEMMs keep for backward (x then (b, s, h); sp_entry.py)."""
+        if shard is not None:
+            gate, up = column_entry(shard, (self.gate_proj, self.up_proj), self.gate_proj.group, True, entered=x)
             gate, up = gate.flatten(0, 1), up.flatten(0, 1)  # (T, f/tp)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)  # (T, f/tp)
@@ -127,7 +128,7 @@ class MoELayer(nn.Module):
         rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
         out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
         if self.shared_experts is not None:
-            out = out + self.shared_experts(shard if self.sp else tokens)
+            out = out + (self.shared_experts(x, shard) if self.sp else self.shared_experts(tokens))
         out = out.view(b, s, h)
         return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
 

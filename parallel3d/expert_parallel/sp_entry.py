@@ -9,8 +9,9 @@ copy of it). Under sp they read the shard instead:
     holds a partial one, its expert outputs being partial), so the router's gradient on the shard is
     whole: dx_shard = d_logits_shard @ W, dW = d_logits_shard^T x_shard, summed over TP like before
     (meta.grad_reduce) to the same total;
-  - the shared experts enter the TP region themselves (tensor_parallel.column_entry), as Megatron's
-    shared-expert MLP does: one all-gather forward, one more in backward, one reduce-scatter of dX.
+  - the shared experts' GEMMs go through tensor_parallel.column_entry: they read the layer's gathered
+    tokens in forward, keep the shard, and gather it again in backward (their partial dX joins the routed
+    tokens' gradient, reduce-scattered once by the layer's entry).
 """
 from __future__ import annotations
 
