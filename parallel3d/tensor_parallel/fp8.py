@@ -143,7 +143,8 @@ class Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # x itself: a saved view (x2) trips torch.compile's autograd capture
         ctx.args = (recipe, row, col, kind, group, x.shape)
         ctx.fp8w = getattr(weight, "fp8", None)  # ZeRO-3's fp8 copy is read again in backward, if gathered
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y  # (n, out): reshaped outside, so the output is no view made inside a Function (which
+        # an in-place reduction of it, tensor_parallel.mappings.reduce_from_tp, may not modify)
 
     # dx = dy @ W contracts over out; dW = dy^T @ x contracts over the n tokens.
     @staticmethod
@@ -194,5 +195,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """F.linear, or its fp8 version when recipe is tensorwise / rowwise (the bias is added in bf16)."""
     if recipe == "none":
         return F.linear(x, weight, bias)
-    y = Fp8Linear.apply(x, weight, recipe, kind, group)
+    y = Fp8Linear.apply(x, weight, recipe, kind, group).view(*x.shape[:-1], weight.shape[0])  # (.., out)
     return y if bias is None else y + bias
