@@ -29,11 +29,15 @@ E, TOP_K = 4, 2
 MOE = [f"model.num_experts={E}", f"model.moe_top_k={TOP_K}", "model.moe_ffn_hidden_size=256"]
 
 
-def _layer_activations(tp: int, moe: bool, recompute: str) -> float:
+MLA = ["model.attention_type=mla", "model.q_lora_rank=96", "model.kv_lora_rank=64", "model.qk_nope_head_dim=32",
+       "model.qk_rope_head_dim=16", "model.v_head_dim=32"]
+
+
+def _layer_activations(tp: int, moe: bool, recompute: str, extra: tuple = ()) -> float:
     """Activation bytes per layer at the step's peak (transients included), from the dry run: the
     difference between 8 and 4 layers over 4, which leaves out the embedding, the head and the loss."""
     def act(layers: int) -> int:
-        cfg = make_config([*DENSE, *(MOE if moe else []), f"parallel.tp={tp}", f"parallel.sp={tp > 1}".lower(),
+        cfg = make_config([*DENSE, *(MOE if moe else []), *extra, f"parallel.tp={tp}", f"parallel.sp={tp > 1}".lower(),
                            f"model.num_layers={layers}", f"train.activation_checkpointing={recompute}"], tp)
         return run_role(cfg, 0, _stage_builder, H100, 8).memory["activations"]
     return (act(8) - act(4)) / 4
@@ -47,6 +51,14 @@ def test_dense_layer_activations_scale_as_one_over_tp(recompute):
     for tp in (2, 4):
         ratio = _layer_activations(tp, False, recompute) * tp / one
         assert ratio <= 1.2, f"tp={tp}: activations per layer {ratio:.2f} x 1/tp of tp=1"
+
+
+def test_mla_layer_activations_scale_as_one_over_tp():
+    """Multi-latent attention: q's projection keeps its (b, s/tp, .) input (the latent c_q, or x); the
+    kv latent is gathered once and kept whole, as the core needs it (models/mla.py). Before: 1.24x at tp=4."""
+    one = _layer_activations(1, False, "selective", tuple(MLA))
+    ratio = _layer_activations(4, False, "selective", tuple(MLA)) * 4 / one
+    assert ratio <= 1.2, f"tp=4: MLA activations per layer {ratio:.2f} x 1/tp of tp=1"
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
