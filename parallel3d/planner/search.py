@@ -66,7 +66,9 @@ def recompute_layer_options(chunk_layers: int, ac: str) -> list[int]:
     quarters of the chunk (all of it is activation_checkpointing=full, tried on its own)."""
     if ac == "full":
         return [0]
-    return sorted({0} | {max(1, chunk_layers * q // 4) for q in (1, 2, 3)} - {chunk_layers}) if chunk_layers > 1 else [0]
+    if chunk_layers < 2:
+        return [0]
+    return sorted({0} | {max(1, chunk_layers * q // 4) for q in (1, 2, 3)} - {chunk_layers})
 
 
 def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals=None, recompute_layers=0
