@@ -26,7 +26,7 @@ from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import init_parameters
 from parallel3d.tensor_parallel import (ColumnParallelLinear, KVParallelLinear, RMSNorm, RowParallelLinear,
-                                        VocabParallelEmbedding, enter_tp_region, gather_from_tp,
+                                        VocabParallelEmbedding, column_entry, enter_tp_region, gather_from_tp,
                                         vocab_parallel_cross_entropy)
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
 from parallel3d.tensor_parallel.layers import vocab_shard
@@ -67,11 +67,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
         """documents: packed-document ids (parallel3d.context_parallel.Documents) or None (plain causal)."""
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (b, s, nkv/tp or 1, d)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        # enter the TP region and project; under sp only the (b, s/tp, h) shard is kept for backward
+        q, k, v = column_entry(x, (self.q_proj, self.k_proj, self.v_proj), self.tp, self.sp)
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)  # (b, s, nh/tp, d)
+        k = k.view(b, s, -1, self.head_dim)  # (b, s, nkv/tp or 1, d)
+        v = v.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head: normalised over d, before RoPE
         q, k = dispatch.rope(q, k, cos, sin, self.backend)
@@ -94,8 +95,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(f, h, ctx.tp, sp)
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
-        return self.down_proj(dispatch.swiglu(self.gate_proj(x), self.up_proj(x), self.backend))  # (b, s, f/tp)->h
+        gate, up = column_entry(x, (self.gate_proj, self.up_proj), self.tp, self.sp)  # (b, s, f/tp) each
+        return self.down_proj(dispatch.swiglu(gate, up, self.backend))  # (b, s, h) or (b, s/tp, h) with sp
 
 
 class Block(nn.Module):
@@ -141,6 +142,7 @@ class Llama(nn.Module):
         self.cfg, self.ctx, self.pre, self.post = cfg, ctx, pre, post
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.recompute = recompute
+        self.recompute_layers = 0  # train.recompute_layers (set_recompute_layers)
         tp = ctx.tp
         layer_ids = list(range(cfg.num_layers)) if layers is None else list(layers)
         if pre:
@@ -168,6 +170,16 @@ class Llama(nn.Module):
     def boundary_shape(self, batch: int, seq_local: int) -> tuple[int, int, int]:
         """The residual stream between pipeline stages (parallel3d.pipeline.stage.PipelineStage)."""
         return batch, seq_local // self.ctx.tp.size if self.sp else seq_local, self.cfg.hidden_size  # (b, s, h)
+
+    def set_recompute_layers(self, n: int) -> None:
+        """train.recompute_layers: the first n blocks of this chunk are recomputed whole in backward (all of
+        them when n exceeds the chunk's blocks), the others follow `recompute`. A whole-recomputed block
+        does not also checkpoint its attention core (selective) inside."""
+        self.recompute_layers = n
+        for i, block in enumerate(self.layers.values()):
+            attn = getattr(block, "attn", None)
+            if attn is not None and hasattr(attn, "recompute_core"):
+                attn.recompute_core = self.recompute == "selective" and i >= n
 
     def make_block(self, index: int, cp_mode: str, recompute: str) -> nn.Module:
         """Override to build a different block per layer (the MoE model does)."""
@@ -217,8 +229,8 @@ class Llama(nn.Module):
         extra = {} if documents is None else {"documents": documents}  # custom blocks may not take it
         if self.pre:
             x = self.embed(x)  # (b, s, h) or (b, s/tp, h)
-        for block in self.layers.values():
-            if self.recompute == "full" and torch.is_grad_enabled():
+        for i, block in enumerate(self.layers.values()):
+            if (self.recompute == "full" or i < self.recompute_layers) and torch.is_grad_enabled():
                 replay = getattr(getattr(block, "mlp", None), "recompute_contexts", noop_context_fn)  # MoE splits
                 x = checkpoint(block, x, cos, sin, position_ids, use_reentrant=False, context_fn=replay, **extra)
             else:

@@ -53,7 +53,7 @@ from parallel3d.kernels.rope import rope_inv_freq
 from parallel3d.context_parallel import context_parallel_attention
 from parallel3d.mesh import ParallelContext
 from parallel3d.params import ParamMeta, full_slices, new_param
-from parallel3d.tensor_parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, enter_tp_region
+from parallel3d.tensor_parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, column_entry, enter_tp_region
 
 LATENT_NORM_EPS = 1e-6
 YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -170,15 +170,14 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.r_kv, n * (self.d_nope + self.d_v), tp, sp, enter_region=False)
         self.o_proj = RowParallelLinear(n * self.d_v, h, tp, sp)
 
-    def _latents(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x (b, s[/tp], h) -> [c_q (r_q) when q_lora_rank,] c_kv (r_kv), k_r (d_rope), each (b, s, .), one
-        collective for all (SP all-gather, or identity forward / all-reduce backward)."""
+    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (b, s[/tp], h) -> c_kv (r_kv), k_r (d_rope), each (b, s, .), entered into the TP region by one
+        collective (SP all-gather, or identity forward / all-reduce backward): the core needs the whole
+        sequence's latent, and it is what selective recomputation keeps."""
         c_kv, k_r = self.kv_a_proj(x).split([self.r_kv, self.d_rope], -1)  # (b, s[/tp], r_kv), (.., d_rope)
-        parts = [self.kv_a_norm(c_kv), k_r]
-        if self.r_q:
-            parts.insert(0, self.q_a_norm(self.q_a_proj(x)))  # (b, s[/tp], r_q)
-        latent = enter_tp_region(torch.cat(parts, -1), self.tp, self.sp)  # (b, s, [r_q +] r_kv + d_rope)
-        return list(latent.split([p.shape[-1] for p in parts], -1))
+        latent = enter_tp_region(torch.cat([self.kv_a_norm(c_kv), k_r], -1), self.tp, self.sp)  # (b, s, r_kv + d_rope)
+        c_kv, k_r = latent.split([self.r_kv, self.d_rope], -1)
+        return c_kv, k_r
 
     def _core(self, q_nope: torch.Tensor, q_rot: torch.Tensor, c_kv: torch.Tensor, k_r: torch.Tensor,
               documents=None) -> torch.Tensor:
@@ -198,13 +197,14 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
         """documents: packed-document ids (parallel3d.context_parallel.Documents) or None (plain causal)."""
         b = x.shape[0]
-        latents = self._latents(x)
-        c_kv, k_r = latents[-2], latents[-1]  # (b, s, r_kv), (b, s, d_rope)
+        c_kv, k_r = self._latents(x)  # (b, s, r_kv), (b, s, d_rope)
         s = c_kv.shape[1]
+        # q enters the TP region through its GEMM: under sp only the (b, s/tp, .) input is kept for backward
         if self.r_q:
-            q = self.q_b_proj(latents[0])  # (b, s, n/tp * d_qk)
+            c_q = self.q_a_norm(self.q_a_proj(x))  # (b, s[/tp], r_q)
+            q = column_entry(c_q, (self.q_b_proj,), self.tp, self.sp)[0]  # (b, s, n/tp * d_qk)
         else:
-            q = self.q_proj(enter_tp_region(x, self.tp, self.sp))
+            q = column_entry(x, (self.q_proj,), self.tp, self.sp)[0]
         q_nope, q_rot = q.view(b, s, -1, self.d_nope + self.d_rope).split([self.d_nope, self.d_rope], -1)
         if self.rope_factor != 1.0:  # YaRN attention factor (transformers scales cos and sin)
             cos, sin = cos * self.rope_factor, sin * self.rope_factor

@@ -117,9 +117,10 @@ def test_block_communication_volume(worlds, sp):
         if not sp:  # Megatron: 2 all-reduces of b*s*h forward (g after attention and MLP), 2 in backward (f)
             assert fwd == {("tp", "all_reduce"): (2, 2 * bsh)}
             assert bwd == {("tp", "all_reduce"): (2, 2 * bsh)}
-        else:       # same volume as all-gather + reduce-scatter pairs
+        else:       # same volume as all-gather + reduce-scatter pairs, plus backward's all-gather of each
             expected = {("tp", "all_gather"): (2, 2 * bsh), ("tp", "reduce_scatter"): (2, 2 * bsh)}
-            assert fwd == expected and bwd == expected
+            assert fwd == expected  # region's saved (b, s/tp, h) shard (tensor_parallel/region.py)
+            assert bwd == {**expected, ("tp", "all_gather"): (4, 4 * bsh)}
 
 
 def test_bad_head_count_for_tp():

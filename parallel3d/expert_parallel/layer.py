@@ -84,7 +84,8 @@ def check_aux_scope(scope: str) -> None:
     if scope not in AUX_SCOPES:
         raise ValueError(f"model.moe_aux_scope must be one of {', '.join(AUX_SCOPES)}, got {scope!r}")
 from parallel3d.params import in_backward
-from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
+from parallel3d.expert_parallel.sp_entry import route_on_shard
+from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_entry, enter_tp_region,
                                         reduce_from_tp, reduce_scatter_to_sp)
 
 
@@ -112,8 +113,15 @@ class SharedExperts(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
         self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std, reduce=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hid = kernels.swiglu(self.gate_proj(x), self.up_proj(x), self.backend)  # (T, f/tp)
+    def forward(self, x: torch.Tensor, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: tokens inside the TP region, (T, h); with sp also `shard`, the (b, s/tp, h) input they were
+        gathered from, which is all the GEMMs keep for backward (x then (b, s, h); sp_entry.py)."""
+        if shard is not None:
+            gate, up = column_entry(shard, (self.gate_proj, self.up_proj), self.gate_proj.group, True, entered=x)
+            gate, up = gate.flatten(0, 1), up.flatten(0, 1)  # (T, f/tp)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (T, f/tp)
+        hid = kernels.swiglu(gate, up, self.backend)  # (T, f/tp)
         return self.down_proj(hid)  # (T, h) partial over TP
 
 
@@ -148,10 +156,11 @@ class MoELayer(nn.Module):
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (b, s_local[/tp], h); positions (s_local,) of the tokens (capacity under CP ranks slots by them)."""
+        shard = x  # (b, s/tp, h) with sp: what the router and the shared experts save (sp_entry.py)
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)  # (T, h)
-        r = self.router(tokens)
+        r = route_on_shard(self.router, shard, self.tp) if self.sp else self.router(tokens)
         keep = None
         if self.capacity_factor > 0:
             cap = expert_capacity(self.capacity_factor, s * self.cp.size, self.top_k, self.num_experts)
@@ -175,7 +184,7 @@ class MoELayer(nn.Module):
         rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
         out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            out = out + (self.shared_experts(x, shard) if self.sp else self.shared_experts(tokens))
         out = out.view(b, s, h)
         return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
 

@@ -5,7 +5,9 @@ the world up to one node and dividing the heads; cp in 1, 2, 4, 8; pp dividing w
 stage per layer); ep over divisors of dp * cp that divide the experts; zero 0-3; schedules 1f1b,
 interleaved with 2 chunks, zb-h1, zb-v and dualpipe-v when pp > 1 (gpipe is dominated by 1f1b: same
 bubble, more memory);
-micro-batch sizes 1, 2, 4 dividing the per-rank batch; activation checkpointing none, selective, full.
+micro-batch sizes 1, 2, 4 dividing the per-rank batch; activation checkpointing none, selective, full, and
+with none/selective the first N layers of each chunk recomputed whole (train.recompute_layers: 0 and a quarter,
+half and three quarters of the chunk's layers).
 
 Each candidate is dry-run in full (estimate.plan), which takes seconds to a minute for large presets, so
 candidates are ordered by a prior first: DESIGN.md section 4's formulas for model-state and activation
@@ -19,6 +21,7 @@ import copy
 import math
 from typing import Optional, TextIO
 
+from parallel3d.pipeline.placement import chunks_per_rank
 from parallel3d.planner.dryrun import StageBuilder
 from parallel3d.planner.estimate import Plan, plan
 from parallel3d.planner.hardware import GPU
@@ -50,19 +53,32 @@ def candidates(cfg: ExperimentConfig, world: int, gpus_per_node: int,
                         for schedule, v in SCHEDULES if pp > 1 else SCHEDULES[:1]:
                             for mbs in (1, 2, 4):
                                 for ac in RECOMPUTE:
-                                    c = _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals)
-                                    if c is not None:
-                                        out.append(c)
+                                    for n in recompute_layer_options(math.ceil(m.num_layers / (pp * v)), ac):
+                                        c = _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac,
+                                                       refusals, n)
+                                        if c is not None:
+                                            out.append(c)
     return out
 
 
-def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals=None
+def recompute_layer_options(chunk_layers: int, ac: str) -> list[int]:
+    """train.recompute_layers to try for chunks of `chunk_layers` layers: 0, then a quarter, half and three
+    quarters of the chunk (all of it is activation_checkpointing=full, tried on its own)."""
+    if ac == "full":
+        return [0]
+    if chunk_layers < 2:
+        return [0]
+    return sorted({0} | {max(1, chunk_layers * q // 4) for q in (1, 2, 3)} - {chunk_layers})
+
+
+def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals=None, recompute_layers=0
                ) -> Optional[ExperimentConfig]:
     c = copy.deepcopy(cfg)
     p, t = c.parallel, c.train
     p.tp, p.cp, p.pp, p.dp, p.ep, p.zero, p.schedule, p.virtual_stages = tp, cp, pp, dp, ep, zero, schedule, v
     p.sp, p.layers_per_stage = tp > 1, None
     t.micro_batch_size, t.activation_checkpointing, t.num_microbatches = mbs, ac, 0
+    t.recompute_layers = recompute_layers
     try:
         return resolve_and_validate(c, world)
     except (ConfigError, ValueError) as e:
@@ -82,10 +98,10 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     s, b, h, a = t.seq_len // p.cp, t.micro_batch_size, m.hidden_size, m.num_heads
     per_layer = {"none": s * b * h * (34 + 5 * a * s / h) / p.tp, "selective": s * b * h * 34 / p.tp,
                  "full": 2 * s * b * h}[t.activation_checkpointing]
-    if p.sp and t.activation_checkpointing != "full":
-        per_layer += 2 * 2 * s * b * h  # our SP column layers keep their all-gathered bf16 input
     in_flight = min(p.pp, t.num_microbatches) if p.schedule != "gpipe" else t.num_microbatches
-    acts = per_layer * math.ceil(m.num_layers / p.pp) * in_flight
+    layers, chunks = math.ceil(m.num_layers / p.pp), chunks_per_rank(p.schedule, p.virtual_stages)
+    whole = min(t.recompute_layers * chunks, layers)  # train.recompute_layers: only their input is kept
+    acts = (per_layer * (layers - whole) + 2 * s * b * h * whole) * in_flight
     fits = state + acts <= 0.85 * gpu.usable_bytes
     world = p.tp * p.cp * p.pp * p.dp
     ideal = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / (
@@ -93,10 +109,11 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     bubble = (p.pp - 1) / (t.num_microbatches + p.pp - 1) / (p.virtual_stages if p.schedule == "interleaved" else 1)
     if p.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
         bubble /= 3 if p.schedule == "zb-h1" else 6  # DESIGN.md 4: ZB-H1 about a third; ZB-V (p-1)/(6m+p-1)
-    recompute = 4 / 3 if t.activation_checkpointing == "full" else 1.0
-    # TP: 8 collectives of the (b, s, h) bf16 activations per layer and microbatch (Megatron block, fwd + bwd)
+    recompute = 4 / 3 if t.activation_checkpointing == "full" else 1 + whole / layers / 3
+    # TP: 8 collectives of the (b, s, h) bf16 activations per layer and microbatch (Megatron block, fwd + bwd);
+    # with SP 10: backward gathers each region's saved input shard again (tensor_parallel/region.py)
     tp_link = gpu.nvlink_bytes_per_s if p.tp <= gpus_per_node else gpu.network_bytes_per_s
-    tp_comm = (8 * (p.tp - 1) / p.tp * b * s * h * 2 / tp_link * math.ceil(m.num_layers / p.pp)
+    tp_comm = ((10 if p.sp else 8) * (p.tp - 1) / p.tp * b * s * h * 2 / tp_link * math.ceil(m.num_layers / p.pp)
                * t.num_microbatches) if p.tp > 1 else 0.0
     # DP: reduce-scatter + all-gather of the rank's fp32 gradients / bf16 parameters, half hidden by backward;
     # ZeRO-3 gathers parameters again for backward (1.5x, DESIGN.md 4)

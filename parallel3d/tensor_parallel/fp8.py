@@ -143,7 +143,8 @@ class Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # x itself: a saved view (x2) trips torch.compile's autograd capture
         ctx.args = (recipe, row, col, kind, group, x.shape)
         ctx.fp8w = getattr(weight, "fp8", None)  # ZeRO-3's fp8 copy is read again in backward, if gathered
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y  # (n, out): reshaped outside, so the output is no view made inside a Function (which
+        # an in-place reduction of it, tensor_parallel.mappings.reduce_from_tp, may not modify)
 
     # dx = dy @ W contracts over out; dW = dy^T @ x contracts over the n tokens.
     @staticmethod
@@ -151,21 +152,42 @@ class Fp8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         recipe, row, col, kind, group, x_shape = ctx.args
         x2 = x.reshape(-1, x.shape[-1])  # (n, in)
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (n, out)
-        if recipe == "tensorwise":
-            g8, g_inv = quantize(dy2, _amax(dy2, None, col), E5M2)
-            w8, w_inv = _weight8(weight, None, kind, group, ctx.fp8w)
-            x8, x_inv = quantize(x2, _amax(x2, None, row), E4M3)
-            dx = _mm(g8, g_inv, w8, w_inv, dy.dtype)  # (n, in)
-            dw = _mm(g8.t(), g_inv, x8, x_inv, weight.dtype)  # (out, in)
-        else:
-            g8, g_inv = quantize(dy2, _amax(dy2, 1, col), E4M3)  # (n, 1): rows over out
-            w8, w_inv = _weight8(weight, 0, kind, group, ctx.fp8w)  # (1, in): columns over out
-            dx = _mm(g8, g_inv, w8, w_inv, dy.dtype)  # (n, in)
-            gt8, gt_inv = quantize(dy2, _amax(dy2, 0, None), E4M3)  # (1, out): columns over n
-            x8, x_inv = quantize(x2, _amax(x2, 0, None), E4M3)  # (1, in)
-            dw = _mm(gt8.t(), gt_inv.t(), x8, x_inv, weight.dtype)  # (out, in)
+        state = grad_state(dy.reshape(-1, dy.shape[-1]), recipe, col)  # dy (n, out)
+        dx = grad_input(state, weight, recipe, kind, group, ctx.fp8w, dy.dtype)  # (n, in)
+        dw = grad_weight(state, x2, recipe, weight.dtype, row)  # (out, in)
         return dx.view(x_shape), dw, None, None, None
+
+
+# The backward of Fp8Linear in parts, so a caller can compute dx before x is at hand (tensor_parallel.region
+# gathers x again under sequence parallelism while dx is computed).
+def grad_state(dy2: torch.Tensor, recipe: str, col: Optional[Group]) -> tuple:
+    """dy (n, out) quantised for the dx GEMM (rows over out; amax MAX-reduced over `col` where out is split)."""
+    if recipe == "tensorwise":
+        return (dy2,) + quantize(dy2, _amax(dy2, None, col), E5M2)
+    return (dy2,) + quantize(dy2, _amax(dy2, 1, col), E4M3)  # scales (n, 1)
+
+
+def grad_input(state: tuple, weight: torch.Tensor, recipe: str, kind: str, group: Optional[Group],
+               tag: Optional[Fp8Weight], dtype: torch.dtype) -> torch.Tensor:
+    """dx (n, in) = dy @ W in fp8."""
+    _, g8, g_inv = state
+    if recipe == "tensorwise":
+        w8, w_inv = _weight8(weight, None, kind, group, tag)
+    else:
+        w8, w_inv = _weight8(weight, 0, kind, group, tag)  # (1, in): columns over out
+    return _mm(g8, g_inv, w8, w_inv, dtype)
+
+
+def grad_weight(state: tuple, x2: torch.Tensor, recipe: str, dtype: torch.dtype, row: Optional[Group] = None
+                ) -> torch.Tensor:
+    """dW (out, in) = dy^T @ x in fp8 (x (n, in); tensorwise: x's amax MAX-reduced over `row`)."""
+    dy2, g8, g_inv = state
+    if recipe == "tensorwise":
+        x8, x_inv = quantize(x2, _amax(x2, None, row), E4M3)
+        return _mm(g8.t(), g_inv, x8, x_inv, dtype)
+    gt8, gt_inv = quantize(dy2, _amax(dy2, 0, None), E4M3)  # (1, out): columns over n
+    x8, x_inv = quantize(x2, _amax(x2, 0, None), E4M3)  # (1, in)
+    return _mm(gt8.t(), gt_inv.t(), x8, x_inv, dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, recipe: str = "none",
@@ -173,5 +195,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """F.linear, or its fp8 version when recipe is tensorwise / rowwise (the bias is added in bf16)."""
     if recipe == "none":
         return F.linear(x, weight, bias)
-    y = Fp8Linear.apply(x, weight, recipe, kind, group)
+    y = Fp8Linear.apply(x, weight, recipe, kind, group).view(*x.shape[:-1], weight.shape[0])  # (.., out)
     return y if bias is None else y + bias

@@ -37,13 +37,21 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # g may be shared (an add's backward hands one tensor to both inputs): reduce a copy. The blocks'
+        # entries avoid this mapping (region.column_entry reduces its own dX in place).
         return comm.all_reduce(g.contiguous().clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """In place: x is a fresh partial sum (a row-parallel GEMM's output) that nobody else holds. Were it
+    saved for backward elsewhere, autograd's version check raises instead of using the summed values."""
+
     @staticmethod
     def forward(ctx, x, group):
-        return comm.all_reduce(x.contiguous().clone(), group)
+        if not x.is_contiguous():
+            return comm.all_reduce(x.contiguous(), group)  # the contiguous copy is fresh
+        ctx.mark_dirty(x)
+        return comm.all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -99,6 +107,7 @@ def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum the partial x over TP, in place (x must be a fresh partial sum nobody else reads)."""
     return x if group.size == 1 else _ReduceFromTP.apply(x, group)
 
 

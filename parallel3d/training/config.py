@@ -109,6 +109,8 @@ class TrainConfig:
     eps: float = 1e-8            # AdamW denominator epsilon
     grad_clip: float = 1.0       # 0: no clipping
     activation_checkpointing: str = "none"  # recompute in backward: full = each block, selective = the attention core
+    # Megatron's --recompute-method block: N beyond a chunk's layers recomputes all of them (clamped per chunk)
+    recompute_layers: int = 0    # the first N layers of every pipeline chunk recomputed whole, the rest follow activation_checkpointing
     activation_offload: bool = False  # saved activations to host memory during forward (offload/activations.py)
     compile: bool = False        # torch.compile each transformer block (per block: PP and checkpointing keep working)
     fp8: str = "none"            # linear-layer matmuls in float8, tensorwise or rowwise scales (bf16 precision)

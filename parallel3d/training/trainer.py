@@ -31,6 +31,7 @@ from parallel3d.training.config import ExperimentConfig, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
 from parallel3d.training.data_sources import MixtureDataset, MixtureSampler
 from parallel3d.training.lr_schedule import lr_at
+from parallel3d.training.recompute import apply_recompute_layers
 
 BuildStage = Callable[[list[int], bool, bool], nn.Module]
 
@@ -100,6 +101,7 @@ class Trainer:
             self.chunks = [build_stage(stages[s], s == 0, s == last) for s in self.stage_ids]
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
+        apply_recompute_layers(self.chunks, cfg.train.recompute_layers)
         self.optimizer = self._build_optimizer() if train else None
         if cfg.data.paths is not None:  # weighted mixture of token files (data_sources.py)
             self.dataset = MixtureDataset.from_spec(cfg.data.paths, cfg.train.seq_len, cfg.model.vocab_size)

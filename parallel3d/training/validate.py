@@ -108,6 +108,11 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         "model.hidden_size": m.hidden_size, "model.ffn_hidden_size/tp": m.ffn_hidden_size // max(p.tp, 1),
         "num_heads*head_dim/tp": m.num_heads * hd // max(p.tp, 1)}))
     _choice(t.activation_checkpointing, "train.activation_checkpointing", CHOICES["train.activation_checkpointing"])
+    _require(t.recompute_layers >= 0, f"train.recompute_layers must be >= 0 (layers per pipeline chunk recomputed "
+                                      f"whole), got {t.recompute_layers}")
+    _require(not (t.recompute_layers and t.activation_checkpointing == "full"),
+             f"train.recompute_layers={t.recompute_layers} has no effect with train.activation_checkpointing=full "
+             f"(every layer is recomputed); set activation_checkpointing=none or selective for the other layers")
     _choice(t.nan_policy, "train.nan_policy", CHOICES["train.nan_policy"])
     _choice(t.lr_schedule, "train.lr_schedule", CHOICES["train.lr_schedule"])
     for name in ("micro_batch_size", "global_batch_size", "seq_len"):
