@@ -8,7 +8,7 @@ Table 1 (one process): the whole MoE layer (router, permutation, experts, combin
   padded       ours: sorted tokens padded into (E, max_count, h), batched matmuls
 Table 2 (gloo on CPU, one rank per process): the same layer with experts spread over ep = 1, 2, 4 ranks,
   each rank routing `--tokens` tokens (weak scaling), plus the all-to-all bytes each rank sends per step.
-Timings are medians; never asserted anywhere (DESIGN.md 5).
+Timings are medians; never asserted anywhere (docs/architecture.md section 4).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ The presets are the config files (tiny: configs/tiny.yaml; 100m: configs/llama_1
 with tied embeddings; 1b: that file with 1B shapes). Steady-state seconds per step are the mean of --steps
 steps after --warmup; "first s" is the first step alone, i.e. what compilation adds is about first - step
 (a cold compile: inductor's on-disk caches are off unless --warm-cache).
-MFU = tokens/s * FLOPs/token / peak, FLOPs/token = 6 N + 12 L h s (DESIGN.md 4); the CPU peak is a measured
+MFU = tokens/s * FLOPs/token / peak, FLOPs/token = 6 N + 12 L h s (docs/planner.md); the CPU peak is a measured
 fp32 matmul rate.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Small host-side helpers shared by the Triton launch functions (no kernels live here).
 
 Why they exist: the Triton interpreter (TRITON_INTERPRET=1, our CPU test path) computes bf16/fp16 math
-wrongly (DESIGN.md section 5), so kernels take the dtype they compute in as a `tl.constexpr` chosen here:
+wrongly (docs/architecture.md section 2.8), so kernels take the dtype they compute in as a `tl.constexpr` chosen here:
 fp32 for 16-bit inputs (and always under the interpreter), fp64 for fp64 inputs so `gradcheck` works.
 """
 from __future__ import annotations

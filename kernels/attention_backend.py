@@ -76,7 +76,7 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
     if backend == "triton":
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise RuntimeError("attention backend 'triton' on a CPU tensor needs TRITON_INTERPRET=1 in the "
-                               "environment before kernels are imported (DESIGN.md section 5)")
+                               "environment before kernels are imported (docs/models.md, Kernels)")
         return "triton"
     if backend == "flash_attn":
         why_not = why_not_flash_attn(q)

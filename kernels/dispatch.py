@@ -40,7 +40,7 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
     if backend == "triton":
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise RuntimeError("backend 'triton' on a CPU tensor needs TRITON_INTERPRET=1 in the environment "
-                               "before kernels are imported (DESIGN.md section 5)")
+                               "before kernels are imported (docs/models.md, Kernels)")
         return True
     return x.is_cuda
 

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N launch/pretrain.py --config configs/tiny.yaml [key=value ...]
 
 Every parallel dimension comes from the config (parallel.tp/pp/dp/cp/ep/sp/zero/schedule/...); see
-DESIGN.md section 3. Bad input ends with one message on stderr and exit code 2, before any process group.
+docs/configuration.md. Bad input ends with one message on stderr and exit code 2, before any process group.
 """
 from __future__ import annotations
 

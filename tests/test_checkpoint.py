@@ -1,6 +1,6 @@
 """Distributed checkpoints across layouts (4 gloo ranks): save under one layout, resume under another.
 
-Numerics are layout-independent (DESIGN.md 2), so one world-size-1 run is the reference for every layout:
+Numerics are layout-independent (docs/architecture.md section 2.2), so one world-size-1 run is the reference for every layout:
 steps after a resharded resume must match it within 1e-4 (losses and logged grad norms), and a same-layout
 resume must repeat the uninterrupted run bit for bit.
 """

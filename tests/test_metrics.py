@@ -40,7 +40,7 @@ def test_moe_active_params_by_hand():
 def test_peak_lookup_prefers_the_specific_name():
     """Device names contain each other (\"GH200\" contains \"H200\", \"H100 PCIe\" contains \"H100\"): the
     specific entry must win, and an unknown device must not borrow some other table row."""
-    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12      # SXM: DESIGN.md section 4
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12      # H100 SXM dense bf16 peak
     assert lookup_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
     assert lookup_peak_flops("NVIDIA GH200 480GB", "fp32") == 67e12
     assert lookup_peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == 156e12

@@ -1,6 +1,6 @@
 """Pure tests of pipeline schedules: verifier, simulator (bubble / memory facts), printer, plots.
 
-Facts asserted (DESIGN.md section 4), all exact with ``fractions.Fraction`` costs:
+Facts asserted (docs/parallelism.md, pipeline schedules), all exact with ``fractions.Fraction`` costs:
 - GPipe and 1F1B, any m >= 1: bubble fraction = (p-1)/(m+p-1), with F=B=1 and with F=1, B=2.
 - Interleaved 1F1B, v chunks, m % p == 0, chunk costs F=1/v, B=1/v or 2/v:
   bubble fraction = (p-1)/(v*m + p-1); idle time per rank = 1F1B's idle time / v.

@@ -104,7 +104,7 @@ def test_v_schedule_accepts_virtual_stages_2():
 
 
 def test_dry_run_on_meta_matches_a_real_v_step(worlds):
-    """The fake-device stand-in for CUDA (DESIGN.md 5) runs the V step on every rank, and its comm_bytes equal
+    """The fake-device stand-in for CUDA (docs/architecture.md section 2.6) runs the V step on every rank, and its comm_bytes equal
     the real gloo step's: the local tie on rank 0 moves nothing, the embedding group is not used."""
     from test_fake_device import _real_step_bytes
     from parallel3d.mesh import MeshSpec, ParallelContext

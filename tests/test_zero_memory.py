@@ -1,4 +1,4 @@
-"""Measured model-state bytes per rank match DESIGN.md 4 (bf16 params and grads, fp32 master + m + v):
+"""Measured model-state bytes per rank match docs/parallelism.md's ZeRO table (bf16 params and grads, fp32 master + m + v):
 DP 16, ZeRO-1 4 + 12/N, ZeRO-2 2 + 14/N, ZeRO-3 16/N bytes per parameter, within 5%; and with the
 default fp32 main gradients (4 bytes): DP 18, ZeRO-1 6 + 12/N, ZeRO-2 2 + 16/N, ZeRO-3 18/N."""
 import pytest

@@ -1,6 +1,6 @@
 """Saving a training checkpoint: every rank writes the shards it owns; rank 0 commits atomically.
 
-On disk (see DESIGN.md section 3 and `store.py` for the metadata format):
+On disk (see docs/checkpoints.md and `store.py` for the metadata format):
 
     ROOT/latest                       "step_00000010": the newest complete checkpoint (replaced atomically)
     ROOT/step_00000010/metadata.json  format, step, model config, layout, data position, optimizer scalars,

@@ -1,6 +1,6 @@
 """Plain synchronous gradient reduction: the reference the bucketed/overlapped paths must match.
 
-Loss convention (DESIGN.md 2): every rank's loss is (sum of its token losses) / (target tokens in the
+Loss convention (docs/architecture.md section 2.2): every rank's loss is (sum of its token losses) / (target tokens in the
 global batch), so gradients are SUMMED (not averaged) over the ranks that saw different tokens:
   dense weights over DP x CP, expert weights (meta.expert) over expert-DP,
   plus each group named in meta.grad_reduce (partial gradients of the same slice: "tp" for

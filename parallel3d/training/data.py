@@ -1,4 +1,4 @@
-"""Tokenizers, token files and the layout-independent batch sampler (DESIGN.md sections 2 and 3).
+"""Tokenizers, token files and the layout-independent batch sampler (docs/architecture.md section 2.2, docs/training.md).
 
 Token files are 1-D NumPy `.npy` arrays of ids (uint16/uint32/int32/int64), read memory-mapped.
 Sample i is the window tokens[i*seq_len : i*seq_len + seq_len + 1] (inputs and shifted targets), so

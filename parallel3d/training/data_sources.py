@@ -5,7 +5,7 @@ Sidecar: prepare_data.py writes `<name>.meta.json` next to each token file `<nam
 `data.eos_id` defaults to the sidecar's (every source of a mixture must agree).
 
 Mixture (`data.paths`): `[[0.7, a.npy], [0.3, b.npy]]` or `"a.npy:0.7,b.npy:0.3"`; weights are normalised.
-The global batch at step s stays a pure function of (seed, step) (DESIGN.md 2): row j's source is drawn
+The global batch at step s stays a pure function of (seed, step) (docs/architecture.md section 2.2): row j's source is drawn
 from rng(seed, step) with the weights, and its sample is the source's own seeded epoch permutation read
 at stream position s*B + j (positions taken by other sources are skipped). No cursor: resuming at a step
 continues the stream exactly; the state records the sources and weights so a changed mixture is refused.

@@ -4,7 +4,7 @@ The trainer knows nothing about a particular model: `build_stage(layer_ids, pre,
 chunk (a module whose forward(x, position_ids, labels) returns hidden states, or the summed token loss on
 the chunk holding the head). Everything layout-specific comes from the ParallelContext and the config.
 
-Loss convention (DESIGN.md 2): each rank's loss is the sum of its token losses divided by the number of
+Loss convention (docs/architecture.md section 2.2): each rank's loss is the sum of its token losses divided by the number of
 target tokens in the global batch, so DP, CP, microbatching and accumulation leave the loss unchanged.
 """
 from __future__ import annotations

@@ -121,7 +121,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
         _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be in [0, train.lr={t.lr}]")
 
-    # --- world size and degrees (rank order tp, cp, dp, pp: DESIGN.md section 2); the mesh owns the rules
+    # --- world size and degrees (rank order tp, cp, dp, pp: docs/architecture.md section 2.1); the mesh owns the rules
     if p.ep > 1:
         _require(m.num_experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
     spec = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp, p.dp_shard,
