@@ -32,8 +32,7 @@ time (models/moe.py, moe_load_stats), so the forward (and its recomputation) nev
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -70,13 +69,19 @@ class SplitTape:
         return self.rows[self._next - 1]
 
 
-@contextmanager
-def _taping(layer: "MoELayer", tape: SplitTape, replay: bool) -> Iterator[None]:
-    layer._tape, tape.replaying, tape._next = tape, replay, 0
-    try:
-        yield
-    finally:
-        layer._tape = None
+class _Taping:
+    """The context the checkpointed forward runs in (record) and each recomputation of it (replay). A split
+    backward (zb-h1, zb-v, dualpipe-v) recomputes once per pass, so this is entered more than once: a class,
+    because a generator context manager can be entered only once."""
+
+    def __init__(self, layer: "MoELayer", tape: SplitTape, replay: bool) -> None:
+        self.layer, self.tape, self.replay = layer, tape, replay
+
+    def __enter__(self) -> None:
+        self.layer._tape, self.tape.replaying, self.tape._next = self.tape, self.replay, 0
+
+    def __exit__(self, *exc) -> None:
+        self.layer._tape = None
 
 
 def check_aux_scope(scope: str) -> None:
@@ -232,7 +237,7 @@ class MoELayer(nn.Module):
         """torch.utils.checkpoint's context_fn for a block holding this layer: the checkpointed forward records
         its split sizes, the recomputation replays them, so full recomputation adds no host sync."""
         tape = SplitTape()
-        return _taping(self, tape, False), _taping(self, tape, True)
+        return _Taping(self, tape, False), _Taping(self, tape, True)
 
     def pop_aux_loss(self) -> Optional[torch.Tensor]:
         """This layer's auxiliary term of the last forward (summed-loss units, see module doc), then forget it."""
