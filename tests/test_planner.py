@@ -206,7 +206,8 @@ def test_kernel_occupancy_derates_the_roofline(monkeypatch):
 
 def test_plan_moves_offloaded_state_off_the_device():
     """parallel.offload_optimizer / offload_params: the device peak drops by exactly the measured optimizer
-    state and ZeRO-3 shard, and the step pays PCIe and host-AdamW time for it."""
+    state, ZeRO-3 shard and the gradients beyond the buckets in flight, and the step pays PCIe and
+    host-AdamW time for it."""
     base = ["parallel.zero=3", "parallel.tp=1", "train.precision=bf16", *SMALL]
     plain = plan(make_config(base, 2), _stage_builder, H100, 8)
     both = plan(make_config([*base, "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"], 2),
@@ -216,8 +217,11 @@ def test_plan_moves_offloaded_state_off_the_device():
     shard = plain.memory["params"] - both.memory["params"]
     assert abs(shard - 2 * n_params / 2) <= 0.05 * n_params     # the bf16 ZeRO-3 shard of 2 ranks
     moved = plain.memory["optimizer"] + shard
-    assert plain.memory["peak"] - both.memory["peak"] == moved
-    assert both.breakdown["offload"]["host_bytes"] == moved
+    off = both.breakdown["offload"]
+    # the gradients leave too, bucket by bucket: the device keeps the buckets in flight
+    assert 0 < off["grads_in_flight"] == both.memory["grads"]
+    assert plain.memory["peak"] - both.memory["peak"] == moved + off["grads_at_peak"] - off["grads_in_flight"]
+    assert off["host_bytes"] == moved + off["host_grads"] and off["host_grads"] > 0
     assert both.step_time_s > plain.step_time_s
     assert both.layout["offload_optimizer"] == "cpu" and both.layout["offload_params"] == "cpu"
 

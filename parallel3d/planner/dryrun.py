@@ -91,6 +91,8 @@ class RoleRun:
     derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
     param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
     activation_offload_bytes: int = 0  # train.activation_offload: saved bytes sent to the host, per microbatch
+    peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
+    grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -133,6 +135,10 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
         result.param_shard_bytes = sum(st.nbytes() for st in shards)
     result.activation_offload_bytes = out["activation_offload_bytes"] // max(1, cfg.train.num_microbatches)
+    result.peak_without_grads = tracker.peak(exclude=("grads",))[0]
+    opt = trainer.optimizer
+    sizes = sorted(b.numel * torch.finfo(opt.grad_dtype).bits // 8 for b in opt.buckets)
+    result.grad_buckets_in_flight = sum(sizes[-2:])
     return result
 
 

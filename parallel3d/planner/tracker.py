@@ -195,12 +195,15 @@ class StepTracker(TorchDispatchMode):
             if category is not None:
                 self.allocs[idx].category = category
 
-    def peak(self) -> tuple[int, dict[str, int]]:
-        """(peak live bytes, the live bytes per category at that moment)."""
+    def peak(self, exclude: tuple[str, ...] = ()) -> tuple[int, dict[str, int]]:
+        """(peak live bytes, the live bytes per category at that moment), not counting the categories in
+        `exclude` (the planner: the device peak once offload takes the gradients away)."""
         if self._watched:
             self._poll_resizes()
         events = []
         for a in self.allocs:
+            if a.category in exclude:
+                continue
             size = a.nbytes
             events.append((a.born, size))
             for when, new in a.resizes:
@@ -216,6 +219,8 @@ class StepTracker(TorchDispatchMode):
                 best, best_at = live, when
         split = dict.fromkeys(CATEGORIES, 0)
         for a in self.allocs:
+            if a.category in exclude:
+                continue
             if a.born <= best_at and (a.died is None or a.died > best_at):
                 split[a.category] += _size_at(a, best_at)
         return max(best, 0), split
