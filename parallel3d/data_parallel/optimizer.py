@@ -65,7 +65,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
                  offload_buffer_mb: float = 64.0, grad_compression: str = "none", powersgd_rank: int = 4,
                  topk_ratio: float = 0.01, compression_start_step: int = 0, quantized_weights: bool = False,
                  hpz: bool = False, quantized_gradients: bool = False, quant_block: int = 256,
-                 fp8_gather: bool = False) -> None:
+                 fp8_gather: bool = False, overlap_param_gather: bool = False) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
@@ -105,7 +105,6 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
         self.params = [s.param for b in self.buckets for s in b.slots]
         self.nvme = self.param_home = None   # offload homes (parallel3d/offload): NVMe Adam state, parameters
-        self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
         # offload: host <-> device copies beside compute (offload/streams.py); gradients leave per bucket
         # as reduced (offload/host_grads.py), parameters come back per bucket (offload/publish.py)
         self.copies = self.host_grads = self.published = None
@@ -155,6 +154,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         if zero == 0 and self.published is not None:   # a module's forward waits for its own buckets only
             self._hooks += self.published.hooks(self.buckets, self.modules)
         self._local_ties = local_ties(self.buckets)
+        self._init_publishing(overlap_param_gather)   # ZeRO-1/2 gathers waited by the next forward
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -190,6 +190,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
     def finish_grad_sync(self) -> None:
         if self._synced:
             return
+        self.wait_params()   # overlap_param_gather: buckets no forward used
         for seq, bs in enumerate(self.seqs):        # unused parameters: launch what never became ready
             for b in bs[self._next[seq]:]:
                 b.grad.ready = True
@@ -246,7 +247,11 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         for b in order:   # offload: b.grad.shard is the host gradient (offload/host_grads.py)
             adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
             if self.zero in (1, 2):   # the bucket's all-gather travels while the next buckets update
-                pending.append(self._start_publish(b))
+                started = self._start_publish(b)
+                if self.overlap_param_gather:   # ... and beside the next forward, which waits for it
+                    self._gathers[id(b)] = started
+                else:
+                    pending.append(started)
             elif self.published is not None and b.param_flat is not b.adam.master:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)   # its copy travels while the next update
         if self.zero in (1, 2):
@@ -283,6 +288,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
 
     def close(self) -> None:
         """Remove the offload files (also done at exit)."""
+        self.wait_params()
         if self.published is not None:
             self.published.wait_all()
         if self.host_grads is not None:
