@@ -7,7 +7,8 @@ and FSDP2 `fully_shard`.
 
 Implementations: ddp, fsdp2, ours-zero{0,1,2,3}, and ours-zero<z>-<mode> with mode one of hsdp (dp_shard =
 world/2), powersgd (rank 4), topk (ratio 0.01), qwz, hpz (gpus_per_node = world/2), qgz, zeropp (all
-three); compression starts at step 0 here. `comm MB/step` is this rank's bytes in one step, from the comm
+three) or overlap (ZeRO-1/2: each bucket's parameter all-gather is waited for by its first use in the next
+forward); compression starts at step 0 here. `comm MB/step` is this rank's bytes in one step, from the comm
 layer's accounting (DDP/FSDP2: their logical volumes, all-reduce P, all-gathers 2P + reduce-scatter P).
 --rounds R runs the whole list R times (a fresh world each time) and keeps each implementation's fastest
 median: on a shared machine that is the least disturbed measurement.
@@ -40,7 +41,8 @@ from parallel3d.data_parallel import DistributedOptimizer  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext  # noqa: E402
 from parallel3d.testing import World  # noqa: E402
 
-IMPLS = ["ddp", "ours-zero0", "ours-zero1", "ours-zero2", "fsdp2", "ours-zero3"]
+IMPLS = ["ddp", "ours-zero0", "ours-zero1", "ours-zero1-overlap", "ours-zero2", "ours-zero2-overlap", "fsdp2",
+         "ours-zero3"]
 MODES = {  # extra DistributedOptimizer arguments per mode (ZeRO++: with quant_block 256)
     "powersgd": dict(grad_compression="powersgd", powersgd_rank=4, compression_start_step=0),
     "topk": dict(grad_compression="topk", topk_ratio=0.01, compression_start_step=0),
@@ -49,6 +51,7 @@ MODES = {  # extra DistributedOptimizer arguments per mode (ZeRO++: with quant_b
     "qgz": dict(quantized_gradients=True),
     "zeropp": dict(quantized_weights=True, hpz=True, quantized_gradients=True),
     "hsdp": {},
+    "overlap": dict(overlap_param_gather=True),   # ZeRO-1/2: the parameter gathers beside the next forward
 }
 
 

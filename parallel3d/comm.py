@@ -238,6 +238,16 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
     return work
 
 
+def orders_on_device(group: Group) -> bool:
+    """Whether waiting for this group's work orders the device instead of blocking the host: NCCL's
+    work.wait() makes the current CUDA stream wait for the collective, so what follows a collective can be
+    queued right after it and runs when it is done. gloo's wait() blocks the calling thread (and the
+    simulated backend has no work), so follow-ups there wait for `is_completed()` polls instead."""
+    if group.pg is None or group.simulated:
+        return False
+    return dist.get_backend(group.pg) == "nccl"
+
+
 def wait_work(work: Optional[object], group: Group, op: str) -> None:
     """Wait for a handle from a start_* call; a failure or timeout names the op and the group."""
     if work is not None:

@@ -326,11 +326,16 @@ def _schedule(w, zero, unused):
 @pytest.mark.parametrize("unused", [False, True])
 @pytest.mark.parametrize("zero", [1, 3])
 def test_reduction_overlaps_backward_and_zero3_frees(worlds, zero, unused):
-    """Buckets reduce inside backward, only on the last microbatch; a parameter without gradient does not
-    hold its bucket back past the end of backward (nor keep its ZeRO-3 unit gathered)."""
+    """Buckets reduce inside backward: ZeRO-1 only on the last microbatch, ZeRO-3 in every one (its buffers
+    are freed after each reduction, sync.py); a parameter without gradient does not hold its bucket back
+    past the end of backward (nor keep its ZeRO-3 unit gathered)."""
     launched, during, n_buckets, seen = worlds.run(2, _schedule, zero, unused)[0]
     assert n_buckets > 2
-    assert during[0] == 0 and launched[0] == 0   # accumulation: nothing reduced on microbatch 0
+    if zero == 1:
+        assert during[0] == 0 and launched[0] == 0   # accumulation: nothing reduced on microbatch 0
+    else:       # reduced in microbatch 0's backward too; its buckets start over for the next one
+        assert (0 < during[0] < n_buckets) if unused else during[0] >= n_buckets - 1
+        assert launched[0] == 0
     if unused:  # the bucket holding the unused parameter (and those after it) wait for the end of backward
         assert 0 < during[1] < n_buckets
     else:       # reductions overlap backward: all but the last bucket launched while gradients still arrive

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckpt_helpers import build_trainer, context_for, make_config
-from parity import local_slices
+from parity import WEIGHT_ATOL, local_slices
 
 PARITY = ["train.lr=3e-3", "train.eps=1e-4", "train.warmup_steps=0", "train.lr_schedule=constant",
           "train.grad_clip=1.0"]
@@ -45,15 +45,28 @@ def _pair(worker, layout, offload, steps=3):
     return _train(worker, layout, steps), _train(worker, [*layout, *offload], steps)
 
 
-def assert_identical(plain, off):
-    assert off["losses"] == plain["losses"]
+def assert_identical(plain, off, exact=True):
+    """exact=False: ZeRO-0/1 with several microbatches at dp > 1. Without offload they accumulate the
+    microbatches before one reduction; offloaded, every microbatch is reduced and its result leaves for the
+    host (offload/host_grads.py), so the fp32 sums run in another order: parity, not bit equality."""
+    if exact:
+        assert off["losses"] == plain["losses"]
+    else:
+        assert off["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     assert off["skipped"] == plain["skipped"] and off["scales"] == plain["scales"]
     assert off["masters"].keys() == plain["masters"].keys() and plain["masters"]
-    for name, t in plain["masters"].items():
-        assert torch.equal(off["masters"][name], t), name
-    for name, t in plain["weights"].items():
-        assert torch.equal(off["weights"][name], t), name
+    for kind in ("masters", "weights"):
+        for name, t in plain[kind].items():
+            if exact:
+                assert torch.equal(off[kind][name], t), name
+            else:
+                torch.testing.assert_close(off[kind][name], t, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
     assert off["left"] == [], "offload files left behind after close()"
+
+
+def accumulates_before_reducing(layout) -> bool:
+    """ZeRO-0/1 at dp > 1 with several microbatches (TINY: 4 sequences of 1 per step; tp=2: dp = 2)."""
+    return any(o in layout for o in ("parallel.zero=0", "parallel.zero=1")) and "parallel.tp=2" in layout
 
 
 CASES = {  # layout, offload (D: the offload directory)
@@ -72,7 +85,7 @@ CASES = {  # layout, offload (D: the offload directory)
 def test_offload_equals_no_offload(worlds, tmp_path, case):
     layout, offload = CASES[case]
     for plain, off in worlds.run(4, _pair, layout, offload(str(tmp_path))):
-        assert_identical(plain, off)
+        assert_identical(plain, off, exact=not accumulates_before_reducing(layout))
     assert os.listdir(tmp_path) == []
 
 
@@ -82,7 +95,7 @@ def test_nvme_fp16_loss_scaling_overflow_skip(worlds, tmp_path):
     layout = ["parallel.zero=1", "train.precision=fp16", "train.initial_loss_scale=4e5", "train.loss_scale_window=2"]
     for plain, off in worlds.run(2, _pair, layout, nvme(str(tmp_path)), 5):
         assert any(plain["skipped"]) and not all(plain["skipped"])  # the test means something
-        assert_identical(plain, off)
+        assert_identical(plain, off, exact=False)   # ZeRO-1, dp 2, 2 microbatches
 
 
 def test_nvme_nan_step_is_skipped_identically(tmp_path):

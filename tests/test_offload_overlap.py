@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ckpt_helpers import build_trainer, context_for, make_config
 from parallel3d.offload import streams
 from parallel3d.offload.streams import CopyEngine, check_copy
-from test_offload import PARITY, _pair, assert_identical, nvme
+from test_offload import PARITY, _pair, accumulates_before_reducing, assert_identical, nvme
 
 
 class _slow:
@@ -98,7 +98,7 @@ def test_slow_gradient_and_parameter_copies_train_identically(worlds, case):
     for plain, off in results:
         if not plain["masters"]:
             plain["masters"] = off["masters"] = {"-": torch.zeros(1)}
-        assert_identical(plain, off)
+        assert_identical(plain, off, exact=not accumulates_before_reducing(SLOWED[case]) and "dp2-zero0" not in case)
 
 
 def test_missing_forward_wait_is_caught():
@@ -122,12 +122,13 @@ def test_cpu_offload_fp16_overflow_skip_identical(worlds):
     layout = ["parallel.zero=1", "train.precision=fp16", "train.initial_loss_scale=4e5", "train.loss_scale_window=2"]
     for plain, off in worlds.run(2, _pair, layout, CPU, 5):
         assert any(plain["skipped"]) and not all(plain["skipped"])
-        assert_identical(plain, off)
+        assert_identical(plain, off, exact=False)   # ZeRO-1, dp 2, 2 microbatches
 
 
 def test_gradient_copies_leave_during_backward():
     """Each bucket's copy to the host is issued when its reduction completes, inside backward (world 1:
-    reductions complete at once), not at the optimizer step; the run is still the plain one."""
+    reductions complete at once), in every microbatch, not at the optimizer step; the run is still the
+    plain one (world 1: the host adds the microbatches in the order the device buffer would)."""
     from parallel3d.params import in_backward
     layout = ["parallel.zero=1", "parallel.bucket_size_mb=0.01"]   # ~2.5k-element buckets: many of them
     torch.set_num_threads(1)
@@ -135,11 +136,12 @@ def test_gradient_copies_leave_during_backward():
     trainer = build_trainer(cfg, context_for(cfg))
     issued = []
     start = trainer.optimizer.host_grads.start
-    trainer.optimizer.host_grads.start = lambda b: (issued.append(in_backward()), start(b))
+    trainer.optimizer.host_grads.start = lambda b, g: (issued.append(in_backward()), start(b, g))
     losses = [trainer.train_step()["loss"] for _ in range(2)]
     n = len(trainer.optimizer.buckets)
     trainer.optimizer.close()
-    assert n >= 4 and len(issued) == 2 * n
+    # every bucket of every microbatch (offloaded, each backward's reduction leaves at once, host_grads.py)
+    assert n >= 4 and cfg.train.num_microbatches == 4 and len(issued) == 2 * n * 4
     assert all(issued), issued   # every bucket (ZeRO-1 world 1: the last one too) left inside backward
     cfg = make_config([*PARITY, *layout], 1)
     plain = build_trainer(cfg, context_for(cfg))

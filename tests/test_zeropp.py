@@ -85,11 +85,14 @@ def test_qwz_gathers_int8_blocks_and_one_scale_per_block(worlds, precision, scal
 def test_qgz_reduces_with_an_int8_all_to_all(worlds):
     quant = worlds.run(2, _bytes, ["parallel.zero_quantized_gradients=true"])
     exact = worlds.run(2, _bytes, [])
-    for (q, _, segs, _), (e, _, _, _) in zip(quant, exact):
-        # this rank sends N rows of padded(S) int8 values + fp32 scales (the all-to-all's input)
-        assert q["dp_cp.all_to_all"] == sum(n * (padded(s, BLOCK) + padded(s, BLOCK) // BLOCK * 4) for n, s in segs)
+    for (q, _, segs, nmb), (e, _, _, _) in zip(quant, exact):
+        # this rank sends N rows of padded(S) int8 values + fp32 scales (the all-to-all's input), once per
+        # microbatch (ZeRO-3 reduces every backward's gradients, data_parallel/sync.py)
+        assert nmb == 4
+        assert q["dp_cp.all_to_all"] == nmb * sum(n * (padded(s, BLOCK) + padded(s, BLOCK) // BLOCK * 4)
+                                                  for n, s in segs)
         assert "dp_cp.reduce_scatter" not in q
-        assert e["dp_cp.reduce_scatter"] == sum(n * s * 4 for n, s in segs)
+        assert e["dp_cp.reduce_scatter"] == nmb * sum(n * s * 4 for n, s in segs)
         assert q["dp_cp.all_gather"] == e["dp_cp.all_gather"]
 
 

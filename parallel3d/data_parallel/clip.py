@@ -53,10 +53,11 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
 
     One fused pass unscales and flags non-finite values (torch's AMP kernel); per-parameter norms are
     fp32 (as torch.nn.utils.clip_grad_norm_) and their squares are summed in fp64."""
-    found = torch.zeros(1, dtype=torch.float32, device=ctx.device)
     grads = [b.grad.shard for b in buckets]
+    dev = grads[0].device if grads else ctx.device   # optimizer offload: the held gradients are on the host
+    found = torch.zeros(1, dtype=torch.float32, device=dev)
     if grads:
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=ctx.device)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
     norms = []
     for b in buckets:
@@ -64,8 +65,8 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
             if held(b, s) and counts_once(b, s, ctx, zero):
                 norms.append(torch.linalg.vector_norm(s.held(b.grad.shard), dtype=torch.float32))
     sumsq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
-                                                                                    device=ctx.device)
-    stats = torch.stack([sumsq, found[0].double()])
+                                                                                    device=dev)
+    stats = torch.stack([sumsq, found[0].double()]).to(ctx.device)
     comm.all_reduce(stats, ctx.world)
     total, flag = read_list(stats, ctx.stats.syncs, "step", [0.0, 0.0])  # one host sync: norm and flag
     bad = flag > 0

@@ -4,7 +4,7 @@ Trainer protocol, per optimizer step:
 
     opt.zero_grad()
     for i, mb in enumerate(microbatches):
-        opt.set_last_microbatch(i == len(microbatches) - 1)   # reductions start only on the last one
+        opt.set_last_microbatch(i == len(microbatches) - 1)   # ZeRO-0/1 reduce on the last one only
         opt.scale_loss(model(mb) / global_target_tokens).backward()
     opt.finish_grad_sync()          # wait for every bucket; grad_reduce groups (tp, embedding)
     norm = opt.clip_grad_norm(1.0)  # exact global norm (unscaled); clips if max_norm > 0
@@ -42,12 +42,12 @@ from parallel3d.data_parallel.build import bucket_elems, init_bucket, local_ties
 from parallel3d.data_parallel.adamw import adamw_, check_offload
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.data_parallel.compression import Compressor, check_compression
-from parallel3d.comm import wait_work
+from parallel3d import comm
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.data_parallel.publishing import ParamPublishing
 from parallel3d.data_parallel.fp8_gather import check_fp8_gather, fp8_slots
-from parallel3d.data_parallel.sync import BucketReduction
+from parallel3d.data_parallel.sync import BucketReduction, FollowUps, Pending
 from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
 from parallel3d.mesh import ParallelContext, check_hpz
 
@@ -67,7 +67,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
                  offload_buffer_mb: float = 64.0, grad_compression: str = "none", powersgd_rank: int = 4,
                  topk_ratio: float = 0.01, compression_start_step: int = 0, quantized_weights: bool = False,
                  hpz: bool = False, quantized_gradients: bool = False, quant_block: int = 256,
-                 fp8_gather: bool = False) -> None:
+                 fp8_gather: bool = False, overlap_param_gather: bool = False) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
         check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
@@ -95,7 +95,7 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         self.step_count = 0
         self._synced, self._prepared, self._clipped = False, False, False
         self._norm, self._found_inf = 0.0, False
-        self._inflight: collections.deque[Bucket] = collections.deque()
+        self._inflight: collections.deque[Pending] = collections.deque()
         self.zero3: Optional[Zero3] = None
         no_decay = no_decay or (lambda name, p: p.dim() == 1)
         self.bucket_elems = bucket_elems(ctx.dp_cp.size, bucket_size, bucket_size_mb,
@@ -108,7 +108,6 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
         self.params = [s.param for b in self.buckets for s in b.slots]
         self.nvme = self.param_home = None   # offload homes (parallel3d/offload): NVMe Adam state, parameters
-        self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
         # offload: host <-> device copies beside compute (offload/streams.py); gradients leave per bucket
         # as reduced (offload/host_grads.py), parameters come back per bucket (offload/publish.py)
         self.copies = self.host_grads = self.published = None
@@ -118,15 +117,20 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
             from parallel3d.offload.streams import CopyEngine
             self.copies = CopyEngine(ctx.device)
             self.published = DevicePublish(self.copies)
-        if offload_optimizer == "cpu":
+        if offload_optimizer != "none":       # reduced gradients leave the device per bucket (host_grads.py)
             from parallel3d.offload.host_grads import HostGrads
             self.host_grads = HostGrads(self.copies)
+        # ZeRO-2/3 and offload reduce every bucket in every backward and free its buffer (sync.py)
+        self.per_microbatch = zero >= 2 or self.host_grads is not None
         if offload_optimizer == "nvme":       # before init_bucket: ZeRO-3 frees the parameters it reads
             from parallel3d.offload.nvme import NvmeAdam
             self.nvme = NvmeAdam.create(self.buckets, ctx, offload_dir, offload_buffer_mb, self.copies)
         for b in self.buckets:
             init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device, resident=self.nvme is None)
             b.adam.home = self.nvme
+            if self.per_microbatch:           # no persistent device gradient buffer (ZeRO-0/1 under offload)
+                b.grad.full = b.grad.shard = None
+        self.follow = FollowUps(any(comm.orders_on_device(b.group) for b in self.buckets), ctx.device)
         if zero == 3:
             gather = {e: ctx.clone("edp_shard" if e else "dp_shard") for e in (False, True)}
             node = {e: ctx.clone("edp_node" if e else "dp_node") for e in (False, True)} if hpz else None
@@ -153,25 +157,25 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
         if zero == 0 and self.published is not None:   # a module's forward waits for its own buckets only
             self._hooks += self.published.hooks(self.buckets, self.modules)
         self._local_ties = local_ties(self.buckets)
+        self._init_publishing(overlap_param_gather)   # ZeRO-1/2 gathers waited by the next forward
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        self._follow_ups(block=True)      # reductions a step never waited for (an abandoned step)
+        self.follow.join()
         if self.host_grads is not None:   # copies of a skipped step may still read the buffers zeroed here
-            self.host_grads.drain(self.buckets)
+            self.host_grads.reset(self.buckets)
         self._clip_coef = None
         for b in self.buckets:
-            if b.grad.work is not None:
-                wait_work(b.grad.work, b.group, "reduction")
             b.grad.count, b.grad.ready, b.grad.launched, b.grad.work, b.grad.out = 0, False, False, None, None
             b.grad.replicating = False
-            if self.zero <= 1:
+            if not self.per_microbatch:
                 b.grad.full.zero_()
                 b.grad.shard = b.grad.full if self.zero == 0 else None
             else:
                 b.grad.full = b.grad.shard = None
         for p in self.params:
             p.grad = None
-        self._inflight.clear()
         self._touched.clear()
         self._next = [0] * len(self.seqs)
         self._synced = self._prepared = self._clipped = False
@@ -189,17 +193,13 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
     def finish_grad_sync(self) -> None:
         if self._synced:
             return
+        self.wait_params()   # overlap_param_gather: buckets no forward used
         for seq, bs in enumerate(self.seqs):        # unused parameters: launch what never became ready
             for b in bs[self._next[seq]:]:
                 b.grad.ready = True
             self._launch_ready(seq)
-        while self._inflight:
-            self._finalize(self._inflight.popleft())
-        if self.host_grads is not None:   # the held gradients change in place below: copies first
-            self.host_grads.fence()
+        self._drain_reductions()
         self._reduce_extra_groups()
-        if self.host_grads is not None:
-            self.host_grads.fence()
         if self.published is not None:    # backstop: every parameter copy of the last step has landed
             self.published.wait_all()
         if self.zero3 is not None:
@@ -211,7 +211,6 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
             return
         self.finish_grad_sync()
         inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        self._inv = inv   # offload: the host copies of the gradients are unscaled by the same factor
         self._norm, self._found_inf = grad_stats(self.buckets, self.ctx, self.zero, inv)
         self._prepared = True
 
@@ -248,12 +247,14 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
             self.publish_params(streamed=True)
             return True
         pending = []
-        inv = None if self.scaler is None else torch.full((1,), self._inv, dtype=torch.float32)
-        for b in order:
-            host_grad = None if self.host_grads is None else self.host_grads.gradient(b, inv, self._clip_coef)
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, grad=host_grad)
+        for b in order:   # offload: b.grad.shard is the host gradient (offload/host_grads.py)
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
             if self.zero in (1, 2):   # the bucket's all-gather travels while the next buckets update
-                pending.append(self._start_publish(b))
+                started = self._start_publish(b)
+                if self.overlap_param_gather:   # ... and beside the next forward, which waits for it
+                    self._gathers[id(b)] = started
+                else:
+                    pending.append(started)
             elif self.published is not None and b.param_flat is not b.adam.master:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)   # its copy travels while the next update
         if self.zero in (1, 2):
@@ -290,11 +291,12 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
 
     def close(self) -> None:
         """Remove the offload files (also done at exit)."""
+        self.wait_params()
         if self.published is not None:
             self.published.wait_all()
         if self.host_grads is not None:
             self.host_grads.drain(self.buckets)
-        for home in (self.nvme, self.param_home, self.copies):
+        for home in (self.nvme, self.param_home, self.copies, self.host_grads):
             if home is not None:
                 home.close()
 

@@ -20,6 +20,29 @@ from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
 
 
 class ParamPublishing:
+    def _init_publishing(self, overlap: bool) -> None:
+        """overlap (ZeRO-1/2, `overlap_param_gather`): step() leaves each bucket's all-gather in flight and
+        the first forward use of the bucket waits for it (a forward pre-hook on the modules owning its
+        parameters), so the gathers travel beside the next forward, as Megatron's overlap_param_gather.
+        The gathered buffers then live until that use (2 bytes per parameter at most, all buckets)."""
+        self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
+        self._gathers: dict[int, tuple] = {}          # overlap: id(bucket) -> (bucket, gathered, work)
+        self.overlap_param_gather = overlap and self.zero in (1, 2)
+        if self.overlap_param_gather:
+            from parallel3d.offload.publish import bucket_hooks
+            self._hooks += bucket_hooks(self.buckets, self.modules, self._wait_gather)
+
+    def _wait_gather(self, b: Bucket) -> None:
+        g = self._gathers.pop(id(b), None)
+        if g is not None:
+            self._finish_publish([g])
+
+    def wait_params(self) -> None:
+        """Every parameter up to date (overlap_param_gather: the gathers no forward has waited for yet).
+        Call before reading parameters outside the model's forward (checkpoints, tests)."""
+        pending, self._gathers = list(self._gathers.values()), {}
+        self._finish_publish(pending)
+
     @torch.no_grad()
     def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor,
                       staging: Optional[torch.Tensor] = None):
@@ -64,6 +87,7 @@ class ParamPublishing:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)
         if self.zero in (0, 3):
             return
+        self.wait_params()   # an overlapped gather of the last step must not land after these
         self._finish_publish([self._start_publish(b) for b in self.buckets])
 
     def _start_publish(self, b: Bucket) -> tuple:

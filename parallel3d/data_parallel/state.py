@@ -176,6 +176,7 @@ class OptimizerState:
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
         if self.published is not None:   # a checkpoint also reads the parameters
             self.published.wait_all()
+        self.wait_params()
         return state_tensors(self.buckets, self.ctx, self.zero)
 
     def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],

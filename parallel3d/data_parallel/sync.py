@@ -1,12 +1,31 @@
 """The backward half of DistributedOptimizer: gradients into buckets, and each bucket's reduction.
 
-A post-accumulate hook adds every gradient into its bucket; a bucket complete on the step's last backward is
+A post-accumulate hook adds every gradient into its bucket's accumulation buffer; a complete bucket is
 launched in its sequence's order (build.py); the reduction is an all-reduce (ZeRO-0), a reduce-scatter
 (ZeRO >= 1; on gloo as an all-to-all, reduce.py), a compressed all-reduce (compression.py) or a quantised
 all-to-all (qgZ, quantize.py), followed under HSDP by an all-reduce of the segment across the replicas.
+
+When buckets are reduced (`per_microbatch`):
+    ZeRO-0/1           on the step's last backward only; the full buffer accumulates every microbatch and
+                       stays (it is what the rank keeps, or its segment is)
+    ZeRO-2/3, offload  in every backward: the buffer of that backward is reduced, the reduced part is
+                       added into the rank's persistent gradient (the device shard; under optimizer
+                       offload the host copy, offload/host_grads.py) and the buffer is freed. The device
+                       then holds the shard plus the buckets in flight, whatever the number of microbatches
+                       (DeepSpeed's stage 2 reduces at every micro-step boundary the same way).
+
+Follow-ups of a finished reduction (`_follow_up`: the HSDP replica all-reduce, accumulating into the held
+gradient, freeing the buffer, the offload copy): on a backend whose work orders the device (NCCL,
+comm.orders_on_device) they are queued right after the collective, on a side stream that waits for it,
+so neither the host nor the compute stream waits; elsewhere (gloo) each launch polls the oldest
+reductions with is_completed() and follows up the finished ones, and finish_grad_sync waits for the rest.
 `BucketReduction` is a mixin: the optimizer owns the state it uses (buckets, seqs, zero, ctx, ...).
 """
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -15,6 +34,47 @@ from parallel3d.comm import start_all_reduce, wait_work
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows
 from parallel3d.data_parallel.quantize import quantized_reduce_scatter
 from parallel3d.data_parallel.reduce import start_reduce_scatter
+
+
+def grad_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    """Every gradient buffer the reduction allocates (accumulation buffers, reduced segments): one place,
+    which the planner's tracker recognises to label them gradients wherever they are freed."""
+    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+
+
+@dataclass
+class Pending:
+    """One bucket reduction in flight: `full`, the accumulation buffer it reads (kept alive until the
+    follow-up), `out`, what the rank keeps (its reduced segment; ZeRO-0: the whole buffer)."""
+    b: Bucket
+    full: torch.Tensor
+    out: torch.Tensor
+    work: object = None
+    replicating: bool = False   # HSDP: `out` is being summed across the replicas
+
+
+class FollowUps:
+    """Where a finished reduction's follow-ups run: `ordered` (module docstring) right after the launch,
+    under `context()` (CUDA: a side stream, so compute does not wait for the collective); the consumers of
+    the held gradients `join()` that stream first."""
+
+    def __init__(self, ordered: bool, device: torch.device) -> None:
+        self.ordered, self.device = ordered, device
+        self.stream = torch.cuda.Stream(device) if ordered and device.type == "cuda" else None
+
+    def context(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def keep(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Tensors the side stream reads: the allocator must not hand them out before it is done."""
+        if self.stream is not None:
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(self.stream)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 class BucketReduction:
@@ -29,14 +89,14 @@ class BucketReduction:
                                    f"set_last_microbatch(False) before every microbatch but the last")
             with torch.no_grad():
                 if b.grad.full is None:
-                    b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=g.device)
+                    b.grad.full = grad_buffer(b.numel, self.grad_dtype, g.device, zero=True)
                 add_rows(b.grad.full, b.seg, b.nshard, s, g)
             if b.unit is not None:
                 self.zero3.on_grad(b.unit)
             if not self._touched:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._touched.add(b.chunk)
-            if self._last[b.chunk]:
+            if self.per_microbatch or self._last[b.chunk]:
                 b.grad.count += 1
                 if b.grad.count == len(b.slots):
                     b.grad.ready = True
@@ -46,18 +106,23 @@ class BucketReduction:
     def _end_of_backward(self) -> None:
         """Runs when the backward pass ends: parameters that got no gradient in it will not get one, so
         launch the rest of the chunk's buckets now (ranks agree on when, unlike bucket readiness), and
-        under ZeRO-3 free units that stayed gathered because some parameter had no gradient."""
+        under ZeRO-3 free units that stayed gathered because some parameter had no gradient. Reducing per
+        microbatch, the chunk's buckets then start over for its next backward."""
         touched, self._touched = sorted(self._touched), set()
         for chunk in touched:
             if self.zero3 is not None:
                 for unit in self._chains[chunk]:
                     if unit.gathered or unit.pending is not None or unit.fetched:
                         self.zero3.free(unit)
-            if self._last[chunk]:
+            if self._last[chunk] or self.per_microbatch:
                 for seq in self._chunk_seqs.get(chunk, []):
                     for b in self.seqs[seq][self._next[seq]:]:
                         b.grad.ready = True
                     self._launch_ready(seq)
+                    if not self._last[chunk]:   # the step's last backward keeps them launched (a late
+                        self._next[seq] = 0     # gradient is an error, finish_grad_sync launches no more)
+                        for b in self.seqs[seq]:
+                            b.grad.count, b.grad.ready, b.grad.launched = 0, False, False
 
     def _launch_ready(self, seq: int) -> None:
         bs = self.seqs[seq]
@@ -66,56 +131,80 @@ class BucketReduction:
             self._next[seq] += 1
 
     def _launch(self, b: Bucket) -> None:
-        if b.grad.full is None:   # no gradient reached this bucket on this rank (unused parameters)
-            b.grad.full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.slots[0].param.device)
+        full = b.grad.full
+        if full is None:   # no gradient reached this bucket on this rank (unused parameters)
+            full = b.grad.full = grad_buffer(b.numel, self.grad_dtype, b.slots[0].param.device, zero=True)
+        p = Pending(b, full, full)
         if self.compressor is not None and self.compressor.active(self.step_count):
             self.compressor.reduce(b)   # synchronous: b.grad.full holds the (approximate) sum
-            b.grad.out = b.grad.full[b.shard * b.seg: (b.shard + 1) * b.seg]   # ZeRO-1: the held segment
+            p.out = full[b.shard * b.seg: (b.shard + 1) * b.seg] if self.zero else full   # the held segment
         elif self.zero == 0:
-            b.grad.work = start_all_reduce(b.grad.full, b.group)
+            p.work = start_all_reduce(full, b.group)
         elif self.qgz_block:            # qgZ (synchronous all-to-all of int8 blocks)
-            b.grad.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad.full.device)
-            quantized_reduce_scatter(b.grad.out, b.grad.full, b.group, self.qgz_block)
+            p.out = grad_buffer(b.seg, self.grad_dtype, full.device)
+            quantized_reduce_scatter(p.out, full, b.group, self.qgz_block)
         else:
-            b.grad.out = torch.empty(b.seg, dtype=self.grad_dtype, device=b.grad.full.device)
-            b.grad.work = start_reduce_scatter(b.grad.out, b.grad.full, b.group, self.ctx.backend == "gloo")
+            p.out = grad_buffer(b.seg, self.grad_dtype, full.device)
+            p.work = start_reduce_scatter(p.out, full, b.group, self.ctx.backend == "gloo")
+        if self.per_microbatch:
+            b.grad.full = None   # the next backward accumulates into a fresh buffer
         b.grad.launched = True
-        self._inflight.append(b)
-        while self._inflight and (self._inflight[0].grad.work is None or self._inflight[0].grad.work.is_completed()):
-            self._finalize(self._inflight.popleft())   # frees ZeRO-2/3 full buffers early
+        self._inflight.append(p)
+        self._follow_ups(block=False)
 
-    def _finalize(self, b: Bucket) -> None:
-        if b.grad.replicating:     # HSDP second hop done: the segment is the sum over all of DP
-            wait_work(b.grad.work, b.replica, "all_reduce")
-            b.grad.replicating = False
+    def _follow_ups(self, block: bool) -> None:
+        """Follow up the reductions in flight, oldest first: all of them when the backend orders them on
+        the device (or `block`), else those the host sees completed (they stay in bucket order)."""
+        with self.follow.context():
+            while self._inflight:
+                head = self._inflight[0]
+                if not (block or self.follow.ordered or head.work is None or head.work.is_completed()):
+                    return
+                self._follow_up(self._inflight.popleft())
+
+    def _follow_up(self, p: Pending) -> None:
+        b = p.b
+        if p.replicating:     # HSDP second hop done: the segment is the sum over all of DP
+            wait_work(p.work, b.replica, "all_reduce")
+            p.replicating = False
         else:
-            wait_work(b.grad.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
+            wait_work(p.work, b.group, "all_reduce" if self.zero == 0 else "reduce_scatter")
             if b.replica is not None and b.replica.size > 1:
                 # HSDP: sum the shard group's segment across the replicas (same segment on each), then
                 # come back here once that is done; each group's collectives keep bucket order
-                b.grad.work, b.grad.replicating = start_all_reduce(b.grad.out, b.replica), True
-                self._inflight.append(b)
+                p.work, p.replicating = start_all_reduce(p.out, b.replica), True
+                self._inflight.append(p)
                 return
-        b.grad.work = None
-        if self.zero == 1:
-            seg = b.grad.full[b.shard * b.seg: (b.shard + 1) * b.seg]
-            seg.copy_(b.grad.out)
+        p.work = None
+        self.follow.keep(p.full, p.out)
+        if self.host_grads is not None:   # offload: the held gradient leaves for the host, added there
+            self.host_grads.start(b, p.out)
+        elif self.zero == 0:
+            b.grad.shard = p.full
+        elif self.zero == 1 and not self.per_microbatch:   # the segment lives inside the full buffer
+            seg = p.full[b.shard * b.seg: (b.shard + 1) * b.seg]
+            seg.copy_(p.out)
             b.grad.shard = seg
-        elif self.zero >= 2:
-            b.grad.shard, b.grad.full = b.grad.out, None
-        b.grad.out = None
-        if self.host_grads is not None:   # offload cpu: the held gradient leaves for the host now
-            self.host_grads.start(b)
+        elif b.grad.shard is None:        # the step's first reduction of this bucket
+            b.grad.shard = p.out
+        else:                             # later microbatches add into the held shard
+            b.grad.shard.add_(p.out)
+
+    def _drain_reductions(self) -> None:
+        """Every reduction in flight followed up, and its results visible to the current stream."""
+        self._follow_ups(block=True)
+        self.follow.join()
+        if self.host_grads is not None:   # the host copies are the held gradients from here on
+            self.host_grads.finish(self.buckets)
 
     def _reduce_extra_groups(self) -> None:
         """meta.grad_reduce groups (partial grads of the same slice, e.g. tp, embedding): one all-reduce each.
-        A tied pair held by this one rank (the V placement's embedding and head) is summed here instead."""
+        A tied pair held by this one rank (the V placement's embedding and head) is summed here instead.
+        Under optimizer offload the held gradients are host tensors: the sum travels through the device."""
         views: dict[str, list[torch.Tensor]] = {}
-        changed: dict[int, tuple[Bucket, Slot]] = {}
         for (b, source), (cb, copy) in self._local_ties:
             total = source.flat(b.grad.shard).add_(copy.flat(cb.grad.shard))
             copy.flat(cb.grad.shard).copy_(total)
-            changed[id(source)], changed[id(copy)] = (b, source), (cb, copy)
         tied = {id(s) for pair in self._local_ties for _, s in pair}
         for b in self.buckets:
             for s in b.slots:
@@ -125,12 +214,8 @@ class BucketReduction:
                     g = getattr(self.ctx, name)  # None: this rank is outside that group (embedding)
                     if g is not None and g.size > 1:
                         views.setdefault(name, []).append(s.flat(b.grad.shard))
-                        changed[id(s)] = (b, s)
         for name in sorted(views):
-            flat = torch.cat(views[name])
+            flat = torch.cat(views[name]).to(self.ctx.device)
             comm.all_reduce(flat, getattr(self.ctx, name))
             for v, part in zip(views[name], flat.split([v.numel() for v in views[name]])):
                 v.copy_(part)
-        if self.host_grads is not None:   # those rows left for the host before this sum: send them again
-            for b, s in changed.values():
-                self.host_grads.refresh(b, s)

@@ -5,7 +5,8 @@ each bucket's new values leave on the copy engine (streams.py) as soon as its up
 host updates the next bucket. Who reads a bucket's device parameters first waits for that bucket only:
 
     ZeRO-0     the forward pre-hook of every module that owns one of its parameters (`hooks`)
-    ZeRO-1/2   the bucket's all-gather (optimizer._start_publish)
+    ZeRO-1/2   the bucket's all-gather (optimizer._start_publish); with overlap_param_gather the
+               gather itself is waited for by the bucket's first module (`bucket_hooks`, publishing.py)
     ZeRO-3     the unit's gather, through the prefetcher's fetch (zero3.py), one unit ahead of use
 
 `wait_all` is the backstop for any other reader (checkpoints, the end of the backward pass).
@@ -14,7 +15,7 @@ that converts would stage through pageable memory): per bucket here, or a slot o
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -71,18 +72,34 @@ class DevicePublish:
 
     def hooks(self, buckets: Sequence[Bucket], modules: Sequence[nn.Module]) -> list:
         """ZeRO-0: a forward pre-hook on each module owning parameters of `buckets` waits for their buckets."""
-        owner = {id(s.param): b for b in buckets for s in b.slots}
-        handles = []
-        for root in modules:
-            for m in root.modules():
-                mine = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
-                if mine:
-                    handles.append(m.register_forward_pre_hook(self._waiter(list(mine.values()))))
-        return handles
+        return bucket_hooks(buckets, modules, lambda b: self.wait(b) if id(b) in self.tickets else None)
 
-    def _waiter(self, bs: list[Bucket]):
-        def hook(module, args):
-            for b in bs:
-                if id(b) in self.tickets:
-                    self.wait(b)
-        return hook
+
+def bucket_hooks(buckets: Sequence[Bucket], modules: Sequence[nn.Module], wait: Callable[[Bucket], None]) -> list:
+    """A forward pre-hook on each module owning parameters of `buckets` calls wait(b) for each of its
+    buckets: whatever brings a bucket's parameters up to date (a copy, an all-gather) is waited for by its
+    first reader only. Returns the hook handles."""
+    from parallel3d.data_parallel.zero3 import find_units
+
+    owner = {id(s.param): b for b in buckets for s in b.slots}
+    handles = []
+    for root in modules:
+        # parameters outside the blocks (embedding, final norm, head) may be read without their module's
+        # forward (the fused head reads lm_head.weight): the chunk's own forward waits for those
+        in_blocks = {id(p) for unit in find_units(root) for p in unit.parameters()}
+        outside = {id(owner[id(p)]): owner[id(p)] for p in root.parameters()
+                   if id(p) in owner and id(p) not in in_blocks}
+        if outside:
+            handles.append(root.register_forward_pre_hook(_waiter(list(outside.values()), wait)))
+        for m in root.modules():
+            mine = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+            if mine:
+                handles.append(m.register_forward_pre_hook(_waiter(list(mine.values()), wait)))
+    return handles
+
+
+def _waiter(bs: list[Bucket], wait: Callable[[Bucket], None]):
+    def hook(module, args):
+        for b in bs:
+            wait(b)
+    return hook

@@ -50,7 +50,9 @@ def base_group(group: str) -> str:
 
 def is_grad_sync(group: str, op: str) -> bool:
     """Gradient reductions over data-parallel groups: once per step (launched during the last
-    microbatch's backward, bucket by bucket), whatever the number of microbatches."""
+    microbatch's backward, bucket by bucket), whatever the number of microbatches -- unless the optimizer
+    reduces per microbatch (ZeRO-2/3, offload: `RoleRun.per_microbatch`), where they belong to each
+    backward like the other overlapped traffic."""
     return base_group(group) in DP_GROUPS and op in REDUCTIONS
 
 
@@ -90,6 +92,8 @@ class RoleRun:
     param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
     activation_offload_bytes: int = 0  # train.activation_offload: saved bytes sent to the host, per microbatch
     host_syncs: dict = field(default_factory=dict)  # category -> host syncs in the step (parallel3d.host_sync)
+    peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
+    grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -125,7 +129,8 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         ctx.stats.listener = None
     peak, split = tracker.peak()
     live = tracker.live()
-    result = _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu)
+    result = _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu,
+                        trainer.optimizer.per_microbatch)
     if trainer.optimizer.zero == 3:
         shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)
@@ -135,6 +140,10 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         if hasattr(chunk, "moe_load_stats"):
             chunk.moe_load_stats()
     result.host_syncs = ctx.stats.syncs.summary()  # what the JSONL row reports
+    result.peak_without_grads = tracker.peak(exclude=("grads",))[0]
+    opt = trainer.optimizer
+    sizes = sorted(b.numel * torch.finfo(opt.grad_dtype).bits // 8 for b in opt.buckets)
+    result.grad_buckets_in_flight = sum(sizes[-2:])
     return result
 
 
@@ -159,7 +168,7 @@ def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
     return out, tracker
 
 
-def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU) -> RoleRun:
+def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per_microbatch: bool) -> RoleRun:
     mine = sorted((r for r in out["actions"] if r[0] == ctx.coords.pp), key=lambda r: r[5])
     starts = [r[5] for r in mine]             # actions run one after another: bisect finds an op's action
     costs = [ActionCost() for _ in mine]
@@ -188,7 +197,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU) -> 
         c = slot(wall)
         if c is outside:
             c.blocking_comm_s += seconds
-        elif is_grad_sync(group, op):
+        elif is_grad_sync(group, op) and not per_microbatch:
             grad_sync += seconds      # once per step, not per microbatch: estimate.plan overlaps it
         else:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action

@@ -156,7 +156,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         extra = 0 if t.activation_offload else memory["activations"] * (full / max(ran, 1) - 1)
         memory["activations"] = int(memory["activations"] + extra)
         memory["peak"] = int(memory["peak"] + extra)
-        memory, moved = apply_offload(cfg, memory, run.model_state, run.param_shard_bytes, gpu)
+        memory, moved = apply_offload(cfg, memory, run.model_state, run.param_shard_bytes, gpu,
+                                      run.memory["peak"] - run.peak_without_grads, run.grad_buckets_in_flight)
         compute = sum(c.compute_s for c in run.actions.values()) * m
         phase = {k: sum(c.compute_s for (kind, _), c in run.actions.items() if kind in kinds)
                  for k, kinds in (("fwd", ("FORWARD",)), ("bwd", ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")))}

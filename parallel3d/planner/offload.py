@@ -3,7 +3,10 @@
 The stand-in device cannot copy to the host (meta tensors hold no values), so a layout with
 `parallel.offload_optimizer` / `parallel.offload_params` is dry-run with both off, and then:
   - memory: the optimizer state the dry run measured (fp32 master, m, v of this rank's shard) leaves the
-    device for the host (cpu) or the disk (nvme); with `offload_params` the ZeRO-3 parameter shard leaves too;
+    device for the host (cpu) or the disk (nvme); so do the gradients, bucket by bucket as they are reduced
+    (the device keeps the two largest buckets: one accumulating, one on its way; the host holds the
+    gradient the rank keeps, an upper bound for ZeRO-1's segment); with `offload_params` the ZeRO-3
+    parameter shard leaves too;
   - time (`exposed_offload`), as the code overlaps it (parallel3d/offload/streams.py): each reduced
     gradient bucket goes down over PCIe while the last microbatch's backward goes on, so only what exceeds
     that backward is exposed, and at least the last bucket's copy; AdamW runs on the host's cores (and with
@@ -44,8 +47,10 @@ def without_offload(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_shard_bytes: int,
-                  gpu: GPU) -> tuple[dict, dict]:
-    """(device memory after offload, {"host_bytes", "offload_s"}) for one rank, from its dry-run numbers."""
+                  gpu: GPU, grads_at_peak: int = 0, grads_in_flight: int = 0) -> tuple[dict, dict]:
+    """(device memory after offload, {"host_bytes", "offload_s"}) for one rank, from its dry-run numbers.
+    grads_at_peak: how much the dry run's peak drops when gradients are not counted (`StepTracker.peak`
+    excluding them); grads_in_flight: the gradient buckets the device still holds under offload."""
     p = cfg.parallel
     memory = dict(memory)
     extra = {"host_bytes": 0, "offload_s": 0.0, "grads_down_s": 0.0, "params_up_s": 0.0, "host_s": 0.0,
@@ -55,7 +60,13 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
         shard_params = state / 12
         memory["optimizer"] = 0
         memory["peak"] -= state
-        extra["host_bytes"] += state if p.offload_optimizer == "cpu" else 0
+        # the reduced gradients leave per bucket as they complete and accumulate on the host
+        # (offload/host_grads.py): the device keeps the buckets in flight, the host the held gradient
+        memory["peak"] += grads_in_flight - grads_at_peak
+        memory["grads"] = grads_in_flight
+        held = model_state["grads"] + grads_in_flight // 2   # + one staging bucket
+        extra["grads_at_peak"], extra["grads_in_flight"], extra["host_grads"] = grads_at_peak, grads_in_flight, held
+        extra["host_bytes"] += (state if p.offload_optimizer == "cpu" else 0) + held
         pcie = gpu.pcie_bytes_per_s * PCIE_EFFICIENCY
         extra["grads_down_s"], extra["params_up_s"] = 4 * shard_params / pcie, 2 * shard_params / pcie
         bucket = 4 * bucket_elems(p.dp * p.cp, p.bucket_size, p.bucket_size_mb)   # fp32 gradient bytes

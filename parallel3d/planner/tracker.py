@@ -8,13 +8,18 @@ Memory: every op's output storages are registered when first seen and released w
 gets a category when it is born:
   - storages already alive when tracking starts are the model state, classified by the caller
     (`classify`: params, grads, optimizer);
-  - storages allocated while `parallel3d.comm` is on the Python stack are communication buffers
+  - storages allocated while `parallel3d.comm` (or data_parallel/reduce.py, gloo's reduce-scatter) is
+    on the Python stack are communication buffers
     (gather outputs, receive buffers, reduction outputs in flight), unless autograd saves them for
     backward (a sequence-parallel all-gather's output kept by the next linear), which makes them
     activations;
   - storages allocated inside the optimizer's step, its gradient sync and its hooks that outlive the step
     are classified by the caller too (ZeRO-3 reduced shards are gradients);
-  - everything else allocated during the step is activations (saved tensors, temporaries, grads in flight).
+  - storages allocated by the gradient reduction's own allocator (`data_parallel.sync.grad_buffer`:
+    accumulation buffers, reduced segments) are gradients, whenever they are freed (ZeRO-2/3 free them
+    after each bucket's reduction, in the step);
+  - everything else allocated during the step is activations (saved tensors, temporaries, autograd's
+    parameter gradients before the optimizer's hook takes them).
 
 Compute: every op gets its FLOPs (torch.utils.flop_counter's formulas, the ones FlopCounterMode uses),
 its bytes read and written (tensor arguments and results, views cost nothing) and the wall time at which
@@ -74,14 +79,18 @@ class StepTracker(TorchDispatchMode):
     ops: list = field(default_factory=list)
     _index: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     _clock: int = 0
-    _comm_file: str = ""
+    _comm_files: tuple = ()
+    _grad_code: object = None
     _watched: list = field(default_factory=list)  # (weakref to storage, alloc index) polled for resizes
     syncs: Optional[HostSyncs] = None  # where blocking host-to-device copies onto the device are counted
 
     def __post_init__(self) -> None:
         super().__init__()
         import parallel3d.comm as comm_module
-        self._comm_file = comm_module.__file__
+        import parallel3d.data_parallel.reduce as reduce_module   # gloo's reduce-scatter receive buffers
+        from parallel3d.data_parallel.sync import grad_buffer
+        self._comm_files = (comm_module.__file__, reduce_module.__file__)
+        self._grad_code = grad_buffer.__code__
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def __enter__(self):
@@ -127,13 +136,16 @@ class StepTracker(TorchDispatchMode):
         self._clock += 1
         self.allocs[idx].died = self._clock
 
-    def _in_comm(self) -> bool:
+    def _born_as(self) -> str:
+        """The category of a storage born now, from who is on the Python stack (module docstring)."""
         frame = sys._getframe(2)
         while frame is not None:
-            if frame.f_code.co_filename == self._comm_file:
-                return True
+            if frame.f_code is self._grad_code:
+                return "grads"
+            if frame.f_code.co_filename in self._comm_files:
+                return "comm_buffers"
             frame = frame.f_back
-        return False
+        return "activations"
 
     def _poll_resizes(self) -> None:
         for ref, idx in self._watched:
@@ -156,7 +168,7 @@ class StepTracker(TorchDispatchMode):
         fresh = [t.untyped_storage() for t in outs if t.device.type == self.device_type]
         fresh = [s for s in fresh if s not in self._index]
         if fresh:
-            category = "comm_buffers" if self._in_comm() else "activations"
+            category = self._born_as()
             for s in fresh:
                 self._register(s, category)
         self._cost(func, args, kwargs, out, outs)
@@ -187,12 +199,15 @@ class StepTracker(TorchDispatchMode):
             if category is not None:
                 self.allocs[idx].category = category
 
-    def peak(self) -> tuple[int, dict[str, int]]:
-        """(peak live bytes, the live bytes per category at that moment)."""
+    def peak(self, exclude: tuple[str, ...] = ()) -> tuple[int, dict[str, int]]:
+        """(peak live bytes, the live bytes per category at that moment), not counting the categories in
+        `exclude` (the planner: the device peak once offload takes the gradients away)."""
         if self._watched:
             self._poll_resizes()
         events = []
         for a in self.allocs:
+            if a.category in exclude:
+                continue
             size = a.nbytes
             events.append((a.born, size))
             for when, new in a.resizes:
@@ -208,6 +223,8 @@ class StepTracker(TorchDispatchMode):
                 best, best_at = live, when
         split = dict.fromkeys(CATEGORIES, 0)
         for a in self.allocs:
+            if a.category in exclude:
+                continue
             if a.born <= best_at and (a.died is None or a.died > best_at):
                 split[a.category] += _size_at(a, best_at)
         return max(best, 0), split
