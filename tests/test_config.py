@@ -178,3 +178,10 @@ def test_fast_path_choices_are_refused_clearly():
     if importlib.util.find_spec("flash_attn") is None:
         with pytest.raises(ConfigError, match="pip install flash-attn"):
             make_config(["model.attention=flash_attn"], 1)
+
+
+def test_overlap_param_gather_needs_zero_1_or_2():
+    assert resolve_and_validate(cfg("parallel.zero=2", "parallel.overlap_param_gather=true"), 2).parallel.overlap_param_gather
+    for zero in (0, 3):
+        with pytest.raises(ConfigError, match="overlap_param_gather=true needs parallel.zero=1 or 2"):
+            resolve_and_validate(cfg(f"parallel.zero={zero}", "parallel.overlap_param_gather=true"), 2)

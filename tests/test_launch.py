@@ -59,7 +59,7 @@ def single_rank_log(tmp_path_factory):
 LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
            ["parallel.tp=1", "parallel.cp=2"],
            ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
-           ["parallel.tp=2", "parallel.zero=1"], ["parallel.tp=1", "parallel.zero=3"]]
+           ["parallel.tp=2", "parallel.zero=1", "parallel.overlap_param_gather=true"], ["parallel.tp=1", "parallel.zero=3"]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(x.split(".")[1] for x in l))

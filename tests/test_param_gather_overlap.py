@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import parallel3d.data_parallel as dp_pkg
 from ckpt_helpers import build_trainer, context_for, make_config
 from parallel3d.mesh import MeshSpec
 from test_dp_parity import BASE, S, SEED, check_parity, global_batches, reference, train
@@ -35,24 +34,11 @@ def test_overlapped_gathers_match_world_size_1(worlds, ref, zero, acc, chunks):
     check_parity(worlds.run(2, _worker, zero, acc, chunks), ref)
 
 
-def _trainer_with_overlap(w, overrides, steps):
-    plain = dp_pkg.DistributedOptimizer
-
-    class Overlapped(plain):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs, **OVERLAP)
-    dp_pkg.DistributedOptimizer = Overlapped   # what the Trainer imports when it builds its optimizer
-    try:
-        out = trainer_run(w, overrides, steps)
-    finally:
-        dp_pkg.DistributedOptimizer = plain
-    return out
-
-
 @pytest.mark.parametrize("zero", [1, 2])
 def test_overlapped_gathers_through_the_trainer(worlds, zero):
-    layout = [f"parallel.zero={zero}", "train.global_batch_size=4"]   # dp 2, 2 microbatches
-    check(worlds.run(2, _trainer_with_overlap, layout, 3), trainer_run(None, ["train.global_batch_size=4"], 3),
+    layout = [f"parallel.zero={zero}", "train.global_batch_size=4",   # dp 2, 2 microbatches
+              "parallel.overlap_param_gather=true"]
+    check(worlds.run(2, trainer_run, layout, 3), trainer_run(None, ["train.global_batch_size=4"], 3),
           "fp32")
 
 

@@ -86,6 +86,7 @@ class ParallelConfig:
     zero_quantized_gradients: bool = False  # ZeRO++ qgZ: gradient reduce-scatter as int8 all-to-all
     quant_block: int = 256       # values per quantisation scale (qwZ, qgZ)
     zero3_fp8_gather: bool = False  # ZeRO-3 gathers the fp8 linears' weights as e4m3 + scales (train.fp8 on)
+    overlap_param_gather: bool = False  # ZeRO-1/2: the step's parameter all-gathers run beside the next forward
     gpus_per_node: int = 8       # ranks per node (consecutive), for hpZ's intra-node groups
 
 

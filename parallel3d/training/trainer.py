@@ -137,7 +137,7 @@ class Trainer:
                                     compression_start_step=p.compression_start_step,
                                     quantized_weights=p.zero_quantized_weights, hpz=p.zero_hpz,
                                     quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block,
-                                    fp8_gather=p.zero3_fp8_gather)
+                                    fp8_gather=p.zero3_fp8_gather, overlap_param_gather=p.overlap_param_gather)
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:

@@ -100,6 +100,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
              f"got {p.bucket_size!r}")
     _require(p.bucket_size_mb >= 0, f"parallel.bucket_size_mb must be >= 0 (0: unset, parallel.bucket_size "
                                     f"applies), got {p.bucket_size_mb}")
+    _require(not p.overlap_param_gather or p.zero in (1, 2),
+             f"parallel.overlap_param_gather=true needs parallel.zero=1 or 2 (the gathers after the step), got "
+             f"parallel.zero={p.zero} (ZeRO-3 already gathers around each unit's use)")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
     _choice(t.precision, "train.precision", CHOICES["train.precision"])
