@@ -20,7 +20,7 @@ counted from the live tensors: FSDP2's DTensor shards by their local part) and t
 (CUDA: max_memory_allocated; CPU: growth of the process's peak RSS, coarse). Every implementation
 runs in a freshly spawned world so peak RSS is its own. Ratios compare ours with the PyTorch built-in of
 the same memory class: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 (> 1 means ours is faster / smaller).
-Timings are never asserted anywhere (DESIGN.md 5).
+Timings are never asserted anywhere (docs/architecture.md section 4).
 """
 from __future__ import annotations
 

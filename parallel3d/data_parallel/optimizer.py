@@ -11,7 +11,7 @@ Trainer protocol, per optimizer step:
     ok = opt.step(lr)               # False (on every rank) if some gradient is inf/nan
 
 Gradients are summed over DP x CP (dense) or expert-DP (meta.expert), never averaged: the loss is
-already normalised by the global token count (DESIGN.md 2; `grads.reduce_gradients` is the reference).
+already normalised by the global token count (docs/architecture.md section 2.2; `grads.reduce_gradients` is the reference).
 
     zero  gradient reduction per bucket       after reduction keeps   optimizer state    params
     0     all-reduce                          full buffer             full (every rank)   full
