@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+import torch
+
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
@@ -180,11 +182,20 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
                  "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
-                 "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels}
+                 "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels,
+                 "action_s": {f"{kind}.{chunk}": c.time_s for (kind, chunk), c in worst_run.actions.items()}}
     return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,
-                step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * gpu.peak_flops["bf16"]),
+                step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * peak_for(gpu, t.precision)),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
                 bubble=float(timeline.bubble_fraction))
+
+
+def peak_for(gpu: GPU, precision: str) -> float:
+    """The MFU denominator: the dense peak at the training precision (16-bit and fp8 runs: bf16's, as
+    published MFUs use; fp32: the rate fp32 matmuls run at, TF32 on a GPU), as the run's MFU does."""
+    if precision == "fp32":
+        return gpu.peak(torch.float32)
+    return gpu.peak_flops["bf16"]
 
 
 def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:
