@@ -70,6 +70,8 @@ def test_ranks_sharing_cores_are_priced_as_they_run(tmp_path):
     assert four.op_overhead_s == pytest.approx(2 * two.op_overhead_s)
     assert two.host_adam_params_per_s == pytest.approx(3e8) and four.host_adam_params_per_s == pytest.approx(1.5e8)
     assert two.collectives["all_reduce"] == tuple(LINK) and two.reserved_bytes == 300 * 2 ** 20
+    # gloo's threads hide communication only where a core is left for them
+    assert not two.overlaps_comm and not four.overlaps_comm and profile.cpu_device(1, path=path).overlaps_comm
     from parallel3d.planner.cost import matmul_seconds, op_time
     import torch
     # a matmul costs what the measured matmul of the same FLOPs took (log-log between points)

@@ -187,7 +187,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU) -> 
             grad_sync += seconds      # once per step, not per microbatch: estimate.plan overlaps it
         else:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
-            if base_group(group) in OVERLAPPED_GROUPS:
+            if base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm:
                 c.overlapped_comm_s += seconds
             else:
                 c.blocking_comm_s += seconds

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -110,18 +111,29 @@ def _reduced(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
-         device: str = "meta") -> Plan:
-    """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes."""
+         device: str = "meta", cache: Optional[dict] = None) -> Plan:
+    """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes. `cache`: a dict
+    kept across calls, so plans whose dry runs are the same (layouts differing only in offload, which
+    the stand-in runs without) share them."""
     p, t = cfg.parallel, cfg.train
     run_cfg = _reduced(without_offload(cfg))  # the stand-in cannot copy to the host: offload.py
+
+    def role(rank: int) -> RoleRun:
+        key = (repr(run_cfg), rank, repr(gpu), gpus_per_node, device)
+        if cache is None:
+            return run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+        if key not in cache:
+            cache[key] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+        return cache[key]
+
     by_pp = role_ranks(cfg)
     runs: dict[int, RoleRun] = {}
     for rank in sorted(set(by_pp.values())):
-        runs[rank] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+        runs[rank] = role(rank)
     world = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).world_size
     last_rank = world - 1
     if last_rank not in runs:
-        runs[last_rank] = run_role(run_cfg, last_rank, stage_builder, gpu, gpus_per_node, device)
+        runs[last_rank] = role(last_rank)
     stage_run = {r: runs[by_pp[r]] for r in range(p.pp)}
     stage_run[p.pp - 1] = runs[last_rank]
 
@@ -141,7 +153,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
         last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
                              if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
-        return run.outside.time_s + exposed(run.grad_sync_s, last_backward)
+        return run.outside.time_s + exposed(run.grad_sync_s, last_backward if gpu.overlaps_comm else 0.0)
 
     outside = max(tail(run) for run in stage_run.values())
     offload: dict = {}

@@ -63,6 +63,9 @@ class GPU:
     matmul_curves: Optional[dict] = None
     op_overhead_s: float = 0.0
     collectives: Optional[dict] = None
+    # whether communication can run beside compute (a GPU's copy engines and NCCL's SMs; on a CPU, only
+    # when a core is left over for gloo's threads: ranks >= cores serialise them with the compute)
+    overlaps_comm: bool = True
 
     @property
     def usable_bytes(self) -> float:

@@ -23,7 +23,10 @@ divides the threads by the local world size), so every rate is measured on one t
   - the process's resident memory before any model exists (Python, torch, gloo): the CPU's analogue of the
     CUDA context, added to the planned peak so it compares with the run's peak RSS.
 Ranks sharing cores (world > cores) are priced as they run: the compute rates (matmul, bandwidth,
-per-op overhead) are scaled by cores / world, and the collectives are measured at that world size.
+per-op overhead) are scaled by cores / world, and the collectives are measured at that world size. gloo
+moves data on its own threads, which overlap with the compute only where a core is left for them (cores >
+world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
+prefetch, gradient reduction) with the compute.
 
 Cache: $XDG_CACHE_HOME/parallel3d (default ~/.cache/parallel3d)/hardware-<host>-<cores>c.json, with the
 gloo figures per world size; `--reprofile` measures again.
@@ -286,4 +289,5 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
                matmul_curves=curves, op_overhead_s=c["op_overhead_s"] / share, collectives=links,
-               host_adam_params_per_s=c["host_adam_params_per_s"] * share)
+               host_adam_params_per_s=c["host_adam_params_per_s"] * share,
+               overlaps_comm=profile["cores"] > world)
