@@ -87,7 +87,7 @@ TITAN = [  # (name, config, world, overrides, published tokens/s per GPU)
       "train.activation_checkpointing=selective"], 5605),
     ("Llama 3.1 70B, 256 H100 FSDP32 x TP8", "llama3_70b", 256,
      ["parallel.tp=8", "parallel.pp=1", "parallel.sp=true", "parallel.zero=3", "parallel.dp=0",
-      "train.seq_len=8192", "train.micro_batch_size=16", "train.global_batch_size=512",
+      "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train.seq_len=8192", "train.micro_batch_size=16", "train.global_batch_size=512",
       "train.activation_checkpointing=full", "train.fp8=tensorwise"], 829),
     ("Llama 3.1 405B, 512 H100 FSDP8 x TP8 x PP8 interleaved", "llama3_405b", 512,
      ["parallel.tp=8", "parallel.pp=8", "parallel.sp=true", "parallel.zero=3", "parallel.dp=0",
@@ -97,14 +97,16 @@ TITAN = [  # (name, config, world, overrides, published tokens/s per GPU)
 ]
 SIZES = [  # Llama-shaped models for one GPU: (name, config, overrides)
     ("Llama-3.2-3B shape (3.2B)", "llama3_8b", ["model.hidden_size=3072", "model.num_layers=28",
-                                                 "model.num_heads=24", "model.ffn_hidden_size=8192"]),
+                                                 "model.num_heads=24", "model.ffn_hidden_size=8192",
+                                                 "model.tie_embeddings=true"]),
     ("Llama-3-8B", "llama3_8b", []),
-    ("13B (h 5120, 40 layers)", "llama3_8b", ["model.hidden_size=5120", "model.num_layers=40",
+    ("12.3B (h 5120, 40 layers)", "llama3_8b", ["model.hidden_size=5120", "model.num_layers=40",
                                               "model.num_heads=40", "model.ffn_hidden_size=13824"]),
-    ("34B (h 8192, 48 layers)", "llama3_70b", ["model.num_layers=48", "model.ffn_hidden_size=22016"]),
+    ("35.3B (h 8192, 48 layers)", "llama3_70b", ["model.num_layers=48", "model.ffn_hidden_size=22016"]),
     ("Llama-3-70B", "llama3_70b", []),
 ]
-ONE_GPU = ["parallel.tp=1", "parallel.pp=1", "parallel.sp=false", "parallel.dp=0", "train.seq_len=4096",
+ONE_GPU = ["parallel.tp=1", "parallel.pp=1", "parallel.sp=false", "parallel.dp=0", "parallel.schedule=1f1b",
+           "parallel.virtual_stages=1", "train.seq_len=4096",
            "train.micro_batch_size=1", "train.global_batch_size=1", "train.activation_checkpointing=full"]
 OFFLOAD_MODES = [
     ("none", ["parallel.zero=0"]),
@@ -151,27 +153,43 @@ def llama3(rows: list) -> None:
 
 
 def llama3_fit(rows: list) -> None:
+    """8,192 GPUs: every candidate; 16,384 GPUs (a smaller ZeRO-1 shard, the same activations in flight):
+    the two fastest that fit at 8,192, then the rest only if neither fits."""
     print("\n## Llama 3 405B within TP8 PP16: the fastest configuration that fits in 80 GB")
     if not HAS_RECOMPUTE_LAYERS:
         print("(train.recompute_layers does not exist in this checkout: that dimension is skipped)")
-    layers = (0, 2, 4, 8) if HAS_RECOMPUTE_LAYERS else (0,)
+    candidates = []
+    for schedule, v in (("interleaved", 2), ("1f1b", 1)):
+        for ac, n in (("selective", 0), ("selective", 4), ("selective", 8), ("full", 0)):
+            if n and not HAS_RECOMPUTE_LAYERS:
+                continue
+            ov = L3 + [f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+                       f"train.activation_checkpointing={ac}"]
+            candidates.append(ov + ([f"train.recompute_layers={n}"] if HAS_RECOMPUTE_LAYERS else []))
+    fitting_at_8192: list = []
     for name, world, _, mfu in LLAMA3:
+        order = candidates
+        if fitting_at_8192:
+            order = fitting_at_8192[:2] + [c for c in candidates if c not in fitting_at_8192[:2]]
         best = None
-        for schedule, v in (("interleaved", 2), ("1f1b", 1)):
-            for ac in ("selective", "full"):
-                for n in (layers if ac != "full" else (0,)):
-                    ov = L3 + [f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-                               f"train.activation_checkpointing={ac}"]
-                    ov += [f"train.recompute_layers={n}"] if HAS_RECOMPUTE_LAYERS else []
-                    try:
-                        r = run_plan("llama3_405b", world, ov, H100)
-                    except (ConfigError, ValueError, DryRunError) as e:
-                        print(f"  {schedule} v={v} {ac} recompute_layers={n}: refused: {e}")
-                        continue
-                    print(f"  {schedule} v={v} {ac} recompute_layers={n}: MFU {r.mfu:.1%} peak "
-                          f"{r.memory['peak'] / GiB:.1f} GiB fits {r.fits}", flush=True)
-                    if r.fits and (best is None or r.mfu > best[0].mfu):
-                        best = (r, ov)
+        for i, ov in enumerate(order):
+            if best is not None and world != 8192 and i >= 2:
+                break
+            short = " ".join(o.split(".", 1)[1] for o in ov[len(L3):])
+            try:
+                r = run_plan("llama3_405b", world, ov, H100)
+            except (ConfigError, ValueError, DryRunError) as e:
+                print(f"  {world}: {short}: refused: {e}")
+                continue
+            print(f"  {world}: {short}: MFU {r.mfu:.1%} peak {r.memory['peak'] / GiB:.1f} GiB fits {r.fits}",
+                  flush=True)
+            if r.fits:
+                if world == 8192:
+                    fitting_at_8192.append((r.mfu, ov))
+                if best is None or r.mfu > best[0].mfu:
+                    best = (r, ov)
+        if world == 8192:
+            fitting_at_8192 = [ov for _, ov in sorted(fitting_at_8192, key=lambda x: -x[0])]
         if best is None:
             print(f"{name}: no configuration within TP8 PP16 fits in 80 GB")
             rows.append({"group": "llama3-fit", "name": name, "published_mfu": mfu, "mfu": None, "fits": False})
