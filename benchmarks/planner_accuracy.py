@@ -11,6 +11,8 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     measured (from the run's timeline JSON), so a gross error can be put on a component;
   - predicted peak memory (the plan's worst rank plus the process's resident memory before the model,
     measured by the profile) and measured (rank 0's peak RSS, what a CPU run logs as peak_mem_bytes);
+  - the share of a core each rank got during its run (children's CPU seconds over wall seconds x ranks):
+    1 on a quiet machine; under load the measured times stretch by about its inverse (a diagnostic only);
   - per model, whether the ranking of layouts by predicted time matches the measured ranking, and
     whether the planner's best layout is the measured best or within 10% of it.
 The header records the load average (os.getloadavg) before and after, the commit and the profile used:
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -89,12 +92,17 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str)
            str(ROOT / "launch/pretrain.py"), "--config", str(ROOT / config), *overrides, f"train.steps={steps}",
            f"log.jsonl={jsonl}", f"log.timeline={timeline}", "log.timeline_step=-1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if out.returncode != 0:
         raise RuntimeError(f"{name}: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     run = read_run(str(jsonl), str(timeline) if timeline.exists() else None)
+    # the share of a core each rank got over the run (start-up included): 1 on a quiet machine with a core
+    # per rank; under load the measured times are stretched by about its inverse (a diagnostic, not used)
     row = {"measured_s": run["step_time_s"], "measured_peak_bytes": run["peak_mem_bytes"],
-           "measured_bubble": run.get("bubble")}
+           "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * WORLD))}
     if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
         last = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()][-1]
         row["measured_pipeline_s"] = run["pipeline_s"]
@@ -175,7 +183,8 @@ def _print_row(r: dict) -> None:
           f" / {ms(r.get('measured_pipeline_s'))} ms, after it {ms(r['predicted_after_s'])} / "
           f"{ms(r.get('measured_after_s'))} ms | peak {r['predicted_peak_bytes'] / 2**20:.0f} / "
           f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "
-          f"| plan took {r['plan_s']:.1f} s | load {r['load_average']:.1f}", flush=True)
+          f"| plan took {r['plan_s']:.1f} s | load {r['load_average']:.1f}, each rank got {r['cpu_share']:.0%} of a core "
+          f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms)", flush=True)
 
 
 if __name__ == "__main__":
