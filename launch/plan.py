@@ -43,8 +43,10 @@ def _table(result: Plan, gpu, world: int) -> str:
     lines = ["layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
              "memory of the worst rank (GiB): " + "  ".join(
                  f"{k} {result.memory[k] / GiB:.2f}" for k in MEMORY_KEYS),
-             f"fits: {'yes' if result.fits else 'NO'} (peak vs the GPU's memory less "
-             f"{gpu.reserved_bytes / GiB:.0f} GiB for the CUDA context, workspaces and NCCL buffers)",
+             f"fits: {'yes' if result.fits else 'NO'} (peak vs the device's memory less "
+             f"{gpu.reserved_bytes / GiB:.2f} GiB for " + ("the process before the model: Python, torch, gloo)"
+                                                          if gpu.matmul_curves else
+                                                          "the CUDA context, workspaces and NCCL buffers)"),
              f"step time {result.step_time_s:.3f} s   tokens/s {result.tokens_per_s:,.0f}   "
              f"MFU {100 * result.mfu:.1f}%   pipeline bubble {100 * result.bubble:.1f}%"]
     b = result.breakdown
@@ -86,13 +88,10 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come before or after options
     try:
-        if args.gpu.lower() == "cpu":
-            from parallel3d.planner.profile import cpu_device
-            gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))
-        else:
-            gpu = find_gpu(args.gpu)
-        if args.compare and not os.path.isfile(args.compare):
-            raise ConfigError(f"--compare {args.compare}: the file does not exist")
+        gpu = None if args.gpu.lower() == "cpu" else find_gpu(args.gpu)
+        for flag, path in (("--compare", args.compare), ("--timeline", args.timeline)):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: the file does not exist")
         if args.timeline and not args.compare:
             raise ConfigError("--timeline goes with --compare RUN_JSONL (the run it belongs to)")
         if not os.path.isfile(args.config):
@@ -101,6 +100,9 @@ def main(argv=None) -> None:
         if args.gpus_per_node is not None:  # one owner: the mesh's node size (hpZ groups) is the planner's
             overrides.append(f"parallel.gpus_per_node={args.gpus_per_node}")
         cfg = load_config(args.config, overrides, ModelConfig)
+        if gpu is None:  # this machine, measured once and cached (the config is checked first)
+            from parallel3d.planner.profile import cpu_device
+            gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))
         args.gpus_per_node = cfg.parallel.gpus_per_node
         if args.search:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
