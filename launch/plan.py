@@ -1,13 +1,19 @@
 """Plan a layout before spending a GPU-hour: the real training step dry-run on one CPU (no torchrun).
 
-    python launch/plan.py --config configs/llama3_70b.yaml --world-size 64 [--gpu h100] \\
-        [--gpus-per-node 8] [key=value ...] [--json] [--search]
+    python launch/plan.py --config configs/llama3_70b.yaml --world-size 64 [--gpu h100|cpu] \\
+        [--gpus-per-node 8] [key=value ...] [--json] [--search [--max-candidates N]] \\
+        [--compare run.jsonl [--timeline timeline.json]] [--reprofile]
 
 Builds and steps one rank of each role of the layout on the `meta` stand-in device (parallel3d/planner),
 then prints memory per rank (parameters, gradients, optimizer state, activations, communication buffers),
 step time, tokens/s, MFU and bytes per group. `--json`: the last stdout line is one JSON object.
-`--search`: every valid layout for the world size (parallel3d/planner/search.py), those that do not fit
-dropped, best first (with `--json`: the last line is a JSON list).
+`--search`: the valid layouts for the world size (parallel3d/planner/search.py) in a cheap analytic order,
+dry-run until `--max-candidates` (default 8) fit, best first (with `--json`: the last line is a JSON list);
+`--max-candidates 0` dry-runs every valid layout. A progress line goes to stderr.
+`--gpu cpu`: this machine, measured by short microbenchmarks the first time and cached
+(parallel3d/planner/profile.py; `--reprofile` measures again).
+`--compare run.jsonl`: the plan beside a real run of the same config and overrides, per component
+(parallel3d/planner/compare.py); `--timeline` adds the run's log.timeline JSON.
 """
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fail, stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.dryrun import DryRunError  # noqa: E402
+from parallel3d.planner.compare import read_run, table as compare_table  # noqa: E402
 from parallel3d.planner.estimate import MEMORY_KEYS, Plan, plan  # noqa: E402
 from parallel3d.planner.hardware import GPUS, gpu as find_gpu  # noqa: E402
-from parallel3d.planner.search import search  # noqa: E402
+from parallel3d.planner.search import DEFAULT_MAX_CANDIDATES, search  # noqa: E402
 from parallel3d.training.config import ConfigError, load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 
@@ -36,8 +43,10 @@ def _table(result: Plan, gpu, world: int) -> str:
     lines = ["layout: " + " ".join(f"{k}={v}" for k, v in lay.items()) + f"  (world {world}, {gpu.name})",
              "memory of the worst rank (GiB): " + "  ".join(
                  f"{k} {result.memory[k] / GiB:.2f}" for k in MEMORY_KEYS),
-             f"fits: {'yes' if result.fits else 'NO'} (peak vs the GPU's memory less "
-             f"{gpu.reserved_bytes / GiB:.0f} GiB for the CUDA context, workspaces and NCCL buffers)",
+             f"fits: {'yes' if result.fits else 'NO'} (peak vs the device's memory less "
+             f"{gpu.reserved_bytes / GiB:.2f} GiB for " + ("the process before the model: Python, torch, gloo)"
+                                                          if gpu.matmul_curves else
+                                                          "the CUDA context, workspaces and NCCL buffers)"),
              f"step time {result.step_time_s:.3f} s   tokens/s {result.tokens_per_s:,.0f}   "
              f"MFU {100 * result.mfu:.1f}%   pipeline bubble {100 * result.bubble:.1f}%"]
     b = result.breakdown
@@ -65,24 +74,35 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Dry-run a layout (or search all of them) on one CPU.")
     parser.add_argument("--config", required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}, or cpu (this machine, measured)")
+    parser.add_argument("--reprofile", action="store_true", help="--gpu cpu: measure this machine again")
+    parser.add_argument("--compare", metavar="RUN_JSONL", help="a real run's log.jsonl to print beside the plan")
+    parser.add_argument("--timeline", metavar="TIMELINE_JSON", help="--compare: the run's log.timeline .json")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs per node (NVLink domain); default parallel.gpus_per_node (8)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--search", action="store_true")
-    parser.add_argument("--max-candidates", type=int, default=0,
-                        help="--search: stop once this many layouts fit (at most 4x as many dry runs, in the "
-                             "prior's order; 0: dry-run every valid layout)")
+    parser.add_argument("--max-candidates", type=int, default=DEFAULT_MAX_CANDIDATES,
+                        help="--search: dry-run the layouts in the analytic prior's order until this many fit "
+                             f"(at most 2x as many dry runs; default {DEFAULT_MAX_CANDIDATES}); 0: dry-run every valid layout")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come before or after options
     try:
-        gpu = find_gpu(args.gpu)
+        gpu = None if args.gpu.lower() == "cpu" else find_gpu(args.gpu)
+        for flag, path in (("--compare", args.compare), ("--timeline", args.timeline)):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: the file does not exist")
+        if args.timeline and not args.compare:
+            raise ConfigError("--timeline goes with --compare RUN_JSONL (the run it belongs to)")
         if not os.path.isfile(args.config):
             raise ConfigError(f"config file {args.config} does not exist")
         overrides = list(args.overrides)
         if args.gpus_per_node is not None:  # one owner: the mesh's node size (hpZ groups) is the planner's
             overrides.append(f"parallel.gpus_per_node={args.gpus_per_node}")
         cfg = load_config(args.config, overrides, ModelConfig)
+        if gpu is None:  # this machine, measured once and cached (the config is checked first)
+            from parallel3d.planner.profile import cpu_device
+            gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))
         args.gpus_per_node = cfg.parallel.gpus_per_node
         if args.search:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
@@ -96,9 +116,13 @@ def main(argv=None) -> None:
             return
         cfg = resolve_and_validate(cfg, args.world_size)
         result = plan(cfg, stage_builder, gpu, args.gpus_per_node)
+        run = read_run(args.compare, args.timeline) if args.compare else None
     except (ConfigError, ValueError, DryRunError) as e:
         fail(str(e))
     print(_table(result, gpu, args.world_size))
+    if run is not None:
+        print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians after the first):")
+        print(compare_table(result, run, gpu.reserved_bytes))
     if args.json:
         print(json.dumps(result.to_json()))
 

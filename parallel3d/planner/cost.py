@@ -1,7 +1,10 @@
 """The cost model, as plain functions: a roofline per op and an alpha-beta model per collective.
 
 Op time = max(FLOPs / (peak(dtype) * matmul efficiency), bytes moved / (HBM * memory efficiency)): a
-matmul is compute-bound, an element-wise op or a norm is bandwidth-bound, and nothing is free.
+matmul is compute-bound, an element-wise op or a norm is bandwidth-bound, and nothing is free. On a
+measured device (profile.py, `--gpu cpu`) a matmul costs what the measured matmul of the same FLOPs took
+(small matmuls run far below the peak there) and every op adds the host's per-op overhead (eager
+dispatch and autograd, which a GPU hides behind its queue and a CPU cannot).
 
 Collective time (ring algorithms, as NCCL runs them for large messages), with n ranks, the logical bytes
 comm.py records (see its docstring) and the group's link (NVLink when every rank of the group sits in
@@ -17,17 +20,58 @@ one node of `gpus_per_node` GPUs, the network otherwise):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
+
+import torch
 
 from parallel3d.planner.hardware import GPU
 
 
-def op_time(flops: float, nbytes: float, peak_flops: float, gpu: GPU, occupancy: float = 1.0) -> float:
+def op_time(flops: float, nbytes: float, peak_flops: float, gpu: GPU, occupancy: float = 1.0,
+            dtype: Optional[torch.dtype] = None, name: str = "") -> float:
     """Roofline time of one op. `occupancy` (0, 1] derates a kernel whose occupancy limits how much of
-    the SM it can use (kernel_report's figures)."""
-    compute = flops / (peak_flops * gpu.matmul_efficiency * occupancy) if flops else 0.0
+    the SM it can use (kernel_report's figures). `dtype` and the op's `name` pick a measured curve."""
+    curve = _curve(gpu, dtype, name) if flops else None
+    if curve is not None:
+        compute = matmul_seconds(flops, curve)
+    else:
+        compute = flops / (peak_flops * gpu.matmul_efficiency * occupancy) if flops else 0.0
     memory = nbytes / (gpu.hbm_bytes_per_s * gpu.memory_efficiency)
-    return max(compute, memory)
+    return max(compute, memory) + gpu.op_overhead_s
+
+
+def _curve(gpu: GPU, dtype: Optional[torch.dtype], name: str):
+    """The measured curve of an op: its own (attention) where measured, else the matmul's of its dtype."""
+    if not gpu.matmul_curves:
+        return None
+    if name in gpu.matmul_curves:
+        return gpu.matmul_curves[name]
+    key = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+    return gpu.matmul_curves.get(key)
+
+
+def matmul_seconds(flops: float, curve: Sequence[tuple[float, float]]) -> float:
+    """Seconds of a matmul of `flops` from measured (FLOPs, seconds) points, log-log interpolated; past the
+    largest point at its rate, below the smallest at its time (latency-bound)."""
+    pts = sorted(curve)
+    if flops <= pts[0][0]:
+        return pts[0][1]
+    for (f0, s0), (f1, s1) in zip(pts, pts[1:]):
+        if flops <= f1:
+            w = math.log(flops / f0) / math.log(f1 / f0)
+            return math.exp(math.log(s0) + w * (math.log(s1) - math.log(s0)))
+    f, s = pts[-1]
+    return flops * s / f
+
+
+def collective_seconds(op: str, nbytes: float, ranks: Sequence[int], gpus_per_node: int, gpu: GPU) -> float:
+    """One collective over `ranks`: the measured (alpha, beta) of this op where the device has them
+    (gloo on this machine), else the group's link."""
+    if gpu.collectives and op in gpu.collectives:
+        alpha, beta = gpu.collectives[op]
+    else:
+        alpha, beta = link(ranks, gpus_per_node, gpu)
+    return collective_time(op, nbytes, len(ranks), alpha, beta)
 
 
 def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:

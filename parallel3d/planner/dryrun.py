@@ -28,7 +28,7 @@ from torch import nn
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
-from parallel3d.planner.cost import collective_time, exposed, link, op_time
+from parallel3d.planner.cost import collective_seconds, exposed, op_time
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
 from parallel3d.planner.tracker import CATEGORIES, StepTracker
@@ -116,8 +116,8 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
 
     def on_collective(group: str, op: str, nbytes: int) -> None:
         g = groups[base_group(group)]
-        alpha, beta = link(g.ranks, gpus_per_node, gpu)
-        events.append((time.perf_counter(), group, op, collective_time(op, nbytes, g.size, alpha, beta), nbytes))
+        events.append((time.perf_counter(), group, op, collective_seconds(op, nbytes, g.ranks, gpus_per_node, gpu),
+                       nbytes))
 
     ctx.stats.listener = on_collective
     try:
@@ -187,7 +187,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             if found is not None:
                 factor, warps = found
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
-        c.compute_s += op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor)
+        c.compute_s += op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.flops += op.flops
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
@@ -201,7 +201,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             grad_sync += seconds      # once per step, not per microbatch: estimate.plan overlaps it
         else:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
-            if base_group(group) in OVERLAPPED_GROUPS:
+            if base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm:
                 c.overlapped_comm_s += seconds
             else:
                 c.blocking_comm_s += seconds

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 from parallel3d.host_sync import PER_LAYER
 from parallel3d.mesh import MeshSpec
@@ -110,18 +113,29 @@ def _reduced(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
-         device: str = "meta") -> Plan:
-    """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes."""
+         device: str = "meta", cache: Optional[dict] = None) -> Plan:
+    """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes. `cache`: a dict
+    kept across calls, so plans whose dry runs are the same (layouts differing only in offload, which
+    the stand-in runs without) share them."""
     p, t = cfg.parallel, cfg.train
     run_cfg = _reduced(without_offload(cfg))  # the stand-in cannot copy to the host: offload.py
+
+    def role(rank: int) -> RoleRun:
+        key = (repr(run_cfg), rank, repr(gpu), gpus_per_node, device)
+        if cache is None:
+            return run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+        if key not in cache:
+            cache[key] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+        return cache[key]
+
     by_pp = role_ranks(cfg)
     runs: dict[int, RoleRun] = {}
     for rank in sorted(set(by_pp.values())):
-        runs[rank] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+        runs[rank] = role(rank)
     world = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).world_size
     last_rank = world - 1
     if last_rank not in runs:
-        runs[last_rank] = run_role(run_cfg, last_rank, stage_builder, gpu, gpus_per_node, device)
+        runs[last_rank] = role(last_rank)
     stage_run = {r: runs[by_pp[r]] for r in range(p.pp)}
     stage_run[p.pp - 1] = runs[last_rank]
 
@@ -141,7 +155,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
         last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
                              if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
-        return run.outside.time_s + exposed(run.grad_sync_s, last_backward)
+        return run.outside.time_s + exposed(run.grad_sync_s, last_backward if gpu.overlaps_comm else 0.0)
 
     outside = max(tail(run) for run in stage_run.values())
     offload: dict = {}
@@ -183,9 +197,10 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
                  "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
-                 "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels}
+                 "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels,
+                 "action_s": {f"{kind}.{chunk}": c.time_s for (kind, chunk), c in worst_run.actions.items()}}
     return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,
-                step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * gpu.peak_flops["bf16"]),
+                step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * peak_for(gpu, t.precision)),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
                 bubble=float(timeline.bubble_fraction), host_syncs=_scale_syncs(stage_run.values(), m, m_run))
 
@@ -200,6 +215,14 @@ def _scale_syncs(runs, m: int, m_run: int) -> dict:
                 out[key] = max(out.get(key, 0), n * m // m_run if key in PER_LAYER else n)
     out["total"] = sum(out.values())
     return out
+
+
+def peak_for(gpu: GPU, precision: str) -> float:
+    """The MFU denominator: the dense peak at the training precision (16-bit and fp8 runs: bf16's, as
+    published MFUs use; fp32: the rate fp32 matmuls run at, TF32 on a GPU), as the run's MFU does."""
+    if precision == "fp32":
+        return gpu.peak(torch.float32)
+    return gpu.peak_flops["bf16"]
 
 
 def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:

@@ -19,12 +19,25 @@ Achievable fractions (the efficiencies), with their basis:
     all-reduces on DGX H100 (~360 of 450 GB/s) and across NDR (~45 of 50 GB/s);
   latency alpha: 10 us per collective step inside a node, 20 us across nodes (nccl-tests small-message
     latency is 10-30 us). PCIe Gen5 x16 (host offload) 64 GB/s nominal, 0.8 of it.
+Host AdamW (optimizer offload): the update the code runs (data_parallel/adamw.py `adamw_flat_`, exact
+  torch arithmetic, not a vectorised CPU-Adam) at the threads a rank gets: torchrun sets OMP_NUM_THREADS=1
+  and launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
+  `HOST_ADAM_PARAMS_PER_S_PER_THREAD`, measured on this project's CPU machine (2026-11-25, 4M-element
+  state, quiet: 0.24-0.36 G params/s; profile.py measures it again for `--gpu cpu`).
+The peaks are parallel3d/hardware.py's table, which the run's MFU uses too. `--gpu cpu` is this machine,
+measured (profile.py), with efficiencies 1 (the rates are achieved rates).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from parallel3d.hardware import PEAK_FLOPS
+
+HOST_ADAM_PARAMS_PER_S_PER_THREAD = 0.3e9
+HOST_THREADS_PER_RANK = 1
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,15 @@ class GPU:
     network_latency_s: float = 20e-6
     sm_count: int = 132
     reserved_bytes: float = 2 * 2**30  # CUDA context, cuBLAS workspaces and NCCL channel buffers (~1-2 GiB)
+    host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S_PER_THREAD * HOST_THREADS_PER_RANK
+    # measured devices only (profile.py): seconds per matmul by FLOPs and dtype, per-op overhead, and
+    # (alpha, beta) per collective op instead of the link's
+    matmul_curves: Optional[dict] = None
+    op_overhead_s: float = 0.0
+    collectives: Optional[dict] = None
+    # whether communication can run beside compute (a GPU's copy engines and NCCL's SMs; on a CPU, only
+    # when a core is left over for gloo's threads: ranks >= cores serialise them with the compute)
+    overlaps_comm: bool = True
 
     @property
     def usable_bytes(self) -> float:
@@ -53,21 +75,27 @@ class GPU:
     def peak(self, dtype: torch.dtype) -> float:
         """Dense peak for a matmul whose inputs have `dtype` (fp32 matmuls use TF32 tensor cores, as
         torch.backends.cuda.matmul.allow_tf32 / Megatron do)."""
-        key = {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "tf32",
-               torch.float64: "fp64"}.get(dtype, "fp8" if "float8" in str(dtype) else "bf16")
-        return self.peak_flops.get(key, self.peak_flops["bf16"])
+        return self.peak_flops.get(dtype_key(dtype), self.peak_flops["bf16"])
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "tf32",
+            torch.float64: "fp64"}.get(dtype, "fp8" if "float8" in str(dtype) else "bf16")
 
 
 GB = 1e9
+
+
+def _peaks(key: str) -> dict:
+    return {k: v for k, v in PEAK_FLOPS[key].items() if k != "fp16"}
+
+
 GPUS: dict[str, GPU] = {
-    "a100": GPU("A100-SXM4-80GB", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12},
-                2.039e12, 80 * 2**30, 300 * GB, 25 * GB, pcie_bytes_per_s=32e9, sm_count=108),
-    "h100": GPU("H100-SXM5-80GB", {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 67e12,
-                                   "fp64": 67e12}, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB),
-    "h200": GPU("H200-SXM-141GB", {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 67e12,
-                                   "fp64": 67e12}, 4.8e12, 141e9, 450 * GB, 50 * GB),
-    "b200": GPU("B200-SXM-180GB", {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1100e12, "fp32": 80e12,
-                                   "fp64": 40e12}, 8.0e12, 180e9, 900 * GB, 50 * GB, sm_count=148),
+    "a100": GPU("A100-SXM4-80GB", _peaks("a100"), 2.039e12, 80 * 2**30, 300 * GB, 25 * GB,
+                pcie_bytes_per_s=32e9, sm_count=108),
+    "h100": GPU("H100-SXM5-80GB", _peaks("h100"), 3.35e12, 80 * 2**30, 450 * GB, 50 * GB),
+    "h200": GPU("H200-SXM-141GB", _peaks("h200"), 4.8e12, 141e9, 450 * GB, 50 * GB),
+    "b200": GPU("B200-SXM-180GB", _peaks("b200"), 8.0e12, 180e9, 900 * GB, 50 * GB, sm_count=148),
 }
 
 
@@ -75,5 +103,6 @@ def gpu(name: str) -> GPU:
     key = name.lower().replace("-", "").replace("_", "")
     key = {"a10080gb": "a100", "h100sxm": "h100", "h100sxm5": "h100"}.get(key, key)
     if key not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; the planner knows {', '.join(GPUS)}")
+        raise ValueError(f"unknown GPU {name!r}; the planner knows {', '.join(GPUS)} and cpu (this machine, "
+                         f"measured: launch/plan.py --gpu cpu)")
     return GPUS[key]

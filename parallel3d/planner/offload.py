@@ -22,8 +22,8 @@ The stand-in device cannot copy to the host (meta tensors hold no values), so a 
 
 Rates, with their basis (per GPU; a DGX-class node shares its host among 8 GPUs):
   PCIe Gen4/Gen5 x16: `GPU.pcie_bytes_per_s` at 80% (pinned-memory copy benchmarks);
-  host AdamW: 4e9 parameters/s per node (the ZeRO-Offload paper's CPU-Adam on a two-socket server, ~0.25 s
-    per 1B parameters) shared by 8 GPUs;
+  host AdamW: `GPU.host_adam_params_per_s`, the rate of the update the code runs (adamw_flat_) at the one
+    thread a torchrun rank gets (planner/hardware.py states the basis; `--gpu cpu` measures it);
   NVMe: 25 GB/s per node (8 drives of ~3.5 GB/s, as in ZeRO-Infinity's DGX-2 setup) shared by 8 GPUs.
 """
 from __future__ import annotations
@@ -34,7 +34,6 @@ from parallel3d.data_parallel.build import bucket_elems
 from parallel3d.planner.hardware import GPU
 from parallel3d.training.config import ExperimentConfig
 
-HOST_ADAM_PARAMS_PER_S = 4e9 / 8
 NVME_BYTES_PER_S = 25e9 / 8
 PCIE_EFFICIENCY = 0.8
 
@@ -71,7 +70,7 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
         extra["grads_down_s"], extra["params_up_s"] = 4 * shard_params / pcie, 2 * shard_params / pcie
         bucket = 4 * bucket_elems(p.dp * p.cp, p.bucket_size, p.bucket_size_mb)   # fp32 gradient bytes
         extra["bucket_copy_s"] = min(bucket / pcie, extra["grads_down_s"])
-        extra["host_s"] = shard_params / HOST_ADAM_PARAMS_PER_S
+        extra["host_s"] = shard_params / gpu.host_adam_params_per_s
         if p.offload_optimizer == "nvme":
             extra["host_s"] += 2 * state / NVME_BYTES_PER_S   # read and write back master, m, v
         extra["offload_s"] = extra["grads_down_s"] + extra["params_up_s"] + extra["host_s"]  # all serial

@@ -13,12 +13,15 @@ Each candidate is dry-run in full (estimate.plan), which takes seconds to a minu
 candidates are ordered by a prior first: DESIGN.md section 4's formulas for model-state and activation
 bytes (only to order; the dry run decides), then a textbook step time: ideal compute (with the
 recomputation pass), tensor-parallel collectives on their link, half of the data-parallel traffic, and the
-schedule's bubble. With `max_candidates` N the dry runs stop once N layouts fit (at most 4N dry runs).
+schedule's bubble. With `max_candidates` N (launch/plan.py's default 8) the dry runs stop once N layouts
+fit, and never exceed 2N (`dry_run_budget`), so a search answers in minutes whatever the world size; 0
+dry-runs every valid layout. Each dry run prints a progress line (count, elapsed, estimated time left).
 """
 from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Optional, TextIO
 
 from parallel3d.pipeline.placement import chunks_per_rank
@@ -29,6 +32,7 @@ from parallel3d.training.config import ConfigError, ExperimentConfig
 from parallel3d.training.metrics import flops_per_token, param_counts, total_params
 from parallel3d.training.validate import resolve_and_validate
 
+DEFAULT_MAX_CANDIDATES = 8   # launch/plan.py --search: dry runs stop once this many layouts fit
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
 RECOMPUTE = ("none", "selective", "full")
 
@@ -123,6 +127,12 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     return fits, (ideal * recompute + tp_comm + cp_comm) / (1 - bubble) + dp_comm
 
 
+def dry_run_budget(max_candidates: int, valid: int) -> int:
+    """How many layouts a search dry-runs at most: 2 per layout asked for (the prior's fit test is rough),
+    every valid one when max_candidates is 0."""
+    return min(valid, 2 * max_candidates) if max_candidates else valid
+
+
 def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
            max_candidates: int = 0, progress: Optional[TextIO] = None) -> list[Plan]:
     """Plans of the layouts that fit, fastest first. Raises ValueError when no layout is valid."""
@@ -133,15 +143,22 @@ def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: 
         raise ValueError(f"no valid layout for world size {world}: every candidate was refused; the most "
                          f"common reason: {common}")
     ranked = sorted(found, key=lambda c: (lambda f, s: (not f, s))(*prior(c, gpu, gpus_per_node)))
-    budget = 4 * max_candidates if max_candidates else len(ranked)
+    budget = dry_run_budget(max_candidates, len(ranked))
     if progress is not None:
         print(f"{len(found)} valid layouts; dry-running them in the prior's order until "
               f"{max_candidates or len(ranked)} fit (at most {budget} dry runs)", file=progress, flush=True)
     plans = []
+    t0 = time.perf_counter()
     for i, c in enumerate(ranked[:budget]):
         result = plan(c, stage_builder, gpu, gpus_per_node)
         if progress is not None:
-            print(f"[{i + 1}] {result.layout}: fits={result.fits} peak={result.memory['peak'] / 2**30:.1f} GiB "
+            spent = time.perf_counter() - t0
+            left = spent / (i + 1) * (budget - i - 1)
+            lay = result.layout
+            short = " ".join(f"{k}={lay[k]}" for k in ("tp", "pp", "cp", "ep", "dp", "zero", "schedule",
+                                                       "micro_batch_size", "activation_checkpointing"))
+            print(f"[{i + 1}/{budget} dry runs, {spent:.0f} s, at most {left:.0f} s left] {short}: "
+                  f"fits={result.fits} peak={result.memory['peak'] / 2**30:.1f} GiB "
                   f"tokens/s={result.tokens_per_s:,.0f}", file=progress, flush=True)
         if result.fits:
             plans.append(result)

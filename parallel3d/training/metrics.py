@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, TextIO
 
 import torch
 
+from parallel3d.hardware import PEAK_FLOPS, peak_flops_of
 from parallel3d.training.config import TransformerShape
 
 
@@ -97,32 +98,13 @@ def flops_per_token(m: TransformerShape, seq_len: int) -> float:
 
 
 def peak_flops_table() -> dict[str, dict[str, float]]:
-    """Dense per-device peak FLOP/s by precision, keyed by a lower-case device-name substring.
-    Checked in order, so more specific names come first. fp32 is the non-tensor-core rate; tf32 is
-    used for fp32 training when `torch.backends.cuda.matmul.allow_tf32` is on."""
-    return {
-        "gh200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
-        "h200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
-        "h100 pcie": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
-        "h100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
-        "h800": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
-        "b200": {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 80e12},
-        "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-        "a800": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-        "l40s": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
-        "a10g": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
-        "v100": {"bf16": 125e12, "fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12},
-        "mi300x": {"bf16": 1307e12, "fp16": 1307e12, "tf32": 653e12, "fp32": 163e12},
-    }
+    """Dense per-device peak FLOP/s by precision (parallel3d/hardware.py: the planner's table too)."""
+    return dict(PEAK_FLOPS)
 
 
 def lookup_peak_flops(device_name: str, precision: str) -> Optional[float]:
     """Table peak for a `torch.cuda.get_device_name()` string, or None for an unknown device."""
-    name = device_name.lower()
-    for key, rates in peak_flops_table().items():
-        if key in name:
-            return rates.get(precision, rates["fp32"])
-    return None
+    return peak_flops_of(device_name, precision)
 
 
 def measure_cpu_matmul_flops(n: int = 512, repeats: int = 3) -> float:

@@ -1,0 +1,191 @@
+"""The planner's step time and peak memory against real runs of the same layouts on this machine.
+
+    python benchmarks/planner_accuracy.py [--quick] [--steps N] [--layouts a,b] [--models tiny,llama_100m] [--json]
+
+For each model (configs/tiny.yaml with 4 layers, configs/llama_100m.yaml at a CPU-sized batch) and each
+layout of world 2 (dp2 ZeRO-0/1/2/3, tp2 with and without SP, pp2 1F1B and ZB-V, cp2 ring, MoE ep2), it
+plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) and then runs it through
+`launch/pretrain.py` under torchrun (2 gloo ranks, one thread each, log.timeline on), and prints:
+  - predicted and measured step time (median of the steps after the first) and their ratio;
+  - the pipeline span and what follows it (gradient-sync tail, clipping, optimizer), planned and
+    measured (from the run's timeline JSON), so a gross error can be put on a component;
+  - predicted peak memory (the plan's worst rank plus the process's resident memory before the model,
+    measured by the profile) and measured (rank 0's peak RSS, what a CPU run logs as peak_mem_bytes);
+  - the share of a core each rank got during its run (children's CPU seconds over wall seconds x ranks):
+    1 on a quiet machine; under load the measured times stretch by about its inverse (a diagnostic only);
+  - per model, whether the ranking of layouts by predicted time matches the measured ranking, and
+    whether the planner's best layout is the measured best or within 10% of it.
+The header records the load average (os.getloadavg) before and after, the commit and the profile used:
+timings on a shared machine are noisy. `--json`: the last line is one JSON list of the rows.
+`--quick`: tiny only, 3 steps (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch"))
+
+from common import stage_builder  # noqa: E402
+from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.planner.compare import read_run  # noqa: E402
+from parallel3d.planner.estimate import plan  # noqa: E402
+from parallel3d.planner.profile import cache_path, cpu_device  # noqa: E402
+from parallel3d.training.config import load_config  # noqa: E402
+from parallel3d.training.validate import resolve_and_validate  # noqa: E402
+
+WORLD = 2
+LAYOUTS = {
+    "dp2-zero0": ["parallel.tp=1", "parallel.zero=0"],
+    "dp2-zero1": ["parallel.tp=1", "parallel.zero=1"],
+    "dp2-zero2": ["parallel.tp=1", "parallel.zero=2"],
+    "dp2-zero3": ["parallel.tp=1", "parallel.zero=3"],
+    "tp2": ["parallel.tp=2", "parallel.sp=false", "parallel.zero=0"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sp=true", "parallel.zero=0"],
+    "pp2-1f1b": ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=0"],
+    "pp2-zbv": ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                "parallel.zero=0"],
+    "cp2-ring": ["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ring", "parallel.zero=0"],
+    "ep2-moe": ["parallel.tp=1", "parallel.ep=2", "parallel.zero=0", "model.num_experts=4", "model.moe_top_k=2"],
+}
+MODELS = {
+    "tiny": ("configs/tiny.yaml", ["model.num_layers=4"]),
+    "llama_100m": ("configs/llama_100m.yaml", ["train.global_batch_size=8", "train.micro_batch_size=2",
+                                               "train.seq_len=128"]),
+}
+COMMON = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_dir=null", "log.interval=1",
+          "train.warmup_steps=1", "parallel.dp=0"]
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def predict(config: str, overrides: list[str], gpu) -> dict:
+    cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), WORLD)
+    t0 = time.perf_counter()
+    result = plan(cfg, stage_builder, gpu, cfg.parallel.gpus_per_node)
+    b = result.breakdown
+    return {"predicted_s": result.step_time_s, "predicted_pipeline_s": b["pipeline_s"],
+            "predicted_after_s": b["outside_actions_s"], "predicted_bubble": result.bubble,
+            "predicted_peak_bytes": int(result.memory["peak"] + gpu.reserved_bytes),
+            "predicted_tensor_peak_bytes": int(result.memory["peak"]),
+            "predicted_shares": b["shares"], "plan_s": time.perf_counter() - t0}
+
+
+def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str) -> dict:
+    jsonl, timeline = tmp / f"{name}.jsonl", tmp / f"{name}.timeline.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(ROOT / "launch/pretrain.py"), "--config", str(ROOT / config), *overrides, f"train.steps={steps}",
+           f"log.jsonl={jsonl}", f"log.timeline={timeline}", "log.timeline_step=-1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name}: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    run = read_run(str(jsonl), str(timeline) if timeline.exists() else None)
+    # the share of a core each rank got over the run (start-up included): 1 on a quiet machine with a core
+    # per rank; under load the measured times are stretched by about its inverse (a diagnostic, not used)
+    row = {"measured_s": run["step_time_s"], "measured_peak_bytes": run["peak_mem_bytes"],
+           "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * WORLD))}
+    if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
+        last = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()][-1]
+        row["measured_pipeline_s"] = run["pipeline_s"]
+        row["measured_after_s"] = max(0.0, last["step_time_s"] - run["pipeline_s"])
+    return row
+
+
+def ranking(rows: list[dict]) -> dict:
+    by_pred = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
+    by_meas = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+    best = min(r["measured_s"] for r in rows)
+    picked = next(r for r in rows if r["layout"] == by_pred[0])
+    return {"predicted_order": by_pred, "measured_order": by_meas, "orders_match": by_pred == by_meas,
+            "planner_best": by_pred[0], "measured_best": by_meas[0],
+            "planner_best_vs_measured_best": picked["measured_s"] / best}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny only, 3 steps (smoke test)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6; --quick 3)")
+    ap.add_argument("--layouts", default=None, help=f"comma-separated subset of {', '.join(LAYOUTS)}")
+    ap.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
+    ap.add_argument("--cached-profile", action="store_true",
+                    help="use the cached profile of this machine (default: measure it again first, under the "
+                         "same conditions as the runs)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    steps = args.steps or (3 if args.quick else 6)
+    models = args.models.split(",") if args.models else (["tiny"] if args.quick else list(MODELS))
+    layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+    for name in layouts:
+        if name not in LAYOUTS:
+            ap.error(f"--layouts: unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
+    for name in models:
+        if name not in MODELS:
+            ap.error(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
+    gpu = cpu_device(WORLD, reprofile=not args.cached_profile, builder=(stage_builder, ModelConfig()))
+    load_before = os.getloadavg()
+    print(f"planner accuracy, world {WORLD}, commit {commit()}, {gpu.name}, profile {cache_path()}, "
+          f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min)", flush=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            config, extra = MODELS[model]
+            for name in layouts:
+                overrides = COMMON + extra + LAYOUTS[name]
+                row = {"model": model, "layout": name, "overrides": overrides}
+                row.update(predict(config, overrides, gpu))
+                row.update(measure(config, overrides, steps, Path(tmp), f"{model}-{name}"))
+                row["ratio"] = row["measured_s"] / row["predicted_s"]
+                row["load_average"] = os.getloadavg()[0]
+                rows.append(row)
+                _print_row(row)
+    summary = {}
+    for model in models:
+        summary[model] = ranking([r for r in rows if r["model"] == model])
+        s = summary[model]
+        within = [abs(r["ratio"] - 1) <= 0.25 for r in rows if r["model"] == model]
+        print(f"{model}: {sum(within)}/{len(within)} within 25%; predicted order {' < '.join(s['predicted_order'])}; "
+              f"measured order {' < '.join(s['measured_order'])}; orders match: {s['orders_match']}; the "
+              f"planner's best ({s['planner_best']}) runs at {s['planner_best_vs_measured_best']:.2f}x the "
+              f"measured best ({s['measured_best']})")
+    load_after = os.getloadavg()
+    print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    if args.json:
+        for r in rows:
+            r["commit"] = commit()
+        print(json.dumps(rows))
+    return 0
+
+
+def _print_row(r: dict) -> None:
+    def ms(x):
+        return "-" if x is None else f"{1000 * x:.1f}"
+    print(f"{r['model']:<10} {r['layout']:<10} step predicted {ms(r['predicted_s'])} ms, measured "
+          f"{ms(r['measured_s'])} ms, measured/predicted {r['ratio']:.2f} | pipeline {ms(r['predicted_pipeline_s'])}"
+          f" / {ms(r.get('measured_pipeline_s'))} ms, after it {ms(r['predicted_after_s'])} / "
+          f"{ms(r.get('measured_after_s'))} ms | peak {r['predicted_peak_bytes'] / 2**20:.0f} / "
+          f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "
+          f"| plan took {r['plan_s']:.1f} s | load {r['load_average']:.1f}, each rank got {r['cpu_share']:.0%} of a core "
+          f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

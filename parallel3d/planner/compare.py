@@ -1,0 +1,95 @@
+"""A plan beside the run it plans (`launch/plan.py --compare run.jsonl [--timeline t.json]`): where the
+model is off, per component, from what a real run logs.
+
+From the run's JSONL (`log.jsonl`, one row per step) it takes the median step time over the steps after
+the first (the first pays for allocation and warm-up), the comm bytes per "<group>.<op>" of the last step
+and the largest `peak_mem_bytes`; from the timeline JSON (`log.timeline=PATH.json`) the mean measured
+duration of each pipeline action kind, the span of the pipeline and its bubble. The plan gives the same
+quantities (estimate.Plan). Rows: step time; pipeline span and what follows it (gradient-sync tail,
+clipping, optimizer); compute per microbatch by action kind; bubble; communication bytes and modeled
+seconds per group and op; peak memory (the plan's peak plus the device's reserved bytes: the CUDA context,
+or on `--gpu cpu` the process's resident memory before the model, since a CPU run logs its peak RSS).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from parallel3d.planner.estimate import Plan
+
+
+def read_run(jsonl: str, timeline: Optional[str] = None) -> dict:
+    """The run's figures (module docstring). Raises ValueError naming the file when it has no step rows."""
+    rows = []
+    for line in Path(jsonl).read_text().splitlines():
+        line = line.strip()
+        if line:
+            row = json.loads(line)
+            if "step_time_s" in row:
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"--compare {jsonl}: no step rows (log.jsonl rows with step_time_s) in the file")
+    steady = rows[1:] or rows
+    run = {"steps": len(rows), "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+           "tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady),
+           "comm_bytes": dict(rows[-1].get("comm_bytes") or {}),
+           "peak_mem_bytes": max(int(r.get("peak_mem_bytes", 0)) for r in rows)}
+    if timeline:
+        data = json.loads(Path(timeline).read_text())
+        spent: dict = defaultdict(list)
+        starts, ends = [], []
+        for rank, kind, _mb, _chunk, _peer, start, end in data["measured"]:
+            starts.append(start)
+            ends.append(end)
+            if kind in ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+                spent[kind].append(end - start)
+        run["action_s"] = {k: statistics.mean(v) for k, v in spent.items()}
+        run["pipeline_s"] = max(ends) - min(starts) if starts else 0.0
+        run["bubble"] = data.get("measured_bubble", 0.0)
+    return run
+
+
+def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, str, str]]:
+    """(component, plan, run, run / plan) rows."""
+    out = []
+
+    def add(name: str, planned: Optional[float], measured: Optional[float], fmt: str = "{:.4f} s") -> None:
+        p = "-" if planned is None else fmt.format(planned)
+        m = "-" if measured is None else fmt.format(measured)
+        ratio = f"{measured / planned:.2f}" if planned and measured is not None else "-"
+        out.append((name, p, m, ratio))
+
+    b = plan.breakdown
+    add("step time", plan.step_time_s, run["step_time_s"])
+    add("tokens/s", plan.tokens_per_s, run["tokens_per_s"], "{:,.0f}")
+    measured_pipeline = run.get("pipeline_s")
+    add("pipeline (all microbatches)", b["pipeline_s"], measured_pipeline)
+    add("after the pipeline (grad sync tail, clip, optimizer)", b["outside_actions_s"],
+        None if measured_pipeline is None else run["step_time_s"] - measured_pipeline)
+    chunks: dict = defaultdict(list)
+    for key, seconds in b.get("action_s", {}).items():   # "KIND.chunk" -> seconds of one action
+        chunks[key.split(".")[0]].append(seconds)
+    per_kind = {k: statistics.mean(v) for k, v in chunks.items()}
+    for kind in ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+        if kind in per_kind or kind in run.get("action_s", {}):
+            add(f"one {kind.lower()} action (a microbatch of a chunk)", per_kind.get(kind), run.get("action_s", {}).get(kind))
+    add("pipeline bubble", plan.bubble, run.get("bubble"), "{:.1%}")
+    comm_s = b.get("comm_s", {})
+    for key in sorted(set(plan.comm_bytes) | set(run["comm_bytes"])):
+        add(f"comm {key} bytes", plan.comm_bytes.get(key), run["comm_bytes"].get(key), "{:,.0f}")
+        if key in comm_s:
+            out.append((f"comm {key} modeled time", f"{comm_s[key]:.4f} s", "(not logged)", "-"))
+    add("peak memory (GiB)", (plan.memory["peak"] + reserved_bytes) / 2 ** 30, run["peak_mem_bytes"] / 2 ** 30,
+        "{:.3f}")
+    return out
+
+
+def table(plan: Plan, run: dict, reserved_bytes: float) -> str:
+    body = rows(plan, run, reserved_bytes)
+    width = max(len(r[0]) for r in body)
+    lines = [f"{'component':<{width}}  {'plan':>16}  {'run':>16}  run/plan"]
+    lines += [f"{n:<{width}}  {p:>16}  {m:>16}  {r}" for n, p, m, r in body]
+    return "\n".join(lines)

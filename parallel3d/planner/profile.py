@@ -1,0 +1,293 @@
+"""This machine as a planner device (`launch/plan.py --gpu cpu`): short microbenchmarks, cached in a file.
+
+A CPU run under torchrun gives each rank one thread (torchrun sets OMP_NUM_THREADS=1 and launch/common.py
+divides the threads by the local world size), so every rate is measured on one thread:
+  - matmul: seconds of a square matmul at sizes 32..1024 per dtype (fp32, bf16); an op of F FLOPs is
+    priced at the time of the measured matmul of the same FLOPs (log-log interpolation), since small
+    matmuls on a CPU run far below the large-matmul rate;
+  - memory bandwidth: a large element-wise add (read two, write one);
+  - attention: aten's CPU flash attention (the `sdpa` backend a CPU run uses, kernels/attention_backend.py)
+    forward and backward, causal, at sequence lengths 64..512, against the FLOPs our flash ops declare: the
+    dry run's flash_attention_fwd / _bwd ops are priced on these curves (the CPU kernel runs well below
+    the matmul rate);
+  - per-op overhead: the project's own training step (the real Trainer, world 1) on a model so small that
+    its arithmetic is negligible, divided by the ops the planner's tracker counts in it: what the host
+    spends per op on eager dispatch, autograd, Python modules and hooks. On a CPU at the sizes we run this
+    is most of a step (a GPU hides it behind its queue, so GPUs have none). Needs the stage builder the
+    launch scripts use (the library does not import the models); without one, a bare nn.Sequential's
+    forward + backward stands in (it underestimates: no hooks, no trainer);
+  - host AdamW: `adamw_flat_` (parallel3d/data_parallel/adamw.py, the update the code runs) in params/s;
+  - gloo: each collective as parallel3d.comm runs it (all-reduce, reduce-scatter, all-gather, all-to-all,
+    batched send/recv), at 1 KiB and 4 MiB, on `world` spawned processes of one thread each, solved for
+    the (alpha, beta) of cost.collective_time's formula;
+  - the process's resident memory before any model exists (Python, torch, gloo): the CPU's analogue of the
+    CUDA context, added to the planned peak so it compares with the run's peak RSS.
+Ranks sharing cores (world > cores) are priced as they run: the compute rates (matmul, bandwidth,
+per-op overhead) are scaled by cores / world, and the collectives are measured at that world size. gloo
+moves data on its own threads, which overlap with the compute only where a core is left for them (cores >
+world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
+prefetch, gradient reduction) with the compute.
+
+Cache: $XDG_CACHE_HOME/parallel3d (default ~/.cache/parallel3d)/hardware-<host>-<cores>c.json, with the
+gloo figures per world size; `--reprofile` measures again.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from parallel3d.planner.hardware import GPU
+
+MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parallel3d"
+    return root / f"hardware-{socket.gethostname()}-{cores()}c.json"
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure_compute(builder: Optional[tuple] = None) -> dict:
+    """Matmul and attention curves, bandwidth, per-op overhead and AdamW rate on one thread (seconds)."""
+    from parallel3d.data_parallel.adamw import adamw_flat_
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        curves = {}
+        for key, dtype in DTYPES.items():
+            rows = []
+            for n in MATMUL_SIZES:
+                a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+                rows.append([2.0 * n ** 3, _best(lambda: torch.mm(a, b), 5 if n < 512 else 2)])
+            curves[key] = rows
+        x = torch.randn(1 << 22)
+        y = torch.empty_like(x)
+        bandwidth = 3 * x.numel() * 4 / _best(lambda: torch.add(x, x, out=y), 3)
+        n = 1 << 21
+        p, m, v, g = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
+        adam = n / _best(lambda: adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1), 3)
+        overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
+        attention = _attention_curves()
+    finally:
+        torch.set_num_threads(threads)
+    return {"matmul": curves, "memory_bytes_per_s": bandwidth, "op_overhead_s": overhead,
+            "host_adam_params_per_s": adam, "attention": attention}
+
+
+def _attention_curves() -> dict:
+    """(FLOPs as kernels/ops.py declares them, seconds) of the CPU flash forward and backward, causal."""
+    from parallel3d.kernels.attention_backend import sdpa_attention_backward, sdpa_attention_with_lse
+
+    fwd, bwd = [], []
+    b, heads, d = 1, 4, 32
+    for s in (64, 128, 256, 512):
+        q, k, v = (torch.randn(b, s, heads, d) for _ in range(3))
+        scale = d ** -0.5
+        pairs = s * (s + 1) / 2
+        out, lse = sdpa_attention_with_lse(q, k, v, True, scale)
+        fwd.append([4.0 * b * heads * pairs * d, _best(lambda: sdpa_attention_with_lse(q, k, v, True, scale), 3)])
+        bwd.append([10.0 * b * heads * pairs * d,
+                    _best(lambda: sdpa_attention_backward(out, q, k, v, out, lse, True, scale), 3)])
+    return {"flash_attention_fwd": fwd, "flash_attention_bwd": bwd}
+
+
+def _step_overhead(stage_builder, model) -> float:
+    """Seconds per tracked op of the real Trainer's step on a minimal model (module docstring)."""
+    from parallel3d.mesh import MeshSpec, ParallelContext
+    from parallel3d.planner.dryrun import tracked_step
+    from parallel3d.training.config import ExperimentConfig
+    from parallel3d.training.trainer import Trainer
+    from parallel3d.training.validate import resolve_and_validate
+
+    cfg = ExperimentConfig(model=copy.deepcopy(model))
+    m, t = cfg.model, cfg.train
+    m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads = 64, 16, 2, 2, 2
+    m.ffn_hidden_size, m.max_seq_len, m.num_experts = 32, 16, 0
+    t.seq_len, t.micro_batch_size, t.global_batch_size, t.precision, t.warmup_steps = 16, 1, 2, "fp32", 0
+    cfg.train.eval_interval, cfg.checkpoint.interval = 0, 0
+    cfg = resolve_and_validate(cfg, 1)
+    ctx = ParallelContext.build(MeshSpec())
+    trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
+    best = _best(trainer.train_step, 8)
+    _, tracker = tracked_step(trainer, "cpu")
+    return best / max(len(tracker.ops), 1)
+
+
+def _op_overhead() -> float:
+    """Seconds per aten op of a small model-like forward + backward (nn modules, autograd), where the
+    arithmetic itself is negligible: what eager PyTorch costs per op on this host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                                                      torch.nn.SiLU()) for _ in range(8)])
+    x = torch.randn(4, 8)
+
+    def step():
+        model(x).sum().backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return _best(step, 20) / max(Count.ops, 1)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (not its peak: importing and spawning pass through transients)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from parallel3d import comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    group = comm.Group("world", list(range(world)), rank, dist.group.WORLD, None, torch.device("cpu"))
+    base_rss = _resident_bytes()
+    result = {}
+    for op in COLLECTIVES:
+        times = []
+        for nbytes in (SMALL, LARGE):
+            numel = nbytes // 4
+            t = torch.ones(numel)
+            out = torch.empty(numel // world)
+
+            def run():
+                if op == "all_reduce":
+                    comm.all_reduce(t, group)
+                elif op == "reduce_scatter":
+                    comm.start_reduce_scatter(out, t, group).wait()
+                elif op == "all_gather":
+                    comm.all_gather(t[: numel // world], group)
+                elif op == "all_to_all":
+                    comm.all_to_all(t, group)
+                else:  # a pipeline message: every rank sends to the next and receives from the previous
+                    comm.batch_p2p([comm.P2P("send", t, (rank + 1) % world),
+                                    comm.P2P("recv", torch.empty_like(t), (rank - 1) % world)], group)
+            dist.barrier()
+            best = math.inf
+            for _ in range(5 if nbytes == SMALL else 3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        result[op] = times
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, float]:
+    """(alpha, beta) such that cost.collective_time(op, bytes, world, alpha, beta) gives both timings."""
+    n = world
+    steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(op, n - 1)
+    frac = {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(op, (n - 1) / n)
+    per_byte = max((large_s - small_s) / (LARGE - SMALL), 1e-13)
+    alpha = max(small_s - per_byte * SMALL, 1e-7) / steps
+    return alpha, frac / per_byte
+
+
+def measure_gloo(world: int) -> dict:
+    """(alpha, beta) per collective on `world` local gloo processes (a few seconds)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world,
+                           start_method="spawn")
+        found = json.loads(Path(out).read_text())
+    links = {op: list(_solve(op, world, *t)) for op, t in found["times"].items()}
+    return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"]}
+
+
+def load_profile(world: int, reprofile: bool = False, path: Optional[Path] = None,
+                 builder: Optional[tuple] = None) -> dict:
+    """The cached profile with this world size's gloo figures, measured (and written) where missing."""
+    path = path or cache_path()
+    profile: dict = {}
+    if path.exists() and not reprofile:
+        try:
+            profile = json.loads(path.read_text())
+        except ValueError:
+            profile = {}
+    changed = False
+    if "compute" not in profile:
+        profile = {"host": socket.gethostname(), "cores": cores(), "compute": measure_compute(builder),
+                   "gloo": {}}
+        changed = True
+    if str(world) not in profile["gloo"] and world > 1:
+        profile["gloo"][str(world)] = measure_gloo(world)
+        changed = True
+    if changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile, indent=1))
+        tmp.replace(path)
+    return profile
+
+
+def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
+               builder: Optional[tuple] = None) -> GPU:
+    """This machine as the planner's device for `world` ranks (module docstring). `builder`: (the launch
+    scripts' stage builder, a default model config), for the per-op overhead of the real step."""
+    profile = load_profile(world, reprofile, path, builder)
+    c = profile["compute"]
+    share = min(1.0, profile["cores"] / max(world, 1))   # ranks time-slice the cores they share
+    curves = {k: tuple((f, s / share) for f, s in rows) for k, rows in c["matmul"].items()}
+    peaks = {k: max(f / s for f, s in rows) for k, rows in curves.items()}
+    curves.update({op: tuple((f, s / share) for f, s in rows) for op, rows in c.get("attention", {}).items()})
+    peaks["tf32"] = peaks["fp32"]
+    gloo = profile["gloo"].get(str(world), {"collectives": {}, "base_rss_bytes": 0})
+    links = {op: tuple(v) for op, v in gloo["collectives"].items()}
+    links["recv"] = links.get("send", (0.0, 1.0))
+    alpha, beta = links.get("all_gather", (0.0, 1e12))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(world, 1)
+    return GPU(f"cpu ({profile['cores']} cores, {world} ranks, 1 thread each)", peaks,
+               c["memory_bytes_per_s"] * share, total, beta, beta, pcie_bytes_per_s=c["memory_bytes_per_s"],
+               matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
+               nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
+               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] / share, collectives=links,
+               host_adam_params_per_s=c["host_adam_params_per_s"] * share,
+               overlaps_comm=profile["cores"] > world)

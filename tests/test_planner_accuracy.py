@@ -1,0 +1,195 @@
+"""The planner against real runs (issue 29): this machine's profile and its cache, the accuracy benchmark's
+smoke run, `launch/plan.py --compare` on a real CPU run, one table of GPU peaks, the host AdamW rate of
+offload, and `--search`'s dry-run budget. No speed figure is asserted: bytes are, and the structure."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallel3d.planner import profile
+from parallel3d.planner.hardware import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+CURVE = [[65536.0, 2e-6], [524288.0, 5e-6], [4194304.0, 2.5e-5], [33554432.0, 2e-4]]
+LINK = [1e-4, 1e9]
+
+
+def fake_profile(cores: int = 2, worlds=(1, 2, 4)) -> dict:
+    """A profile file as profile.py writes it, with round numbers (no measuring in these tests)."""
+    compute = {"matmul": {"fp32": CURVE, "bf16": CURVE}, "memory_bytes_per_s": 2e10, "op_overhead_s": 1e-5,
+               "host_adam_params_per_s": 3e8,
+               "attention": {"flash_attention_fwd": CURVE, "flash_attention_bwd": CURVE}}
+    gloo = {str(w): {"collectives": {op: LINK for op in profile.COLLECTIVES}, "base_rss_bytes": 300 * 2 ** 20}
+            for w in worlds if w > 1}
+    return {"host": socket.gethostname(), "cores": cores, "compute": compute, "gloo": gloo}
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME in a temporary folder holding a fake profile of this machine."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = profile.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(fake_profile(cores=profile.cores())))
+    return tmp_path
+
+
+def test_profile_is_measured_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(profile, "measure_compute", lambda builder=None: calls.append("compute") or
+                        fake_profile()["compute"])
+    monkeypatch.setattr(profile, "measure_gloo", lambda world: calls.append(f"gloo{world}") or
+                        fake_profile()["gloo"]["2"])
+    path = tmp_path / "hw.json"
+    first = profile.cpu_device(2, path=path)
+    assert calls == ["compute", "gloo2"] and path.exists()
+    saved = json.loads(path.read_text())
+    assert saved["cores"] == profile.cores() and set(saved["gloo"]) == {"2"}
+    assert profile.cpu_device(2, path=path) == first and calls == ["compute", "gloo2"]   # from the file
+    profile.cpu_device(4, path=path)            # another world size: only its collectives are measured
+    assert calls == ["compute", "gloo2", "gloo4"]
+    profile.cpu_device(2, reprofile=True, path=path)
+    assert calls[3:] == ["compute", "gloo2"]
+
+
+def test_ranks_sharing_cores_are_priced_as_they_run(tmp_path):
+    """World 2 on 2 cores: one core per rank; world 4 on 2 cores: half a core each, so every compute rate
+    halves (matmul, bandwidth, per-op overhead, host AdamW) and collectives use world 4's measurement."""
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(fake_profile(cores=2)))
+    two, four = profile.cpu_device(2, path=path), profile.cpu_device(4, path=path)
+    assert two.peak_flops["fp32"] == pytest.approx(2 * four.peak_flops["fp32"])
+    assert two.hbm_bytes_per_s == pytest.approx(2 * four.hbm_bytes_per_s)
+    assert four.op_overhead_s == pytest.approx(2 * two.op_overhead_s)
+    assert two.host_adam_params_per_s == pytest.approx(3e8) and four.host_adam_params_per_s == pytest.approx(1.5e8)
+    assert two.collectives["all_reduce"] == tuple(LINK) and two.reserved_bytes == 300 * 2 ** 20
+    # gloo's threads hide communication only where a core is left for them
+    assert not two.overlaps_comm and not four.overlaps_comm and profile.cpu_device(1, path=path).overlaps_comm
+    from parallel3d.planner.cost import matmul_seconds, op_time
+    import torch
+    # a matmul costs what the measured matmul of the same FLOPs took (log-log between points)
+    assert op_time(524288.0, 0, 1.0, two, dtype=torch.float32) == pytest.approx(5e-6 + 1e-5)
+    assert matmul_seconds(2 * 33554432.0, CURVE) == pytest.approx(4e-4)
+
+
+def test_real_profile_measures_this_machine(tmp_path):
+    """The microbenchmarks themselves run (seconds) and give positive rates and both gloo timings."""
+    g = profile.cpu_device(2, path=tmp_path / "hw.json")
+    assert g.peak_flops["fp32"] > 0 and g.hbm_bytes_per_s > 0 and g.op_overhead_s > 0
+    assert g.host_adam_params_per_s > 0 and g.reserved_bytes > 0
+    assert set(profile.COLLECTIVES) <= set(g.collectives)
+    assert all(a > 0 and b > 0 for a, b in g.collectives.values())
+
+
+def test_one_table_of_gpu_peaks_for_the_planner_and_the_run_mfu():
+    from parallel3d.training.metrics import lookup_peak_flops
+    for name, device in (("h100", "NVIDIA H100 80GB HBM3"), ("a100", "NVIDIA A100-SXM4-80GB"),
+                         ("b200", "NVIDIA B200"), ("h200", "NVIDIA H200")):
+        for precision in ("bf16", "tf32", "fp32"):
+            assert gpu(name).peak_flops[precision] == lookup_peak_flops(device, precision)
+
+
+def test_offload_prices_host_adamw_at_the_devices_rate():
+    """Item 5: the host AdamW time is the shard's parameters over the device's stated host rate (one thread
+    per rank on a GPU node; measured for --gpu cpu), not a fixed constant."""
+    from parallel3d.planner.offload import apply_offload
+    from parallel3d.training.config import ExperimentConfig
+    from parallel3d.models.config import ModelConfig
+    cfg = ExperimentConfig(model=ModelConfig())
+    cfg.parallel.offload_optimizer = "cpu"
+    memory = {"params": 0, "grads": 0, "optimizer": 12e9, "activations": 0, "comm_buffers": 0, "peak": 20e9}
+    for rate in (1.5e8, 3e8):
+        device = dataclasses.replace(gpu("h100"), host_adam_params_per_s=rate)
+        _, moved = apply_offload(cfg, memory, {"optimizer": 12e9}, 0, device)
+        assert moved["host_s"] == pytest.approx(1e9 / rate)
+
+
+def _env(cache_home):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cache_home)}
+
+
+TINY = ["model.num_layers=2", "parallel.tp=2", "parallel.sp=true", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "train.seq_len=64", "train.eval_interval=0", "checkpoint.interval=0"]
+
+
+def test_compare_prints_the_plan_beside_a_real_cpu_run(cache_home, tmp_path):
+    """A tiny pretrain run (torchrun, world 2, tp2 with SP, log.timeline on), then `plan.py --gpu cpu
+    --compare`: every component appears, and the communication bytes the plan predicts equal the run's."""
+    jsonl, timeline = tmp_path / "run.jsonl", tmp_path / "timeline.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "launch/pretrain.py", "--config", "configs/tiny.yaml", *TINY, "train.steps=3",
+                          f"log.jsonl={jsonl}", f"log.timeline={timeline}"], cwd=ROOT, env=_env(cache_home),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = subprocess.run([sys.executable, "launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "2",
+                          "--gpu", "cpu", "--compare", str(jsonl), "--timeline", str(timeline), *TINY],
+                         cwd=ROOT, env=_env(cache_home), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    for row in ("step time", "pipeline (all microbatches)", "after the pipeline", "one forward action",
+                "one backward action", "pipeline bubble", "peak memory (GiB)"):
+        assert row in text, text
+    logged = json.loads(jsonl.read_text().splitlines()[-1])["comm_bytes"]
+    assert logged and "tp.all_gather" in logged
+    for key, nbytes in logged.items():   # bytes are deterministic: the plan's equal the run's
+        line = next(x for x in text.splitlines() if x.startswith(f"comm {key} bytes"))
+        assert line.split()[-1] == "1.00", line
+    missing = subprocess.run([sys.executable, "launch/plan.py", "--config", "configs/tiny.yaml", "--world-size",
+                              "2", "--gpu", "cpu", "--compare", str(tmp_path / "nope.jsonl"), *TINY],
+                             cwd=ROOT, env=_env(cache_home), capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "--compare" in missing.stderr and "does not exist" in missing.stderr
+
+
+def test_accuracy_benchmark_quick_smoke(cache_home):
+    """Two layouts of the --quick benchmark: plans, runs through launch/pretrain.py under torchrun, and the
+    JSON rows carry what the issue asks for, with the load average and the commit."""
+    out = subprocess.run([sys.executable, "benchmarks/planner_accuracy.py", "--quick", "--steps", "2",
+                          "--layouts", "dp2-zero1,pp2-1f1b", "--cached-profile", "--json"], cwd=ROOT,
+                         env=_env(cache_home), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["layout"] for r in rows] == ["dp2-zero1", "pp2-1f1b"]
+    for r in rows:
+        for key in ("predicted_s", "measured_s", "predicted_peak_bytes", "measured_peak_bytes", "ratio",
+                    "load_average", "commit"):
+            assert key in r, key
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["measured_peak_bytes"] > 0
+    assert "load average" in out.stdout and "orders match" in out.stdout
+
+
+def test_default_search_of_70b_on_64_gpus_dry_runs_at_most_its_budget(monkeypatch):
+    """Issue 27 item 10: the default candidate budget bounds the dry runs (2 per layout asked for) whether
+    or not the layouts fit; --max-candidates 0 stays exhaustive."""
+    from parallel3d.models.config import ModelConfig
+    import importlib
+    from parallel3d.planner.estimate import Plan
+    from parallel3d.training.config import load_config
+
+    search_module = importlib.import_module("parallel3d.planner.search")  # the package exports search()
+    cfg = load_config(str(ROOT / "configs/llama3_70b.yaml"), [], ModelConfig)
+    for fits in (False, True):
+        calls = []
+
+        def fake_plan(c, *args, **kwargs):
+            calls.append(c)
+            return Plan(fits=fits, layout={"tp": c.parallel.tp, "pp": c.parallel.pp, "cp": c.parallel.cp,
+                                           "ep": c.parallel.ep, "dp": c.parallel.dp, "zero": c.parallel.zero,
+                                           "schedule": c.parallel.schedule,
+                                           "micro_batch_size": c.train.micro_batch_size,
+                                           "activation_checkpointing": c.train.activation_checkpointing},
+                        memory={"peak": 1}, step_time_s=1.0, tokens_per_s=float(len(calls)), mfu=0.5,
+                        comm_bytes={})
+        monkeypatch.setattr(search_module, "plan", fake_plan)
+        found = search_module.search(cfg, 64, None, gpu("h100"), 8,
+                                     max_candidates=search_module.DEFAULT_MAX_CANDIDATES)
+        budget = 2 * search_module.DEFAULT_MAX_CANDIDATES
+        assert len(calls) == (budget if not fits else search_module.DEFAULT_MAX_CANDIDATES)
+        assert len(found) == (0 if not fits else search_module.DEFAULT_MAX_CANDIDATES)
+    assert search_module.dry_run_budget(0, 5000) == 5000
