@@ -159,8 +159,10 @@ def llama3_fit(rows: list) -> None:
     if not HAS_RECOMPUTE_LAYERS:
         print("(train.recompute_layers does not exist in this checkout: that dimension is skipped)")
     candidates = []
-    for schedule, v in (("interleaved", 2), ("1f1b", 1)):
-        for ac, n in (("selective", 0), ("selective", 4), ("selective", 8), ("full", 0)):
+    # The paper's interleaved schedule; 1F1B keeps more activations in flight on stage 0 for no less bubble
+    # (at 8,192 GPUs: 131 GiB selective, 29.1% MFU with full recomputation), so it is not searched here.
+    for schedule, v in (("interleaved", 2),):
+        for ac, n in (("selective", 0), ("selective", 1), ("selective", 2), ("selective", 4), ("full", 0)):
             if n and not HAS_RECOMPUTE_LAYERS:
                 continue
             ov = L3 + [f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",

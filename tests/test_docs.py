@@ -236,3 +236,15 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     first, second = (command_problem(c, items, tmp_path) for c, items in commands)
     assert "world size" in first or "divisible" in first, first  # tp=3 on 4 ranks
     assert second is None
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    """The project's own docs are its design record: no tracked file points at ../shared/ or DESIGN.md."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    offenders = [f for f in files if (root / f).is_file() and not (root / f).is_symlink()
+                 and f != "tests/test_docs.py" and f.endswith((".py", ".md", ".yaml", ".ini", ".sbatch", "Makefile"))
+                 and ("DESIGN.md" in (root / f).read_text(errors="ignore")
+                      or "../shared/" in (root / f).read_text(errors="ignore"))]
+    assert offenders == []

@@ -85,7 +85,7 @@ def test_dry_run_memory_and_bytes_equal_the_real_step(worlds, name):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dry_run_model_state_follows_the_zero_formulas(zero):
-    """bf16 params, fp32 main grads (4 bytes), fp32 master + m + v, N = 4 DP ranks (DESIGN.md 4)."""
+    """bf16 params, fp32 main grads (4 bytes), fp32 master + m + v, N = 4 DP ranks (docs/parallelism.md, the ZeRO table)."""
     n = 4
     cfg = make_config([f"parallel.zero={zero}", "train.precision=bf16", "model.hidden_size=128",
                        "model.ffn_hidden_size=256", "model.vocab_size=512"], n)
@@ -237,7 +237,7 @@ def test_plan_runs_the_multi_chunk_schedules(schedule):
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_dry_run_flops_follow_the_model_formula(moe):
-    """The FLOPs the dry run counts op by op equal 6N + attention per token (DESIGN.md 4; MoE: active
+    """The FLOPs the dry run counts op by op equal 6N + attention per token (docs/planner.md; MoE: active
     parameters) within 5%: causal attention is counted at half of 12Lhs, the rest is the matmuls."""
     from parallel3d.training.metrics import flops_per_token
 

@@ -1,7 +1,7 @@
 """The dry run: the real training step of one rank of any layout, on one CPU, with nothing to compute.
 
 `ParallelContext.simulated` gives the rank its groups (comm's simulated backend: shaped outputs, exact byte
-accounting) and the `meta` stand-in device (shapes and placement rules, no values; DESIGN.md section 5).
+accounting) and the `meta` stand-in device (shapes and placement rules, no values; docs/architecture.md section 2.6).
 The real `Trainer` builds the rank's model chunks, `DistributedOptimizer` and pipeline runtime and runs one
 full step (forward, backward, gradient sync, clipping, AdamW) under a `StepTracker`, which sees every op:
 its allocations (memory per category), FLOPs and bytes (the roofline), and the wall time at which it ran,

@@ -10,7 +10,7 @@ with none/selective the first N layers of each chunk recomputed whole (train.rec
 half and three quarters of the chunk's layers).
 
 Each candidate is dry-run in full (estimate.plan), which takes seconds to a minute for large presets, so
-candidates are ordered by a prior first: DESIGN.md section 4's formulas for model-state and activation
+candidates are ordered by a prior first: the formulas of docs/parallelism.md and docs/memory.md for model-state and activation
 bytes (only to order; the dry run decides), then a textbook step time: ideal compute (with the
 recomputation pass), tensor-parallel collectives on their link, half of the data-parallel traffic, and the
 schedule's bubble. With `max_candidates` N (launch/plan.py's default 8) the dry runs stop once N layouts
@@ -112,7 +112,7 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
         world * gpu.peak_flops["bf16"] * gpu.matmul_efficiency)
     bubble = (p.pp - 1) / (t.num_microbatches + p.pp - 1) / (p.virtual_stages if p.schedule == "interleaved" else 1)
     if p.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
-        bubble /= 3 if p.schedule == "zb-h1" else 6  # DESIGN.md 4: ZB-H1 about a third; ZB-V (p-1)/(6m+p-1)
+        bubble /= 3 if p.schedule == "zb-h1" else 6  # docs/parallelism.md: ZB-H1 about a third; ZB-V (p-1)/(6m+p-1)
     recompute = 4 / 3 if t.activation_checkpointing == "full" else 1 + whole / layers / 3
     # TP: 8 collectives of the (b, s, h) bf16 activations per layer and microbatch (Megatron block, fwd + bwd);
     # with SP 10: backward gathers each region's saved input shard again (tensor_parallel/region.py)
@@ -120,7 +120,7 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     tp_comm = ((10 if p.sp else 8) * (p.tp - 1) / p.tp * b * s * h * 2 / tp_link * math.ceil(m.num_layers / p.pp)
                * t.num_microbatches) if p.tp > 1 else 0.0
     # DP: reduce-scatter + all-gather of the rank's fp32 gradients / bf16 parameters, half hidden by backward;
-    # ZeRO-3 gathers parameters again for backward (1.5x, DESIGN.md 4)
+    # ZeRO-3 gathers parameters again for backward (1.5x, docs/parallelism.md)
     dp_link = gpu.network_bytes_per_s if world > gpus_per_node else gpu.nvlink_bytes_per_s
     dp_comm = 0.5 * per_rank * (4 + 2) / dp_link * (1.5 if p.zero == 3 else 1.0) if p.dp * p.cp > 1 else 0.0
     cp_comm = 0.05 * (p.cp - 1) * ideal

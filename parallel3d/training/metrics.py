@@ -1,4 +1,4 @@
-"""Throughput, MFU and per-step metric logging (DESIGN.md sections 3 and 4).
+"""Throughput, MFU and per-step metric logging (docs/training.md, Metrics).
 
 FLOPs per token = 6 * N + 12 * L * h * s: 6N for the forward and backward matmuls over the N parameters
 a token actually meets (for MoE only the routed top-k experts plus shared experts and router: the
