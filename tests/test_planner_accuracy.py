@@ -107,7 +107,7 @@ def test_offload_prices_host_adamw_at_the_devices_rate():
     memory = {"params": 0, "grads": 0, "optimizer": 12e9, "activations": 0, "comm_buffers": 0, "peak": 20e9}
     for rate in (1.5e8, 3e8):
         device = dataclasses.replace(gpu("h100"), host_adam_params_per_s=rate)
-        _, moved = apply_offload(cfg, memory, {"optimizer": 12e9}, 0, device)
+        _, moved = apply_offload(cfg, memory, {"optimizer": 12e9, "grads": 4e9}, 0, device)
         assert moved["host_s"] == pytest.approx(1e9 / rate)
 
 
