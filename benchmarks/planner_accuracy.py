@@ -18,6 +18,11 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
 The header records the load average (os.getloadavg) before and after, the commit and the profile used:
 timings on a shared machine are noisy. `--json`: the last line is one JSON list of the rows.
 `--quick`: tiny only, 3 steps (a smoke test).
+
+`--gpu`: the same on one CUDA GPU instead (world 1, NCCL): a ~1B Llama in bf16 at seq 2048 with no, selective
+and full recomputation, four microbatches, and the optimizer offloaded to the host; planned for the GPU
+`torch.cuda.get_device_name()` names (parallel3d/planner/hardware.py) and compared on tensor memory
+(torch.cuda.max_memory_allocated, the CUDA context excluded, against the plan's peak without its reserve).
 """
 from __future__ import annotations
 
@@ -35,10 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
 
+import torch  # noqa: E402
 from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.compare import read_run  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
+from parallel3d.planner.hardware import gpu as gpu_named  # noqa: E402
 from parallel3d.planner.profile import cache_path, cpu_device  # noqa: E402
 from parallel3d.training.config import load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
@@ -62,6 +69,19 @@ MODELS = {
     "llama_100m": ("configs/llama_100m.yaml", ["train.global_batch_size=8", "train.micro_batch_size=2",
                                                "train.seq_len=128"]),
 }
+GPU_LAYOUTS = {  # world 1 on one GPU
+    "none": ["train.activation_checkpointing=none"],
+    "selective": ["train.activation_checkpointing=selective"],
+    "full": ["train.activation_checkpointing=full"],
+    "accum4": ["train.activation_checkpointing=selective", "train.micro_batch_size=2"],
+    "offload": ["train.activation_checkpointing=selective", "parallel.offload_optimizer=cpu"],
+}
+GPU_MODELS = {
+    "llama_1b": ("configs/llama_100m.yaml", [
+        "model.hidden_size=2048", "model.num_layers=16", "model.num_heads=16", "model.num_kv_heads=8",
+        "model.ffn_hidden_size=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.precision=bf16",
+        "train.micro_batch_size=8", "train.global_batch_size=8", "parallel.tp=1", "parallel.zero=0"]),
+}
 COMMON = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_dir=null", "log.interval=1",
           "train.warmup_steps=1", "parallel.dp=0"]
 
@@ -74,8 +94,8 @@ def commit() -> str:
         return "unknown"
 
 
-def predict(config: str, overrides: list[str], gpu) -> dict:
-    cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), WORLD)
+def predict(config: str, overrides: list[str], gpu, world: int = WORLD) -> dict:
+    cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), world)
     t0 = time.perf_counter()
     result = plan(cfg, stage_builder, gpu, cfg.parallel.gpus_per_node)
     b = result.breakdown
@@ -86,9 +106,9 @@ def predict(config: str, overrides: list[str], gpu) -> dict:
             "predicted_shares": b["shares"], "plan_s": time.perf_counter() - t0}
 
 
-def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str) -> dict:
+def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str, world: int = WORLD) -> dict:
     jsonl, timeline = tmp / f"{name}.jsonl", tmp / f"{name}.timeline.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "launch/pretrain.py"), "--config", str(ROOT / config), *overrides, f"train.steps={steps}",
            f"log.jsonl={jsonl}", f"log.timeline={timeline}", "log.timeline_step=-1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -102,12 +122,18 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str)
     # the share of a core each rank got over the run (start-up included): 1 on a quiet machine with a core
     # per rank; under load the measured times are stretched by about its inverse (a diagnostic, not used)
     row = {"measured_s": run["step_time_s"], "measured_peak_bytes": run["peak_mem_bytes"],
-           "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * WORLD))}
+           "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * world))}
     if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
         last = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()][-1]
         row["measured_pipeline_s"] = run["pipeline_s"]
         row["measured_after_s"] = max(0.0, last["step_time_s"] - run["pipeline_s"])
     return row
+
+
+def cuda_device():
+    """The planner's GPU for this machine's CUDA device, by the name the driver reports."""
+    name = torch.cuda.get_device_name().lower()
+    return gpu_named("h200" if "h200" in name else "a100" if "a100" in name else "h100")
 
 
 def ranking(rows: list[dict]) -> dict:
@@ -129,36 +155,52 @@ def main(argv=None) -> int:
     ap.add_argument("--cached-profile", action="store_true",
                     help="use the cached profile of this machine (default: measure it again first, under the "
                          "same conditions as the runs)")
+    ap.add_argument("--gpu", action="store_true", help="world 1 on this machine's CUDA GPU (module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 6)
-    models = args.models.split(",") if args.models else (["tiny"] if args.quick else list(MODELS))
-    layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+    all_models, all_layouts = (GPU_MODELS, GPU_LAYOUTS) if args.gpu else (MODELS, LAYOUTS)
+    models = args.models.split(",") if args.models else (["tiny"] if args.quick else list(all_models))
+    layouts = args.layouts.split(",") if args.layouts else list(all_layouts)
     for name in layouts:
-        if name not in LAYOUTS:
-            ap.error(f"--layouts: unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
+        if name not in all_layouts:
+            ap.error(f"--layouts: unknown layout {name!r}; known: {', '.join(all_layouts)}")
     for name in models:
-        if name not in MODELS:
-            ap.error(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
-    gpu = cpu_device(WORLD, reprofile=not args.cached_profile, builder=(stage_builder, ModelConfig()))
+        if name not in all_models:
+            ap.error(f"--models: unknown model {name!r}; known: {', '.join(all_models)}")
+    if args.gpu:
+        if not torch.cuda.is_available():
+            ap.error("--gpu: no CUDA device here")
+        world, gpu, profile = 1, cuda_device(), "the GPU table"
+    else:
+        world, profile = WORLD, cache_path()
+        gpu = cpu_device(WORLD, reprofile=not args.cached_profile, builder=(stage_builder, ModelConfig()))
     load_before = os.getloadavg()
-    print(f"planner accuracy, world {WORLD}, commit {commit()}, {gpu.name}, profile {cache_path()}, "
+    print(f"planner accuracy, world {world}, commit {commit()}, {gpu.name}, profile {profile}, "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            config, extra = MODELS[model]
+            config, extra = all_models[model]
             for name in layouts:
-                overrides = COMMON + extra + LAYOUTS[name]
+                overrides = COMMON + extra + all_layouts[name]
                 row = {"model": model, "layout": name, "overrides": overrides}
-                row.update(predict(config, overrides, gpu))
-                row.update(measure(config, overrides, steps, Path(tmp), f"{model}-{name}"))
+                try:
+                    row.update(predict(config, overrides, gpu, world))
+                    row.update(measure(config, overrides, steps, Path(tmp), f"{model}-{name}", world))
+                except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
+                    print(f"{model} {name}: FAILED: {e}", flush=True)
+                    continue
+                if args.gpu:  # the CUDA context is outside max_memory_allocated: compare tensors with tensors
+                    row["predicted_peak_bytes"] = row["predicted_tensor_peak_bytes"]
                 row["ratio"] = row["measured_s"] / row["predicted_s"]
                 row["load_average"] = os.getloadavg()[0]
                 rows.append(row)
                 _print_row(row)
     summary = {}
     for model in models:
+        if not any(r["model"] == model for r in rows):
+            continue
         summary[model] = ranking([r for r in rows if r["model"] == model])
         s = summary[model]
         within = [abs(r["ratio"] - 1) <= 0.25 for r in rows if r["model"] == model]
