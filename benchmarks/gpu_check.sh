@@ -2,17 +2,23 @@
 # One GPU session's checks, most valuable first, each phase bounded so that a failure or a hang costs only
 # its own slot (about 9 minutes in all on one H100/H200):
 #
-#     bash benchmarks/gpu_check.sh OUTDIR
+#     bash benchmarks/gpu_check.sh OUTDIR [PHASE ...]      (default: every phase below, in this order)
 #
-#   env       the device, driver, torch and triton versions, the commit
-#   tests_*   the kernel test files on the GPU (compiled Triton, odd shapes); the other tests marked gpu
-#   planner   benchmarks/planner_accuracy.py --gpu: predicted vs measured step and peak, world 1
-#   train     benchmarks/training.py --preset 1b: parallel3d vs transformers, eager then torch.compile
-#   kernels   benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
+#   tests_kernels  the kernel test files on the GPU (compiled Triton, odd shapes)
+#   tests_gpu      the other tests marked gpu (multigpu ones skip on one GPU)
+#   planner        benchmarks/planner_accuracy.py --gpu: predicted vs measured step and peak, world 1
+#   profile        benchmarks/step_profile.py: where a step's time goes (kernels by time, device busy)
+#   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
+#   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
+#   train_compile  the same under torch.compile
+#   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
 #
-# Each phase's output is OUTDIR/<phase>.log; its last lines and exit code also go to stdout.
+# OUTDIR/env.log holds the device, driver, torch and triton versions and the commit; each phase's output
+# is OUTDIR/<phase>.log, and its last lines and exit code also go to stdout.
 set -u
 OUTDIR=${1:-/tmp/gpu_check}
+shift || true
+PHASES=${*:-tests_kernels tests_gpu planner train_eager train_compile kernels}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 
@@ -25,6 +31,16 @@ phase() {
     tail -n "${TAIL:-15}" "$OUTDIR/$name.log"
 }
 
+DISPATCH='
+import time, torch
+x = torch.zeros(16, device="cuda"); torch.cuda.synchronize()
+for n in (2000, 20000):
+    t0 = time.perf_counter()
+    for _ in range(n): x.add_(1)
+    host = time.perf_counter() - t0; torch.cuda.synchronize(); total = time.perf_counter() - t0
+    print(f"{n} add_ on 16 elements: host {host / n * 1e6:.2f} us/op, host+device {total / n * 1e6:.2f} us/op")
+'
+
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -33,13 +49,22 @@ phase() {
 } >"$OUTDIR/env.log" 2>&1
 cat "$OUTDIR/env.log"
 
-phase tests_kernels 90 python3 -m pytest -q -rfEs --timeout 60 tests/test_kernels_rmsnorm.py \
-    tests/test_kernels_swiglu.py tests/test_kernels_rope.py tests/test_kernels_cross_entropy.py \
-    tests/test_kernels_flash_attention.py tests/test_kernel_ops.py tests/test_fused_head.py
-phase tests_gpu 45 python3 -m pytest -q -rfEs --timeout 40 -m "gpu or multigpu" tests/test_followups.py \
-    tests/test_gpu_async.py tests/test_offload_overlap.py tests/test_flash_attn_backend.py
-phase planner 160 python3 benchmarks/planner_accuracy.py --gpu --steps 6 --json
-phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 --impl parallel3d transformers
-phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
-    --impl parallel3d+compile transformers+compile
-phase kernels 90 python3 benchmarks/kernels.py --markdown
+for p in $PHASES; do
+    case $p in
+    tests_kernels) phase tests_kernels 90 python3 -m pytest -q -rfEs --timeout 60 tests/test_kernels_rmsnorm.py \
+        tests/test_kernels_swiglu.py tests/test_kernels_rope.py tests/test_kernels_cross_entropy.py \
+        tests/test_kernels_flash_attention.py tests/test_kernel_ops.py tests/test_fused_head.py ;;
+    tests_gpu) phase tests_gpu 45 python3 -m pytest -q -rfEs --timeout 40 -m "gpu or multigpu" \
+        tests/test_followups.py tests/test_gpu_async.py tests/test_offload_overlap.py tests/test_flash_attn_backend.py ;;
+    planner) phase planner "${PLANNER_S:-160}" python3 benchmarks/planner_accuracy.py --gpu --steps 6 --json \
+        ${PLANNER_LAYOUTS:+--layouts $PLANNER_LAYOUTS} ;;
+    profile) phase profile 60 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-accum4}" --top 25 ;;
+    dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
+    train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
+        --impl parallel3d transformers ;;
+    train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
+        --impl parallel3d+compile transformers+compile ;;
+    kernels) phase kernels 90 python3 benchmarks/kernels.py --markdown ;;
+    *) echo "unknown phase $p" ;;
+    esac
+done

@@ -92,7 +92,8 @@ def huggingface(name: str, steps: int, warmup: int, device: torch.device, precis
                                   rope_theta=m.rope_theta, max_position_embeddings=m.max_seq_len,
                                   tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = transformers.LlamaForCausalLM(hf).to(device=device, dtype=dtype)
+    with device:  # initialised where it runs: a 1B model's init on one CPU thread took over a minute
+        model = transformers.LlamaForCausalLM(hf).to(dtype=dtype)
     fwd = torch.compile(model) if compile_ else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     _, _, batch, seq = PRESETS[name]

@@ -11,8 +11,9 @@
 
 `select_attention(backend, q, need_lse)` maps the model's setting to one of these. `backend` is the
 model.attention value, or model.kernels ("auto" | "triton" | "torch") when model.attention is "auto":
-  auto   fp64 -> reference (exact); CUDA -> flash_attn when `why_not_flash_attn` finds no reason against it
-         (installed, 16-bit, head dim <= 256) and no lse is needed, else triton; CPU -> sdpa; the meta stand-in -> triton (its custom op)
+  auto   fp64 -> reference (exact); CUDA without lse -> flash_attn when `why_not_flash_attn` finds no reason
+         against it (installed, 16-bit, head dim <= 256), else sdpa; CUDA with lse (CP blocks) -> triton;
+         CPU -> sdpa; the meta stand-in -> triton (its custom op)
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
 The CPU flash op aligns a causal mask top-left and skips only whole 512-key blocks: a causal call (bottom-right
 aligned, sk >= sq: the ring's and the all-gather mode's blocks too) runs in bands of CAUSAL_BAND query rows,
@@ -91,7 +92,11 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
     if exact:
         return "reference"
     if on_gpu(q):
-        return "flash_attn" if not why_not_flash_attn(q) and not need_lse else "triton"
+        if need_lse:
+            return "triton"
+        # SDPA's CUDA kernels (FlashAttention-2 / cuDNN) ran causal GQA at 3.6x (forward) and 4x (forward +
+        # backward) our Triton kernel's speed on an H200 (benchmarks/RESULTS.md, kernels)
+        return "flash_attn" if not why_not_flash_attn(q) else "sdpa"
     return "sdpa"
 
 

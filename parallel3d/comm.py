@@ -135,6 +135,17 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def _all_gather_single() -> Callable:
+    """torch 2.13 named the single-tensor collectives *_single (the *_tensor names now warn); setup.py also
+    allows older torch, which has only the old names (the 2026-11 GPU image runs 2.11). Looked up per call,
+    so a test harness that wraps torch.distributed's functions sees the call."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single() -> Callable:
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's t along dim (all ranks' shapes equal)."""
     if group.size == 1:
@@ -142,7 +153,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     src = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move the axis back
     out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("all_gather", _nbytes(out))
-    _run(group, "all_gather", lambda: dist.all_gather_single(out, src, group=group.pg), src)
+    _run(group, "all_gather", lambda: _all_gather_single()(out, src, group=group.pg), src)
     if group.simulated:
         _simulate_all_gather(out, src, group.size)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
@@ -158,7 +169,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     src = t.movedim(dim, 0).contiguous() if dim != 0 else t.contiguous()
     out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("reduce_scatter", _nbytes(src))
-    _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, src, group=group.pg), src)
+    _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, src, group=group.pg), src)
     if group.simulated:
         out.copy_(src.narrow(0, group.rank * out.shape[0], out.shape[0]))
     return out.movedim(0, dim).contiguous() if dim != 0 else out
@@ -218,7 +229,7 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
         out.copy_(inp)
         return None
     group._record("reduce_scatter", _nbytes(inp))
-    work = _run(group, "reduce_scatter", lambda: dist.reduce_scatter_single(out, inp, group=group.pg,
+    work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,
                                                                             async_op=True), out, inp)
     if group.simulated:
         out.copy_(inp.narrow(0, group.rank * out.numel(), out.numel()))
@@ -231,7 +242,7 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
         out.copy_(inp)
         return None
     group._record("all_gather", _nbytes(out))
-    work = _run(group, "all_gather", lambda: dist.all_gather_single(out, inp, group=group.pg, async_op=True),
+    work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),
                 out, inp)
     if group.simulated:
         _simulate_all_gather(out, inp, group.size)

@@ -44,8 +44,8 @@ import torch
 _STATUS_LEN = 512
 DEFAULT_TIMEOUT = 120.0
 # torch.distributed calls whose entry a rank reports, so a hang names the operation it is stuck in
-_WATCHED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-            "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+_WATCHED = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
+            "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
             "reduce", "gather", "scatter", "barrier", "send", "recv", "batch_isend_irecv")
 # (isend/irecv stay unwrapped: P2POp checks its op is torch.distributed.isend/irecv itself)
 

@@ -44,6 +44,27 @@ def test_collectives_and_accounting(worlds, n):
         assert stats[("dp", "send")] == (1, 16) and stats[("dp", "recv")] == (1, 16)
 
 
+def _collectives_before_torch_2_13(w):
+    """torch < 2.13 has only all_gather_into_tensor / reduce_scatter_tensor (the GPU image runs 2.11)."""
+    import torch.distributed as dist
+    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")
+             if hasattr(dist, name)}
+    for name in saved:
+        delattr(dist, name)
+    try:
+        return _collectives(w)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def test_collectives_run_on_torch_before_2_13(worlds):
+    new, old = worlds.run(2, _collectives), worlds.run(2, _collectives_before_torch_2_13)
+    for a, b in zip(new, old):
+        for x, y in zip(a[:-1], b[:-1]):
+            assert torch.equal(x, y)
+
+
 def _hang(w):
     ctx = w.context(MeshSpec(dp=w.world_size))
     if w.rank == 0:

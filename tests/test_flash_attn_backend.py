@@ -74,8 +74,8 @@ def test_selection_rules(monkeypatch):
     monkeypatch.setattr(attention_backend, "on_gpu", lambda q: True)
     assert select_attention("auto", bf16, need_lse=False) == "flash_attn"
     assert select_attention("auto", bf16, need_lse=True) == "triton"  # CP blocks need the lse
-    assert select_attention("auto", f32, need_lse=False) == "triton"
-    assert select_attention("auto", wide, need_lse=False) == "triton"
+    assert select_attention("auto", f32, need_lse=False) == "sdpa"   # SDPA's CUDA kernels beat our Triton one
+    assert select_attention("auto", wide, need_lse=False) == "sdpa"
     assert select_attention("flash_attn", bf16, need_lse=False) == "flash_attn"
     assert select_attention("flash_attn", bf16, need_lse=True) == "triton"
     assert select_attention("sdpa", bf16, need_lse=True) == "triton"
@@ -84,7 +84,7 @@ def test_selection_rules(monkeypatch):
     with pytest.raises(ValueError, match="head dims up to 256"):
         select_attention("flash_attn", wide, need_lse=False)
     monkeypatch.delitem(sys.modules, "flash_attn")
-    assert select_attention("auto", bf16, need_lse=False) == "triton"  # on CUDA without the package
+    assert select_attention("auto", bf16, need_lse=False) == "sdpa"  # on CUDA without the package
 
 
 def _check_against_reference(q, k, v, backend, doc=None):

@@ -1,6 +1,7 @@
 """The Triton kernels as torch.library custom ops (kernels.ops): under FakeTensorMode and on the meta
 device every op gives the real op's output shapes and dtypes without running; torch.library.opcheck
-checks schema, fake implementation and autograd registration against real runs (TRITON_INTERPRET=1)."""
+checks schema, fake implementation and autograd registration against real runs (compiled on a GPU,
+TRITON_INTERPRET=1 on the CPU)."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parallel3d.kernels import ops
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton needs device tensors
 
-def _cases(device="cpu", dtype=torch.float32):
+
+def _cases(device=DEVICE, dtype=torch.float32):
     def t(*shape, dt=dtype):
         return torch.randn(*shape, dtype=dt, device=device)
     cos, sin = t(6, 8, dt=torch.float32), t(6, 8, dt=torch.float32)
@@ -61,6 +64,6 @@ def test_ops_compile_without_graph_breaks():
     def f(x, w, gate, up):
         return ops.rmsnorm(x, w, 1e-5) * 2 + ops.swiglu(gate, up).sum()
 
-    args = (torch.randn(2, 16), torch.randn(16), torch.randn(2, 8), torch.randn(2, 8))
+    args = tuple(torch.randn(*shape, device=DEVICE) for shape in ((2, 16), (16,), (2, 8), (2, 8)))
     explained = torch._dynamo.explain(f)(*args)
     assert explained.graph_break_count == 0 and explained.graph_count == 1

@@ -17,7 +17,17 @@ import torch
 
 from parallel3d.data_parallel.buffer import Bucket
 
-BLOCK = 1 << 17  # elements per block: p, m, v, g and one temporary (5 x 512 KiB) stay in cache
+BLOCK = 1 << 17  # elements per block on the CPU: p, m, v, g and one temporary (5 x 512 KiB) stay in cache
+# On a GPU each block is ~7 kernel launches, so CPU-sized blocks were launch-bound: a 1.2B model spent
+# ~0.45 s per step in AdamW on an H200 (9,400 blocks) against ~20 ms of memory traffic. 16M elements per
+# block (a 64 MiB temporary) makes the launches negligible; the update is elementwise, so any block size
+# gives the same bits.
+DEVICE_BLOCK = 1 << 24
+
+
+def block_for(device: torch.device) -> int:
+    """Elements per AdamW block on `device` (the meta stand-in is priced as the GPU it stands for)."""
+    return BLOCK if device.type == "cpu" else DEVICE_BLOCK
 
 
 def decay_ranges(b: Bucket) -> list[tuple[int, int]]:
@@ -28,7 +38,7 @@ def decay_ranges(b: Bucket) -> list[tuple[int, int]]:
 @torch.no_grad()
 def adamw_flat_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                 decayed: Sequence[tuple[int, int]], lr: float, betas: tuple[float, float], eps: float,
-                weight_decay: float, step: int, block: int = BLOCK) -> None:
+                weight_decay: float, step: int, block: Optional[int] = None) -> None:
     """In place on flat fp32 p, m, v (same length as grad); `decayed`: ranges (relative to p) to decay."""
     if weight_decay:
         for a, e in decayed:
@@ -38,6 +48,7 @@ def adamw_flat_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.T
     step_size = lr / (1 - beta1 ** step)
     bc2_sqrt = math.sqrt(1 - beta2 ** step)
     n = p.numel()
+    block = block or block_for(p.device)
     scratch = torch.empty(min(block, n), dtype=torch.float32, device=p.device)
     for i in range(0, n, block):
         sl = slice(i, min(i + block, n))
