@@ -41,4 +41,5 @@ bench: install
 sweep: install
 	$(PYTHON) -m pytest -q tests/test_sweep.py --full-sweep
 	$(PYTHON) -m pytest -q tests/test_convergence.py --full-sweep
+	$(PYTHON) -m pytest -q -m sweep --full-sweep
 	$(PYTHON) tests/stress_clean_exit.py --runs 40

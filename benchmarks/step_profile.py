@@ -2,10 +2,12 @@
 the device was over the step, and how many kernels ran. The diagnostic behind the planner's per-component
 comparison when a whole step is off (benchmarks/planner_accuracy.py --gpu).
 
-    python benchmarks/step_profile.py [--model llama_1b] [--layout selective] [--steps 3] [--top 20]
+    python benchmarks/step_profile.py [--model llama_1b] [--layout selective] [--steps 3] [--top 20] [--plan]
 
 World 1 on this machine's device (CUDA when present), the real Trainer, the model and layout names of
 planner_accuracy.py (--gpu's on a GPU, else tiny with its CPU layouts' overrides where they apply).
+`--plan` also dry-runs the same step for this machine (the GPU's datasheet figures, or the CPU's measured
+profile) and sets the planner's seconds per op beside the profile's, op by op: where the time model is off.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="warm-up steps before the profiled one")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--override", nargs="*", default=[], help="extra key=value overrides")
+    ap.add_argument("--plan", action="store_true", help="the planner's seconds per op beside the profile's")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -69,7 +72,52 @@ def main(argv=None) -> int:
           f"unprofiled; {'device busy' if cuda else 'CPU op time'} {busy * 1e3:.1f} ms in the profiled step"
           + (f" over {kernels} kernels" if cuda else ""), flush=True)
     print(events.table(sort_by=key, row_limit=args.top), flush=True)
+    if args.plan:
+        print(per_op_table(cfg, events, cuda, args.top), flush=True)
     return 0
+
+
+def measured_seconds(events, cuda: bool) -> dict:
+    """Profiled seconds per op name as the planner's tracker names them (`mm`, `rmsnorm_fwd`): aten ops'
+    self time; our custom ops' total (on the CPU their interpreted kernels run inside them)."""
+    out: dict = {}
+    for e in events:
+        ns, _, name = e.key.partition("::")
+        if ns not in ("aten", "parallel3d") or not name:
+            continue
+        if cuda:
+            us = e.device_time_total
+        else:
+            us = e.cpu_time_total if ns == "parallel3d" else e.self_cpu_time_total
+        count, seconds = out.get(name, (0, 0.0))
+        out[name] = (count + e.count, seconds + us / 1e6)
+    return out
+
+
+def per_op_table(cfg, events, cuda: bool, top: int) -> str:
+    """The planner's modeled seconds per op (world 1, rank 0) beside the profile's, largest measured first."""
+    import planner_accuracy as pa
+    from common import stage_builder
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.planner.dryrun import run_role
+    from parallel3d.planner.profile import cpu_device
+
+    gpu = pa.cuda_device() if cuda else cpu_device(1, builder=(stage_builder, ModelConfig()))
+    planned = run_role(cfg, 0, stage_builder, gpu, 1).op_seconds
+    measured = measured_seconds(events, cuda)
+    names = sorted(set(planned) | set(measured), key=lambda n: -measured.get(n, (0, 0.0))[1])
+    lines = [f"per op, planned for {gpu.name} vs profiled (ms; count planned / profiled):",
+             f"{'op':<34} {'planned':>9} {'profiled':>9} {'prof/plan':>9} {'count':>13}"]
+    total_p = sum(v[1] for v in planned.values())
+    total_m = sum(measured.get(n, (0, 0.0))[1] for n in planned)
+    for n in names[:top]:
+        pc, ps = planned.get(n, (0, 0.0))
+        mc, ms = measured.get(n, (0, 0.0))
+        ratio = f"{ms / ps:9.2f}" if ps else f"{'-':>9}"
+        lines.append(f"{n:<34} {ps * 1e3:9.2f} {ms * 1e3:9.2f} {ratio} {pc:>6} / {mc:<6}")
+    lines.append(f"{'all ops the planner prices':<34} {total_p * 1e3:9.2f} {total_m * 1e3:9.2f} "
+                 f"{total_m / total_p if total_p else 0:9.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

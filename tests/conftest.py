@@ -17,6 +17,17 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: slow test (still run in CI)")
+    config.addinivalue_line("markers", "sweep: a heavy case another CI case covers; runs under --full-sweep "
+                                       "(make sweep) only, to keep CI inside its 15 minutes")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if config.getoption("--full-sweep"):
+        return
+    skip = pytest.mark.skip(reason="a sweep case: make sweep (pytest --full-sweep) runs it")
+    for item in items:
+        if "sweep" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

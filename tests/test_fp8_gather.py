@@ -43,8 +43,10 @@ def _gather_bytes(layout, nmb, rowwise):
     return fp8 + rows, sum(n * s * 2 for n, s, _, _, _ in layout) * 2 * nmb
 
 
-@pytest.mark.parametrize("world,layout", [(2, []), (4, ["parallel.tp=2"]), (4, ["parallel.tp=2", "parallel.sp=true"])],
-                         ids=["dp2", "dp2-tp2", "dp2-tp2-sp"])
+@pytest.mark.parametrize("world,layout", [  # CI: tp2 + sp covers the other two (make sweep runs them)
+    pytest.param(2, [], marks=pytest.mark.sweep, id="dp2"),
+    pytest.param(4, ["parallel.tp=2"], marks=pytest.mark.sweep, id="dp2-tp2"),
+    pytest.param(4, ["parallel.tp=2", "parallel.sp=true"], id="dp2-tp2-sp")])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_gather_is_bit_exact_and_halves_the_gather_bytes(worlds, world, layout, recipe):
     over = [f"train.fp8={recipe}", *layout]

@@ -94,6 +94,7 @@ class RoleRun:
     host_syncs: dict = field(default_factory=dict)  # category -> host syncs in the step (parallel3d.host_sync)
     peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
     grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
+    op_seconds: dict = field(default_factory=dict)  # op name -> [count, modeled seconds] in the step
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -179,6 +180,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         return costs[i] if i >= 0 and wall <= mine[i][6] else outside
 
     derated: dict = {}
+    op_seconds: dict = {}
     for op in tracker.ops:
         c = slot(op.wall)
         factor = 1.0
@@ -187,8 +189,12 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             if found is not None:
                 factor, warps = found
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
-        c.compute_s += op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
+        seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
+        c.compute_s += seconds
         c.flops += op.flops
+        tally = op_seconds.setdefault(op.name, [0, 0.0])  # per op: what a profile of the real step is set beside
+        tally[0] += 1
+        tally[1] += seconds
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
     grad_sync = 0.0
@@ -221,4 +227,4 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
                    model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
                    p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside, grad_sync_s=grad_sync,
                    comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),
-                   flops=sum(o.flops for o in tracker.ops), derated_kernels=derated)
+                   flops=sum(o.flops for o in tracker.ops), derated_kernels=derated, op_seconds=op_seconds)
