@@ -103,7 +103,8 @@ def per_op_table(cfg, events, cuda: bool, top: int) -> str:
     from parallel3d.planner.profile import cpu_device
 
     gpu = pa.cuda_device() if cuda else cpu_device(1, builder=(stage_builder, ModelConfig()))
-    planned = run_role(cfg, 0, stage_builder, gpu, 1).op_seconds
+    from parallel3d.planner.host_kernels import as_run_on_cpu
+    planned = run_role(cfg if cuda else as_run_on_cpu(cfg), 0, stage_builder, gpu, 1).op_seconds
     measured = measured_seconds(events, cuda)
     names = sorted(set(planned) | set(measured), key=lambda n: -measured.get(n, (0, 0.0))[1])
     lines = [f"per op, planned for {gpu.name} vs profiled (ms; count planned / profiled):",

@@ -280,3 +280,34 @@ def test_plan_runs_activation_offload_and_prices_its_copies():
     assert moved["host_bytes"] > plain.memory["activations"] // 4 and "activations_s" in moved
     assert off.step_time_s >= plain.step_time_s
     assert exposed_activation_copies(int(H100.pcie_bytes_per_s * 0.8), 0.25, 2.0, H100) == pytest.approx(0.75)
+
+
+def test_planning_a_cpu_run_dry_runs_the_cpu_kernels(monkeypatch):
+    """Planning for a CPU (`--gpu cpu`), the stand-in takes the kernels `auto` picks on a CPU (torch twins,
+    aten's CPU flash attention in bands, the expert loop), not a GPU's Triton ops: a CPU run launches several
+    times as many ops, and each costs the host's per-op overhead there. The model FLOPs stay the same."""
+    import dataclasses
+
+    import parallel3d.planner.estimate as estimate
+    from parallel3d.planner.host_kernels import CPU_FLASH_BWD, CPU_FLASH_FWD, as_run_on_cpu
+
+    cfg = make_config(["model.kernels=auto", "train.seq_len=160", "model.max_seq_len=160"], 1)
+    gpu_run = run_role(cfg, 0, _stage_builder, H100, 8)
+    cpu_run = run_role(as_run_on_cpu(cfg), 0, _stage_builder, H100, 8)
+    assert "flash_attention_fwd" in gpu_run.op_seconds and "rmsnorm_fwd" in gpu_run.op_seconds
+    assert {CPU_FLASH_FWD, CPU_FLASH_BWD} <= set(cpu_run.op_seconds)
+    assert not {"flash_attention_fwd", "rmsnorm_fwd", "swiglu"} & set(cpu_run.op_seconds)
+    ops = [sum(n for n, _ in run.op_seconds.values()) for run in (gpu_run, cpu_run)]
+    assert ops[1] > 1.5 * ops[0]   # 1,545 against 789 ops here
+    assert cpu_run.flops == pytest.approx(gpu_run.flops, rel=1e-12)   # causal bands count the visible pairs
+
+    seen = []
+    real = estimate.run_role
+
+    def spy(c, *args, **kwargs):
+        seen.append((c.model.kernels, c.model.attention))
+        return real(c, *args, **kwargs)
+    monkeypatch.setattr(estimate, "run_role", spy)
+    plan(cfg, _stage_builder, dataclasses.replace(H100, runs_cpu_kernels=True), 8)
+    plan(cfg, _stage_builder, H100, 8)
+    assert seen == [("torch", "sdpa"), ("auto", "auto")]

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from parallel3d.planner.hardware import GPU
+from parallel3d.planner.host_kernels import CURVE_OF_OP
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, gpu: GPU, occupancy: float = 1.0,
@@ -44,6 +45,7 @@ def _curve(gpu: GPU, dtype: Optional[torch.dtype], name: str):
     """The measured curve of an op: its own (attention) where measured, else the matmul's of its dtype."""
     if not gpu.matmul_curves:
         return None
+    name = CURVE_OF_OP.get(name, name)
     if name in gpu.matmul_curves:
         return gpu.matmul_curves[name]
     key = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"

@@ -30,6 +30,7 @@ from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed
 from parallel3d.planner.hardware import GPU
+from parallel3d.planner.host_kernels import as_run_on_cpu
 from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
@@ -119,6 +120,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     the stand-in runs without) share them."""
     p, t = cfg.parallel, cfg.train
     run_cfg = _reduced(without_offload(cfg))  # the stand-in cannot copy to the host: offload.py
+    if gpu.runs_cpu_kernels:   # planning a CPU run: the stand-in takes the CPU's kernels (host_kernels.py)
+        run_cfg = as_run_on_cpu(run_cfg)
 
     def role(rank: int) -> RoleRun:
         key = (repr(run_cfg), rank, repr(gpu), gpus_per_node, device)

@@ -66,6 +66,8 @@ class GPU:
     # whether communication can run beside compute (a GPU's copy engines and NCCL's SMs; on a CPU, only
     # when a core is left over for gloo's threads: ranks >= cores serialise them with the compute)
     overlaps_comm: bool = True
+    # a CPU: the dry run takes the kernels `auto` picks there, not a GPU's (planner/host_kernels.py)
+    runs_cpu_kernels: bool = False
 
     @property
     def usable_bytes(self) -> float:

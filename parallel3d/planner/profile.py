@@ -290,4 +290,4 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
                matmul_curves=curves, op_overhead_s=c["op_overhead_s"] / share, collectives=links,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
-               overlaps_comm=profile["cores"] > world)
+               overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)

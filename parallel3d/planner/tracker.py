@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from parallel3d.host_sync import HostSyncs, blocking_upload
+from parallel3d.planner.host_kernels import FLOPS as HOST_FLOPS
 from parallel3d.planner.kernels import CAUSAL_ARG
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -181,7 +182,8 @@ class StepTracker(TorchDispatchMode):
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
         flops = 0.0
-        formula = flop_registry.get(func._overloadpacket)  # our kernels' ops register theirs (kernels/ops.py)
+        # our kernels' ops register theirs (kernels/ops.py); aten's CPU flash ops are counted here
+        formula = flop_registry.get(func._overloadpacket) or HOST_FLOPS.get(name)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
         index = CAUSAL_ARG.get(name)
