@@ -9,10 +9,11 @@
     param_home  ZeRO-3's persistent parameter shard off the device (params.py)  offload_params
     state_device  where the master and Adam state live in memory: the host under optimizer offload
 
-The DistributedOptimizer creates them in its construction order (`create`, then `place_state` before the
-buckets are initialised: the files are filled from the parameters, which ZeRO-3 frees then; then
-`place_params` after), hands each to the owner that uses it (gradient sync, optimizer step, publishing,
-ZeRO-3's gathers) and `close`s them. The modules are imported only when an offload mode is on.
+The DistributedOptimizer builds them in its construction order (the constructor: copies, published,
+host_grads; `place_state` before the buckets are initialised, as the files are filled from the
+parameters, which ZeRO-3 frees then; `place_params` after), hands each to the owner that uses it
+(gradient sync, optimizer step, publishing, ZeRO-3's gathers) and `close`s them. The offload modules are
+imported only when a mode is on.
 """
 from __future__ import annotations
 
