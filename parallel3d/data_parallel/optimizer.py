@@ -75,9 +75,9 @@ class DistributedOptimizer:
         self.dtype = compute_dtype(config.precision)
         self.grad_dtype = config.grad_dtype or torch.float32
         if zero3 is None:
-            self.bucket_elems = bucket_elems(ctx.dp_cp.size, config.bucket_size, config.bucket_size_mb,
-                                             torch.finfo(self.grad_dtype).bits // 8)
-            seqs, _ = plan(self.modules, ctx, self.zero, config.decay_filter, self.bucket_elems)
+            elems = bucket_elems(ctx.dp_cp.size, config.bucket_size, config.bucket_size_mb,
+                                 torch.finfo(self.grad_dtype).bits // 8)
+            seqs, _ = plan(self.modules, ctx, self.zero, config.decay_filter, elems)
         else:
             seqs = zero3.seqs
         self.buckets = [b for bs in seqs for b in bs]
