@@ -37,13 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.models.llama import Llama  # noqa: E402
-from parallel3d.data_parallel import DistributedOptimizer  # noqa: E402
+from parallel3d.data_parallel import DataParallelConfig, attach  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext  # noqa: E402
 from parallel3d.testing import World  # noqa: E402
 
 IMPLS = ["ddp", "ours-zero0", "ours-zero1", "ours-zero1-overlap", "ours-zero2", "ours-zero2-overlap", "fsdp2",
          "ours-zero3"]
-MODES = {  # extra DistributedOptimizer arguments per mode (ZeRO++: with quant_block 256)
+MODES = {  # extra DataParallelConfig fields per mode (ZeRO++: with quant_block 256)
     "powersgd": dict(grad_compression="powersgd", powersgd_rank=4, compression_start_step=0),
     "topk": dict(grad_compression="topk", topk_ratio=0.01, compression_start_step=0),
     "qwz": dict(quantized_weights=True),
@@ -85,8 +85,8 @@ def _run(w, impl: str, a: dict) -> dict:
     model.init_weights(1)
     n_params = sum(p.numel() for p in model.parameters())
     if ours:
-        opt = DistributedOptimizer([model], ctx, zero=int(zero), precision=a["precision"], lr=1e-3,
-                                   **MODES[mode] if mode else {})
+        opt = attach([model], ctx, DataParallelConfig(zero=int(zero), precision=a["precision"], lr=1e-3,
+                                                      **MODES[mode] if mode else {}))
     else:
         model = model.to(dtype)
         if impl == "ddp":

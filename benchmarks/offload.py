@@ -158,7 +158,7 @@ torch.set_num_threads(1)
 cfg = make_config(json.loads(sys.argv[1]), 1)
 trainer = build_trainer(cfg, context_for(cfg))
 if len(sys.argv) > 3 and sys.argv[3] == "serial":   # benchmarks only: the offload copies without overlap
-    trainer.optimizer.copies.synchronous = True
+    trainer.optimizer.homes.copies.synchronous = True
     if trainer.optimizer.zero3 is not None:
         trainer.optimizer.zero3.read_ahead = False
 times = []

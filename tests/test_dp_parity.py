@@ -15,7 +15,7 @@ import torch
 
 from parallel3d.models.config import ModelConfig
 from parallel3d.models.llama import Llama
-from parallel3d.data_parallel import DistributedOptimizer
+from parallel3d.data_parallel import DataParallelConfig, attach
 from parallel3d.mesh import ParallelContext
 from parallel3d.mesh import MeshSpec
 from parity import PARITY_ADAM, WEIGHT_ATOL, assemble, assert_close_dicts, assert_grad_norms, double_every_gradient
@@ -76,8 +76,8 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
     for m in models:
         m.init_weights(SEED)
     named = {n: p for m in models for n, p in m.named_parameters()}
-    opt = DistributedOptimizer(models, ctx, zero=zero, precision=precision, bucket_size_mb=bucket_mb,
-                               **{**OPT, **(opt_kwargs or {})})
+    opt = attach(models, ctx, DataParallelConfig(zero=zero, precision=precision, bucket_size_mb=bucket_mb,
+                                                 **{**OPT, **(opt_kwargs or {})}))
     if load is not None:
         opt.load_state_tensors(lambda name, sl: load["tensors"][name][sl])
         opt.load_scalar_state(load["scalar"])
@@ -247,7 +247,7 @@ def _volume(w, zero):
     cfg = ModelConfig(**BASE)
     model = Llama(cfg, ctx)
     model.init_weights(SEED)
-    opt = DistributedOptimizer([model], ctx, zero=zero, bucket_size_mb=0.004, **OPT)
+    opt = attach([model], ctx, DataParallelConfig(zero=zero, bucket_size_mb=0.004, **OPT))
     tokens = global_batches(cfg.vocab_size, 1)[0]
     per = tokens.shape[0] // w.world_size
     mine = tokens[w.rank * per: (w.rank + 1) * per]
@@ -300,7 +300,7 @@ def _schedule(w, zero, unused):
     model.init_weights(SEED)
     if unused:  # a parameter that never gets a gradient, in the middle of the bucket order
         model.layers["0"].unused = torch.nn.Parameter(torch.zeros(8))
-    opt = DistributedOptimizer([model], ctx, zero=zero, bucket_size_mb=0.004, **OPT)
+    opt = attach([model], ctx, DataParallelConfig(zero=zero, bucket_size_mb=0.004, **OPT))
     seen = []
     if zero == 3:
         units = opt.zero3.units

@@ -14,7 +14,7 @@ import torch
 
 from parallel3d import comm
 from parallel3d.data_parallel import sync
-from parallel3d.data_parallel.optimizer import DistributedOptimizer
+from parallel3d.data_parallel.sync import GradientSync
 from parallel3d.mesh import MeshSpec
 from test_dp_parity import BASE, check_parity, reference, train
 
@@ -39,24 +39,24 @@ class NotDoneUntilWaited:
 def _run(w, zero: int, acc: int, ordered: bool, hsdp: bool):
     log: list = []
     start_rs, start_ar = sync.start_reduce_scatter, sync.start_all_reduce
-    launch, follow_up = DistributedOptimizer._launch, DistributedOptimizer._follow_up
+    launch, follow_up = GradientSync._launch, GradientSync._follow_up
     orders = comm.orders_on_device
     sync.start_reduce_scatter = lambda *a: NotDoneUntilWaited(start_rs(*a))
     sync.start_all_reduce = lambda *a: NotDoneUntilWaited(start_ar(*a))
-    DistributedOptimizer._launch = lambda self, b: (log.append(("launch", self.buckets.index(b))), launch(self, b))[1]
+    GradientSync._launch = lambda self, b: (log.append(("launch", self.buckets.index(b))), launch(self, b))[1]
 
     def traced(self, p):
         if not p.replicating:   # the second hop (HSDP) comes back here: log the first visit only
             log.append(("follow", self.buckets.index(p.b)))
         return follow_up(self, p)
-    DistributedOptimizer._follow_up = traced
+    GradientSync._follow_up = traced
     comm.orders_on_device = lambda group: ordered
     try:
         spec = MeshSpec(dp=w.world_size, dp_shard=2) if hsdp else MeshSpec(dp=w.world_size)
         out = train(w.context(spec), BASE, zero, acc, steps=2)
     finally:
         sync.start_reduce_scatter, sync.start_all_reduce = start_rs, start_ar
-        DistributedOptimizer._launch, DistributedOptimizer._follow_up = launch, follow_up
+        GradientSync._launch, GradientSync._follow_up = launch, follow_up
         comm.orders_on_device = orders
     return out, log
 

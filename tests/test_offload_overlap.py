@@ -135,8 +135,8 @@ def test_gradient_copies_leave_during_backward():
     cfg = make_config([*PARITY, *layout, *CPU], 1)
     trainer = build_trainer(cfg, context_for(cfg))
     issued = []
-    start = trainer.optimizer.host_grads.start
-    trainer.optimizer.host_grads.start = lambda b, g: (issued.append(in_backward()), start(b, g))
+    start = trainer.optimizer.homes.host_grads.start
+    trainer.optimizer.homes.host_grads.start = lambda b, g: (issued.append(in_backward()), start(b, g))
     losses = [trainer.train_step()["loss"] for _ in range(2)]
     n = len(trainer.optimizer.buckets)
     trainer.optimizer.close()
@@ -158,7 +158,7 @@ def _order(tmp_path, read_ahead: bool, delay: float = 0.0):
     trainer = build_trainer(cfg, context_for(cfg))
     opt = trainer.optimizer
     opt.zero3.read_ahead = read_ahead
-    index = {id(u): i - 1 for i, u in enumerate(opt._chains[0])}   # root -1, layer i -> i
+    index = {id(u): i - 1 for i, u in enumerate(opt.zero3.chains[0])}   # root -1, layer i -> i
     log, threads = [], set()
     fetch = opt.zero3.fetch
 

@@ -43,14 +43,14 @@ def test_overlapped_gathers_through_the_trainer(worlds, zero):
 
 
 def _order(w):
-    from parallel3d.data_parallel import DistributedOptimizer
+    from parallel3d.data_parallel import DataParallelConfig, DistributedOptimizer
     from parallel3d.models.config import ModelConfig
     from parallel3d.models.llama import Llama
 
     ctx = w.context(MeshSpec(dp=w.world_size))
     model = Llama(ModelConfig(**{**BASE, "num_layers": 4}), ctx)
     model.init_weights(SEED)
-    opt = DistributedOptimizer([model], ctx, zero=2, bucket_size_mb=0.004, **OVERLAP)
+    opt = DistributedOptimizer([model], ctx, DataParallelConfig(zero=2, bucket_size_mb=0.004, **OVERLAP))
     layer_of = {}   # bucket -> the first layer whose parameters it holds
     for i, blk in enumerate(model.layers.values()):
         for p in blk.parameters():
@@ -60,17 +60,17 @@ def _order(w):
     log = []
     for i, blk in enumerate(model.layers.values()):   # before the optimizer's own pre-hooks
         blk.register_forward_pre_hook(lambda m, a, i=i: log.append(
-            (i, sorted(layer_of.get(k, -1) for k in opt._gathers))), prepend=True)
+            (i, sorted(layer_of.get(k, -1) for k in opt.publisher._gathers))), prepend=True)
     tokens = global_batches(BASE["vocab_size"], 2)
     for step, batch in enumerate(tokens):
         mine = batch[w.rank * 8: (w.rank + 1) * 8]
-        log.append(("step", step, len(opt._gathers)))
+        log.append(("step", step, len(opt.publisher._gathers)))
         opt.zero_grad()
         opt.scale_loss(model(mine[:, :-1], torch.arange(S), mine[:, 1:]) / 256).backward()
         opt.finish_grad_sync()
         opt.clip_grad_norm(1.0)
         opt.step(1e-3)
-    log.append(("after", len(opt._gathers), len(opt.buckets)))
+    log.append(("after", len(opt.publisher._gathers), len(opt.buckets)))
     return log
 
 

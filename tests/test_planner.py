@@ -47,7 +47,7 @@ def _real_memory(w, overrides):
                                                     dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)))
     # the dry run stands for NCCL, where each reduction's follow-ups (freeing its buffer) are queued right
     # after it (data_parallel/sync.py); gloo's would wait for is_completed() polls, whose timing varies
-    trainer.optimizer.follow.ordered = True
+    trainer.optimizer.grads.follow.ordered = True
     out, tracker = tracked_step(trainer, "cpu")
     peak, split = tracker.peak()
     return peak, split, tracker.live(), out["comm_bytes"]

@@ -27,14 +27,14 @@ def run(worker, overrides, steps=3, ordered=False):
     cfg = make_config([*PARITY, *overrides], 1 if worker is None else worker.world_size)
     trainer = build_trainer(cfg, context_for(cfg, worker))
     opt = trainer.optimizer
-    opt.follow.ordered = ordered or opt.follow.ordered
+    opt.grads.follow.ordered = ordered or opt.grads.follow.ordered
     peak = [0]
 
     def watch(p):   # after the optimizer's own hook: the device gradient buffers alive right now
         live = {id(t): t.numel() * t.element_size() for b in opt.buckets for t in (b.grad.full, b.grad.shard)
                 if t is not None}
-        live.update({id(q.out): q.out.numel() * q.out.element_size() for q in opt._inflight})
-        live.update({id(q.full): q.full.numel() * q.full.element_size() for q in opt._inflight})
+        live.update({id(q.out): q.out.numel() * q.out.element_size() for q in opt.grads._inflight})
+        live.update({id(q.full): q.full.numel() * q.full.element_size() for q in opt.grads._inflight})
         peak[0] = max(peak[0], sum(live.values()))
     for chunk in trainer.chunks:
         for p in chunk.parameters():

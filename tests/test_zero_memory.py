@@ -6,7 +6,7 @@ import torch
 
 from parallel3d.models.config import ModelConfig
 from parallel3d.models.llama import Llama
-from parallel3d.data_parallel import DistributedOptimizer
+from parallel3d.data_parallel import DataParallelConfig, attach
 from parallel3d.mesh import MeshSpec
 from test_dp_parity import BASE, S, global_batches
 
@@ -25,8 +25,8 @@ def _measure(w, zero, grad_bytes):
     model.init_weights(7)
     n_params = sum(p.numel() for p in model.parameters())
     # the default bucket size (one bucket here): contiguous buckets pad only at their end (< N x 64 elements)
-    opt = DistributedOptimizer([model], ctx, zero=zero, precision="bf16",
-                               grad_dtype=torch.bfloat16 if grad_bytes == 2 else None)
+    opt = attach([model], ctx, DataParallelConfig(zero=zero, precision="bf16",
+                                                  grad_dtype=torch.bfloat16 if grad_bytes == 2 else None))
     tokens = global_batches(64, 1)[0]
     per = tokens.shape[0] // w.world_size
     mine = tokens[w.rank * per: (w.rank + 1) * per]

@@ -100,3 +100,10 @@ def check_offload(optimizer: str, params: str = "none", zero: int = 0, offload_d
         check_offload_dir(offload_dir)
     if not buffer_mb > 0:
         raise ValueError(f"parallel.offload_buffer_mb must be > 0, got {buffer_mb}")
+
+
+def check_offload_device(optimizer: str, params: str, device: torch.device) -> None:
+    """Offload needs real host memory: the meta-device stand-in (the planner's dry run) has none."""
+    if device.type == "meta" and (optimizer, params) != ("none", "none"):
+        raise ValueError("offload needs host memory, which the meta-device stand-in has no values for: the "
+                         "planner dry-runs the device step without it (parallel3d/planner/offload.py)")

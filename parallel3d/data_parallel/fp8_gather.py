@@ -26,7 +26,7 @@ N * (E + 2 (S - E)) plus, rowwise forward, 4 bytes per gathered row.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -51,6 +51,13 @@ def check_fp8_gather(enabled: bool, zero: int, fp8: str, quantized_weights: bool
         raise ValueError("parallel.zero3_fp8_gather with train.fp8=rowwise: the backward gather brings only the "
                          "column-scaled copy, which a recomputed forward cannot use; set "
                          "train.activation_checkpointing=none or train.fp8=tensorwise")
+
+
+def fp8_recipe(params: Iterable[torch.nn.Parameter]) -> str:
+    """The recipe of the fp8 linears among the trainable `params` (convert_to_fp8 tags their weights);
+    "none": there are none."""
+    return next((p.fp8.recipe for p in params if p.requires_grad and getattr(p, "fp8", None) is not None
+                 and p.fp8.recipe != "none"), "none")
 
 
 def fp8_slots(b: Bucket) -> list[Slot]:

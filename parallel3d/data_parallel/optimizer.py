@@ -20,266 +20,148 @@ already normalised by the global token count (docs/architecture.md section 2.2; 
     3     reduce-scatter; params gathered     1/N                     1/N                 1/N
           around each unit's fwd and bwd (zero3.py)
 
-Buckets and their layouts (contiguous ranges for ZeRO 0-2, rank-major rows for ZeRO-3): buffer.py, build.py. Gradient hooks and each bucket's
-reduction (HSDP, compression, qgZ): sync.py. Parameters from the updated master: publishing.py.
-Norm and clipping: clip.py; AdamW: adamw.py. Checkpoint state, gradient views and memory accounting:
-state.py. The optimizer only assumes its `modules` list (the model chunks on this rank): it works under
-any TP/PP/CP/EP layout whose parameters carry `meta`. Construct it after the weights are final
-(initialised or loaded): it copies them into its master weights (and under ZeRO-3 frees the unsharded
-parameters); later loads go through `load_state_tensors`.
+Construction: `DistributedOptimizer(modules, ctx, config, zero3=None)`, config a DataParallelConfig
+(config.py; `DataParallelConfig.from_train_config(cfg)` from a training config), zero3 ZeRO-3's gatherer,
+attached to the chunks first (attach.py; `attach(modules, ctx, config)` does both). It replaced ~30
+keyword arguments. The optimizer wires one owner per job, each receiving what it works with:
+
+    buckets           build.py (layouts: buffer.py); ZeRO-3: the gatherer's unit buckets
+    GradientSync      sync.py: hooks, bucket reductions (HSDP, compression, qgZ), grad_reduce sums
+    OptimizerStep     step.py: loss scaler, norm and clipping (clip.py), AdamW (adamw.py), step count
+    ParamPublisher    publishing.py: updated master -> parameters (ZeRO-1/2 gathers, overlap)
+    Zero3             zero3.py: parameters gathered around each unit's use (a model wrapper, attach.py)
+    OffloadHomes      offload/homes.py: host/NVMe homes of the state, the copies that move it
+    checkpoint state  state.py: state tensors, gradient views, memory accounting
+
+and keeps the Trainer protocol above. It only assumes its `modules` list (the model chunks on this
+rank): it works under any TP/PP/CP/EP layout whose parameters carry `meta`. Construct it after the
+weights are final (initialised or loaded): it copies them into its master weights (and under ZeRO-3
+frees the unsharded parameters); later loads go through `load_state_tensors`.
 """
 from __future__ import annotations
 
-import collections
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from parallel3d.data_parallel.state import OptimizerState
-from parallel3d.data_parallel.buffer import Bucket
-from parallel3d.data_parallel.build import bucket_elems, init_bucket, local_ties, plan
-from parallel3d.data_parallel.adamw import adamw_, check_offload
-from parallel3d.data_parallel.clip import clip_, grad_stats
-from parallel3d.data_parallel.compression import Compressor, check_compression
-from parallel3d import comm
+from parallel3d.data_parallel.build import bucket_elems, init_bucket, plan
+from parallel3d.data_parallel.compression import Compressor
+from parallel3d.data_parallel.config import DataParallelConfig
 from parallel3d.data_parallel.precision import LossScaler, compute_dtype
-from parallel3d.data_parallel.quantize import check_zeropp
-from parallel3d.data_parallel.publishing import ParamPublishing
-from parallel3d.data_parallel.fp8_gather import check_fp8_gather, fp8_slots
-from parallel3d.data_parallel.sync import BucketReduction, FollowUps, Pending
-from parallel3d.data_parallel.zero3 import Zero3, ZeroPP
-from parallel3d.mesh import ParallelContext, check_hpz
+from parallel3d.data_parallel.publishing import ParamPublisher
+from parallel3d.data_parallel.state import (KINDS, grad_slices, load_state_tensors, memory_bytes, state_by_category,
+                                            state_tensors)
+from parallel3d.data_parallel.step import OptimizerStep
+from parallel3d.data_parallel.sync import GradientSync
+from parallel3d.data_parallel.zero3 import Zero3
+from parallel3d.mesh import ParallelContext
+from parallel3d.offload.homes import OffloadHomes
 
 
-class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
-    """See the module docstring. `grad_dtype` (extra, default fp32) is the dtype of the gradient buffers
-    and reductions; set it to the model dtype to trade accuracy for memory (the ZeRO paper's 2-byte grads).
-    Bucket size: build.bucket_elems (bucket_size_mb > 0 overrides bucket_size; both unset: max(40M, 1M x dp))."""
+class DistributedOptimizer:
+    """See the module docstring. `config` holds every option (config.py); `zero3` is required exactly
+    when config.zero == 3 (attach.attach_zero3)."""
 
-    def __init__(self, modules: list[nn.Module], ctx: ParallelContext, *, zero: int = 0, precision: str = "fp32",
-                 lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 bucket_size: int = 0, bucket_size_mb: float = 0.0,
-                 no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None,
-                 loss_scale: float = 0.0, initial_loss_scale: float = 2 ** 16, loss_scale_window: int = 1000,
-                 min_loss_scale: float = 1.0, grad_dtype: Optional[torch.dtype] = None,
-                 offload_optimizer: str = "none", offload_params: str = "none", offload_dir: Optional[str] = None,
-                 offload_buffer_mb: float = 64.0, grad_compression: str = "none", powersgd_rank: int = 4,
-                 topk_ratio: float = 0.01, compression_start_step: int = 0, quantized_weights: bool = False,
-                 hpz: bool = False, quantized_gradients: bool = False, quant_block: int = 256,
-                 fp8_gather: bool = False, overlap_param_gather: bool = False) -> None:
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero!r}")
-        check_offload(offload_optimizer, offload_params, zero, offload_dir, offload_buffer_mb)
-        check_compression(grad_compression, zero, powersgd_rank, topk_ratio, compression_start_step,
-                          ctx.spec.hsdp, precision, ctx.dp_cp.size)
-        check_zeropp(zero, quantized_weights, hpz, quantized_gradients, quant_block)
-        if hpz:
-            check_hpz(ctx.spec)
-        # qgZ: the ZeRO-3 gradient reduce-scatter travels as int8 blocks (quantize.py); 0 = exact
-        self.qgz_block = quant_block if quantized_gradients else 0
-        if ctx.device.type == "meta" and (offload_optimizer, offload_params) != ("none", "none"):
-            raise ValueError("offload needs host memory, which the meta-device stand-in has no values for: the "
-                             "planner dry-runs the device step without it (parallel3d/planner/offload.py)")
-        # offload: fp32 master and Adam state in host memory (cpu) or files (nvme); AdamW runs on the CPU
-        self.state_device = torch.device("cpu") if offload_optimizer != "none" else None
+    def __init__(self, modules: list[nn.Module], ctx: ParallelContext, config: DataParallelConfig,
+                 zero3: Optional[Zero3] = None) -> None:
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-        self.ctx, self.zero, self.precision = ctx, zero, precision
-        self.dtype = compute_dtype(precision)
-        self.grad_dtype = grad_dtype or torch.float32
-        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.scaler: Optional[LossScaler] = None
-        if precision == "fp16":
-            self.scaler = LossScaler(loss_scale if loss_scale > 0 else initial_loss_scale, loss_scale_window,
-                                     min_loss_scale, static=loss_scale > 0)
-        self.step_count = 0
-        self._synced, self._prepared, self._clipped = False, False, False
-        self._norm, self._found_inf = 0.0, False
-        self._inflight: collections.deque[Pending] = collections.deque()
-        self.zero3: Optional[Zero3] = None
-        no_decay = no_decay or (lambda name, p: p.dim() == 1)
-        self.bucket_elems = bucket_elems(ctx.dp_cp.size, bucket_size, bucket_size_mb,
-                                         torch.finfo(self.grad_dtype).bits // 8)
-        self.seqs, chains = plan(self.modules, ctx, zero, no_decay, self.bucket_elems)
-        self.buckets = [b for bs in self.seqs for b in bs]
-        if fp8_gather:  # the recipe of the fp8 linears (convert_to_fp8 tags their weights); "none": there are none
-            recipe = next((s.param.fp8.recipe for b in self.buckets for s in fp8_slots(b)), "none")
-            check_fp8_gather(fp8_gather, zero, recipe, quantized_weights, hpz, "none")
-        self._next = [0] * len(self.seqs)    # per sequence: the next bucket to launch
+        config.check(ctx, self.modules)
+        if (config.zero == 3) != (zero3 is not None):
+            raise ValueError(f"parallel.zero={config.zero}: ZeRO-3 needs its parameter gathering attached to the "
+                             f"chunks first and passed as zero3 (attach.attach_zero3), the other stages none; "
+                             f"data_parallel.attach(modules, ctx, config) does both")
+        self.config, self.ctx, self.zero, self.zero3 = config, ctx, config.zero, zero3
+        self.dtype = compute_dtype(config.precision)
+        self.grad_dtype = config.grad_dtype or torch.float32
+        if zero3 is None:
+            elems = bucket_elems(ctx.dp_cp.size, config.bucket_size, config.bucket_size_mb,
+                                 torch.finfo(self.grad_dtype).bits // 8)
+            seqs, _ = plan(self.modules, ctx, self.zero, config.decay_filter, elems)
+        else:
+            seqs = zero3.seqs
+        self.buckets = [b for bs in seqs for b in bs]
         self.params = [s.param for b in self.buckets for s in b.slots]
-        self.nvme = self.param_home = None   # offload homes (parallel3d/offload): NVMe Adam state, parameters
-        # offload: host <-> device copies beside compute (offload/streams.py); gradients leave per bucket
-        # as reduced (offload/host_grads.py), parameters come back per bucket (offload/publish.py)
-        self.copies = self.host_grads = self.published = None
-        self._clip_coef: Optional[float] = None
-        if (offload_optimizer, offload_params) != ("none", "none"):
-            from parallel3d.offload.publish import DevicePublish
-            from parallel3d.offload.streams import CopyEngine
-            self.copies = CopyEngine(ctx.device)
-            self.published = DevicePublish(self.copies)
-        if offload_optimizer != "none":       # reduced gradients leave the device per bucket (host_grads.py)
-            from parallel3d.offload.host_grads import HostGrads
-            self.host_grads = HostGrads(self.copies)
+        self.homes = OffloadHomes(config.offload_optimizer, config.offload_params, config.offload_dir,
+                                  config.offload_buffer_mb, ctx)
         # ZeRO-2/3 and offload reduce every bucket in every backward and free its buffer (sync.py)
-        self.per_microbatch = zero >= 2 or self.host_grads is not None
-        if offload_optimizer == "nvme":       # before init_bucket: ZeRO-3 frees the parameters it reads
-            from parallel3d.offload.nvme import NvmeAdam
-            self.nvme = NvmeAdam.create(self.buckets, ctx, offload_dir, offload_buffer_mb, self.copies)
+        self.per_microbatch = self.zero >= 2 or self.homes.host_grads is not None
+        self.homes.place_state(self.buckets)   # before init_bucket: ZeRO-3 frees the parameters it reads
         for b in self.buckets:
-            init_bucket(b, zero, self.dtype, self.grad_dtype, self.state_device, resident=self.nvme is None)
-            b.adam.home = self.nvme
+            init_bucket(b, self.zero, self.dtype, self.grad_dtype, self.homes.state_device,
+                        resident=self.homes.nvme is None)
+            b.adam.home = self.homes.nvme
             if self.per_microbatch:           # no persistent device gradient buffer (ZeRO-0/1 under offload)
                 b.grad.full = b.grad.shard = None
-        self.follow = FollowUps(any(comm.orders_on_device(b.group) for b in self.buckets), ctx.device)
-        if zero == 3:
-            gather = {e: ctx.clone("edp_shard" if e else "dp_shard") for e in (False, True)}
-            node = {e: ctx.clone("edp_node" if e else "dp_node") for e in (False, True)} if hpz else None
-            self.zero3 = Zero3(chains, gather, self.dtype, ZeroPP(quant_block if quantized_weights else 0, node,
-                                                                  fp8_gather))
-
-        if offload_params != "none":          # takes each bucket's param_flat off the device
-            from parallel3d.offload.params import ParamOffload
-            self.param_home = ParamOffload.create(self.buckets, offload_params, self.dtype, ctx, offload_dir,
-                                                  self.copies)
-            self.zero3.fetch = self.param_home.fetch
-        elif zero == 3 and self.published is not None:   # the shard may still be on its way from the step
-            self.zero3.fetch = self._published_shard
-        self._chains = chains
-        self.compressor = Compressor(grad_compression, self.buckets, powersgd_rank, topk_ratio,
-                                     compression_start_step) if grad_compression != "none" else None
-        self._last = [True] * len(self.modules)  # per chunk: is the running backward the step's last one?
-        self._chunk_seqs: dict[int, list[int]] = {}
-        for i, bs in enumerate(self.seqs):
-            self._chunk_seqs.setdefault(bs[0].chunk, []).append(i)
-        self._touched: set[int] = set()      # chunks whose gradients arrived during the running backward
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(b, s))
-                       for b in self.buckets for s in b.slots]
-        if zero == 0 and self.published is not None:   # a module's forward waits for its own buckets only
-            self._hooks += self.published.hooks(self.buckets, self.modules)
-        self._local_ties = local_ties(self.buckets)
-        self._init_publishing(overlap_param_gather)   # ZeRO-1/2 gathers waited by the next forward
+        self.homes.place_params(self.buckets, self.dtype)   # takes each bucket's param_flat off the device
+        c = config
+        self.compressor = Compressor(c.grad_compression, self.buckets, c.powersgd_rank, c.topk_ratio,
+                                     c.compression_start_step) if c.grad_compression != "none" else None
+        self.grads = GradientSync(seqs, len(self.modules), ctx, self.zero, self.grad_dtype, self.per_microbatch,
+                                  self.compressor, c.quant_block if c.quantized_gradients else 0,
+                                  self.homes.host_grads, zero3)
+        self.publisher = ParamPublisher(self.buckets, self.modules, self.zero, self.dtype, self.homes, zero3,
+                                        c.overlap_param_gather)
+        self.stepper = OptimizerStep(self.buckets, ctx, config, self.publisher, self.homes)
+        self.scaler: Optional[LossScaler] = self.stepper.scaler
+        self._synced = False
 
     # ---- trainer API --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self._follow_ups(block=True)      # reductions a step never waited for (an abandoned step)
-        self.follow.join()
-        if self.host_grads is not None:   # copies of a skipped step may still read the buffers zeroed here
-            self.host_grads.reset(self.buckets)
-        self._clip_coef = None
-        for b in self.buckets:
-            b.grad.count, b.grad.ready, b.grad.launched, b.grad.work, b.grad.out = 0, False, False, None, None
-            b.grad.replicating = False
-            if not self.per_microbatch:
-                b.grad.full.zero_()
-                b.grad.shard = b.grad.full if self.zero == 0 else None
-            else:
-                b.grad.full = b.grad.shard = None
-        for p in self.params:
-            p.grad = None
-        self._touched.clear()
-        self._next = [0] * len(self.seqs)
-        self._synced = self._prepared = self._clipped = False
+        self.grads.zero_grad(self.stepper.step_count)
+        self.stepper.reset()
+        self._synced = False
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler is not None else loss
+        return self.stepper.scale_loss(loss)
 
     def set_last_microbatch(self, last: bool, chunk: Optional[int] = None) -> None:
         """Mark whether the next backward is the step's last for every chunk, or only for `chunk` (index
         into `modules`: interleaved pipeline schedules finish the chunks' microbatches at different times)."""
-        for i in range(len(self._last)) if chunk is None else [chunk]:
-            self._last[i] = bool(last)
+        self.grads.set_last_microbatch(last, chunk)
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         if self._synced:
             return
-        self.wait_params()   # overlap_param_gather: buckets no forward used
-        for seq, bs in enumerate(self.seqs):        # unused parameters: launch what never became ready
-            for b in bs[self._next[seq]:]:
-                b.grad.ready = True
-            self._launch_ready(seq)
-        self._drain_reductions()
-        self._reduce_extra_groups()
-        if self.published is not None:    # backstop: every parameter copy of the last step has landed
-            self.published.wait_all()
+        self.publisher.wait_params()   # overlap_param_gather: buckets no forward used
+        self.grads.finish()
+        self.homes.wait_published()    # backstop: every parameter copy of the last step has landed
         if self.zero3 is not None:
             self.zero3.free_all()
         self._synced = True
 
     def _prepare(self) -> None:
-        if self._prepared:
-            return
-        self.finish_grad_sync()
-        inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        self._norm, self._found_inf = grad_stats(self.buckets, self.ctx, self.zero, inv)
-        self._prepared = True
+        if not self.stepper.prepared:
+            self.finish_grad_sync()
+            self.stepper.prepare()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Exact global L2 norm of the unscaled gradients (nan/inf on overflow); clips once if max_norm > 0.
         Collective over the world: every rank (every pipeline stage) must call it."""
         self._prepare()
-        if max_norm > 0 and not self._found_inf and not self._clipped:
-            self._clip_coef = clip_(self.buckets, self._norm, max_norm)
-            self._clipped = True
-        return self._norm
+        return self.stepper.clip(max_norm)
 
-    @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> bool:
         """AdamW on the held shard, then refresh the parameters. Collective over the world (the skip
-        decision is shared); lr=None uses the constructor's lr."""
-        lr = self.lr if lr is None else lr
+        decision is shared); lr=None uses the config's lr. False (on every rank) on inf/nan gradients."""
         self._prepare()
-        found = self._found_inf
-        if self.scaler is not None:
-            self.scaler.update(found)
-        self._prepared = False
-        if found:
-            if self.host_grads is not None:
-                self.host_grads.drain(self.buckets)
-            return False
-        self.step_count += 1
-        # offload: forward order (buckets are in backward order), so the first layers' parameters are
-        # back on the device first and the next forward can start on them (offload/publish.py)
-        order = self.buckets if self.copies is None else self.buckets[::-1]
-        if self.nvme is not None:  # streamed: each updated master chunk is published as it is produced
-            self.nvme.step(order, lr, self.betas, self.eps, self.weight_decay, self.step_count,
-                           self.publish_chunk)
-            self.publish_params(streamed=True)
-            return True
-        pending = []
-        for b in order:   # offload: b.grad.shard is the host gradient (offload/host_grads.py)
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
-            if self.zero in (1, 2):   # the bucket's all-gather travels while the next buckets update
-                started = self._start_publish(b)
-                if self.overlap_param_gather:   # ... and beside the next forward, which waits for it
-                    self._gathers[id(b)] = started
-                else:
-                    pending.append(started)
-            elif self.published is not None and b.param_flat is not b.adam.master:
-                self.publish_chunk(b, 0, b.seg, b.adam.master)   # its copy travels while the next update
-        if self.zero in (1, 2):
-            self._finish_publish(pending)
-        elif self.published is None:
-            self.publish_params()
-        elif self.zero3 is not None:
-            self.zero3.invalidate()
-        return True
+        return self.stepper.step(lr)
 
     def skip_step(self) -> bool:
         """The trainer skips this step (non-finite loss or gradients): no update, but an fp16 dynamic
         scaler still sees the overflow and backs off, so later steps can succeed. Returns False."""
         self._prepare()
-        if self.scaler is not None:
-            self.scaler.update(True)
-        self._prepared = False
-        if self.host_grads is not None:
-            self.host_grads.drain(self.buckets)
-        return False
+        return self.stepper.skip()
+
+    @property
+    def step_count(self) -> int:
+        return self.stepper.step_count
 
     @property
     def overflowed(self) -> bool:
         """The prepared gradients hold inf/nan (after clip_grad_norm or step preparation)."""
-        return self._found_inf
+        return self.stepper.found_inf
 
     @property
     def loss_scale(self) -> float:
@@ -287,23 +169,64 @@ class DistributedOptimizer(BucketReduction, ParamPublishing, OptimizerState):
 
     @property
     def grad_norm(self) -> float:
-        return self._norm
+        return self.stepper.norm
+
+    def wait_params(self) -> None:
+        """Every parameter up to date (overlap_param_gather: the gathers no forward has waited for yet).
+        Call before reading parameters outside the model's forward (checkpoints, tests)."""
+        self.publisher.wait_params()
+
+    def publish_params(self) -> None:
+        """Copy the fp32 master weights into the model parameters (all-gathered for ZeRO-1/2)."""
+        self.publisher.publish_params()
 
     def close(self) -> None:
         """Remove the offload files (also done at exit)."""
-        self.wait_params()
-        if self.published is not None:
-            self.published.wait_all()
-        if self.host_grads is not None:
-            self.host_grads.drain(self.buckets)
-        for home in (self.nvme, self.param_home, self.copies, self.host_grads):
-            if home is not None:
-                home.close()
+        self.publisher.wait_params()
+        self.homes.close(self.buckets)
 
     def remove_hooks(self) -> None:
-        """Detach from the model (gradient hooks, ZeRO-3 forward hooks)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        """Detach from the model (gradient hooks, publishing hooks, ZeRO-3 forward hooks)."""
+        self.grads.remove()
+        self.publisher.remove()
         if self.zero3 is not None:
             self.zero3.remove()
+
+    # ---- checkpoint state (checkpoint.protocol.OptimizerState) and accounting (state.py) --------------
+    def scalar_state(self) -> dict:
+        return self.stepper.scalar_state()
+
+    def load_scalar_state(self, d: dict) -> None:
+        self.stepper.load_scalar_state(d)
+
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[slice, ...]]]:
+        self.homes.wait_published()   # a checkpoint also reads the parameters
+        self.publisher.wait_params()
+        return state_tensors(self.buckets, self.ctx, self.zero)
+
+    def load_state_tensors(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor],
+                           kinds: tuple[str, ...] = KINDS) -> None:
+        load_state_tensors(self.buckets, read, kinds)
+        if "master" in kinds:
+            self.publisher.publish_params()
+
+    def local_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (not a slice of a global tensor): gradient-compression residuals and
+        PowerSGD's Q. Checkpoints keep it per rank and restore it under the same layout."""
+        return self.compressor.local_state() if self.compressor is not None else {}
+
+    def load_local_state_tensors(self, d: dict[str, torch.Tensor]) -> None:
+        if self.compressor is not None:
+            self.compressor.load_local_state(d)
+
+    def grad_slices(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple]]:
+        """The reduced gradients this rank holds, unscaled (state.grad_slices)."""
+        self.finish_grad_sync()
+        return grad_slices(self.buckets, 1.0 if self.stepper.prepared else self.stepper.inv_scale)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return memory_bytes(self.buckets, self.params)
+
+    def state_by_category(self) -> dict[str, list[torch.Tensor]]:
+        """Model-state tensors per category (params, grads, optimizer); see state.state_by_category."""
+        return state_by_category(self.buckets, self.params)

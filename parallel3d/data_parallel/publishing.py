@@ -7,30 +7,75 @@
 
 With optimizer or parameter offload the device copies are asynchronous (offload/publish.py): each bucket's
 copy is issued right after its update and its first reader waits for that bucket only.
-`ParamPublishing` is a mixin: the optimizer owns the state it uses (buckets, zero, dtype, nvme, ...).
+
+`ParamPublisher` owns this: the device shards being published, the overlapped gathers in flight, the
+forward hooks that wait for a bucket's parameters, and where ZeRO-3 fetches its persistent shard from
+under offload. The optimizer step calls `updated(b)` after each bucket's AdamW and `step_done()` after
+the last; it receives the buckets, the offload homes (offload/homes.py) and ZeRO-3's gatherer.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from parallel3d.comm import start_all_gather, wait_work
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.data_parallel.zero3 import Zero3
+from parallel3d.offload.homes import OffloadHomes
 
 
-class ParamPublishing:
-    def _init_publishing(self, overlap: bool) -> None:
+class ParamPublisher:
+    def __init__(self, buckets: Sequence[Bucket], modules: Sequence[nn.Module], zero: int, dtype: torch.dtype,
+                 homes: OffloadHomes, zero3: Optional[Zero3] = None, overlap: bool = False) -> None:
         """overlap (ZeRO-1/2, `overlap_param_gather`): step() leaves each bucket's all-gather in flight and
         the first forward use of the bucket waits for it (a forward pre-hook on the modules owning its
         parameters), so the gathers travel beside the next forward, as Megatron's overlap_param_gather.
         The gathered buffers then live until that use (2 bytes per parameter at most, all buckets)."""
+        self.buckets, self.zero, self.dtype, self.zero3 = list(buckets), zero, dtype, zero3
+        self.published, self.param_home, self.nvme = homes.published, homes.param_home, homes.nvme
         self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
         self._gathers: dict[int, tuple] = {}          # overlap: id(bucket) -> (bucket, gathered, work)
-        self.overlap_param_gather = overlap and self.zero in (1, 2)
+        self._pending: list[tuple] = []               # ZeRO-1/2 gathers of the running step
+        self.overlap_param_gather = overlap and zero in (1, 2)
+        self.hooks: list = []
+        if zero3 is not None and self.param_home is not None:
+            zero3.fetch = self.param_home.fetch
+        elif zero3 is not None and self.published is not None:  # the shard may still be on its way from the step
+            zero3.fetch = self._published_shard
+        if zero == 0 and self.published is not None:   # a module's forward waits for its own buckets only
+            self.hooks += self.published.hooks(self.buckets, modules)
         if self.overlap_param_gather:
             from parallel3d.offload.publish import bucket_hooks
-            self._hooks += bucket_hooks(self.buckets, self.modules, self._wait_gather)
+            self.hooks += bucket_hooks(self.buckets, modules, self._wait_gather)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    def updated(self, b: Bucket) -> None:
+        """b's AdamW is done: start publishing it (ZeRO-1/2: its all-gather travels while the next buckets
+        update, and with overlap beside the next forward, which waits for it; offload: its device copy)."""
+        if self.zero in (1, 2):
+            started = self._start_publish(b)
+            if self.overlap_param_gather:
+                self._gathers[id(b)] = started
+            else:
+                self._pending.append(started)
+        elif self.published is not None and b.param_flat is not b.adam.master:
+            self.publish_chunk(b, 0, b.seg, b.adam.master)   # its copy travels while the next update
+
+    def step_done(self) -> None:
+        """Every bucket updated: the parameters are published (or on their way, waited by their readers)."""
+        if self.zero in (1, 2):
+            pending, self._pending = self._pending, []
+            self._finish_publish(pending)
+        elif self.published is None:
+            self.publish_params()
+        elif self.zero3 is not None:
+            self.zero3.invalidate()
 
     def _wait_gather(self, b: Bucket) -> None:
         g = self._gathers.pop(id(b), None)
@@ -91,7 +136,7 @@ class ParamPublishing:
         self._finish_publish([self._start_publish(b) for b in self.buckets])
 
     def _start_publish(self, b: Bucket) -> tuple:
-        """ZeRO-1/2: launch the all-gather of a bucket's updated shard (step() calls it right after the
+        """ZeRO-1/2: launch the all-gather of a bucket's updated shard (`updated` calls it right after the
         bucket's AdamW, so the gather travels while the next buckets update)."""
         if self.published is not None and id(b) not in self._shards:   # offload: the shard's copy, in flight
             self.publish_chunk(b, 0, b.seg, b.adam.master)

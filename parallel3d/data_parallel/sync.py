@@ -19,21 +19,30 @@ gradient, freeing the buffer, the offload copy): on a backend whose work orders 
 comm.orders_on_device) they are queued right after the collective, on a side stream that waits for it,
 so neither the host nor the compute stream waits; elsewhere (gloo) each launch polls the oldest
 reductions with is_completed() and follows up the finished ones, and finish_grad_sync waits for the rest.
-`BucketReduction` is a mixin: the optimizer owns the state it uses (buckets, seqs, zero, ctx, ...).
+
+`GradientSync` owns this: the buckets' gradient state (`b.grad`), the hooks, the launch order, the
+reductions in flight, compression (its Compressor) and the meta.grad_reduce sums. It receives what it
+works with: the launch sequences (build.py, or ZeRO-3's unit buckets), the compressor, the offload home of
+the held gradients, ZeRO-3's gatherer (to free a unit once its gradients are in).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from parallel3d import comm
 from parallel3d.comm import start_all_reduce, wait_work
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows
+from parallel3d.data_parallel.build import local_ties
+from parallel3d.data_parallel.compression import Compressor
 from parallel3d.data_parallel.quantize import quantized_reduce_scatter
 from parallel3d.data_parallel.reduce import start_reduce_scatter
+from parallel3d.data_parallel.zero3 import Zero3
+from parallel3d.mesh import ParallelContext
 
 
 def grad_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
@@ -77,7 +86,71 @@ class FollowUps:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-class BucketReduction:
+class GradientSync:
+    """Gradients into buckets and each bucket's reduction (module docstring). seqs: the launch sequences
+    (build.py); chunks: how many model chunks; per_microbatch: reduce in every backward (ZeRO-2/3,
+    offload); qgz_block > 0: ZeRO-3's reduce-scatter as int8 blocks; host_grads: the held gradients'
+    offload home (offload/host_grads.py) or None."""
+
+    def __init__(self, seqs: list[list[Bucket]], chunks: int, ctx: ParallelContext, zero: int,
+                 grad_dtype: torch.dtype, per_microbatch: bool, compressor: Optional[Compressor] = None,
+                 qgz_block: int = 0, host_grads: Any = None, zero3: Optional[Zero3] = None) -> None:
+        self.seqs, self.buckets = seqs, [b for bs in seqs for b in bs]
+        self.params = [s.param for b in self.buckets for s in b.slots]
+        self.ctx, self.zero, self.grad_dtype, self.per_microbatch = ctx, zero, grad_dtype, per_microbatch
+        self.compressor, self.qgz_block, self.host_grads, self.zero3 = compressor, qgz_block, host_grads, zero3
+        self.step_count = 0                  # the optimizer step these gradients are for (zero_grad sets it)
+        self._inflight: collections.deque[Pending] = collections.deque()
+        self._next = [0] * len(seqs)         # per sequence: the next bucket to launch
+        self.follow = FollowUps(any(comm.orders_on_device(b.group) for b in self.buckets), ctx.device)
+        self._last = [True] * chunks         # per chunk: is the running backward the step's last one?
+        self._chunk_seqs: dict[int, list[int]] = {}
+        for i, bs in enumerate(seqs):
+            self._chunk_seqs.setdefault(bs[0].chunk, []).append(i)
+        self._touched: set[int] = set()      # chunks whose gradients arrived during the running backward
+        self.hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(b, s))
+                      for b in self.buckets for s in b.slots]
+        self._local_ties = local_ties(self.buckets)
+
+    def zero_grad(self, step_count: int) -> None:
+        """Start the gradients of optimizer step `step_count` (compression starts at its start step)."""
+        self._follow_ups(block=True)      # reductions a step never waited for (an abandoned step)
+        self.follow.join()
+        if self.host_grads is not None:   # copies of a skipped step may still read the buffers zeroed here
+            self.host_grads.reset(self.buckets)
+        for b in self.buckets:
+            b.grad.count, b.grad.ready, b.grad.launched, b.grad.work, b.grad.out = 0, False, False, None, None
+            b.grad.replicating = False
+            if not self.per_microbatch:
+                b.grad.full.zero_()
+                b.grad.shard = b.grad.full if self.zero == 0 else None
+            else:
+                b.grad.full = b.grad.shard = None
+        for p in self.params:
+            p.grad = None
+        self._touched.clear()
+        self._next = [0] * len(self.seqs)
+        self.step_count = step_count
+
+    def set_last_microbatch(self, last: bool, chunk: Optional[int] = None) -> None:
+        for i in range(len(self._last)) if chunk is None else [chunk]:
+            self._last[i] = bool(last)
+
+    def finish(self) -> None:
+        """Launch what never became ready (unused parameters), wait for every reduction, then the
+        meta.grad_reduce sums: the held gradients are final."""
+        for seq, bs in enumerate(self.seqs):
+            for b in bs[self._next[seq]:]:
+                b.grad.ready = True
+            self._launch_ready(seq)
+        self._drain_reductions()
+        self._reduce_extra_groups()
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
     # ---- backward ----------------------------------------------------------------------------------
     def _grad_hook(self, b: Bucket, s: Slot):
         def hook(p: torch.Tensor) -> None:
@@ -111,9 +184,7 @@ class BucketReduction:
         touched, self._touched = sorted(self._touched), set()
         for chunk in touched:
             if self.zero3 is not None:
-                for unit in self._chains[chunk]:
-                    if unit.gathered or unit.pending is not None or unit.fetched:
-                        self.zero3.free(unit)
+                self.zero3.free_chunk(chunk)
             if self._last[chunk] or self.per_microbatch:
                 for seq in self._chunk_seqs.get(chunk, []):
                     for b in self.seqs[seq][self._next[seq]:]:

@@ -98,10 +98,14 @@ def check_split_backward(split: bool) -> None:
 
 
 class Zero3:
-    """Gathers/frees units around forward and backward. `groups` maps expert-ness to the gather group."""
+    """Gathers/frees units around forward and backward: a model wrapper, attached to the chunks by
+    attach.attach_zero3 before the optimizer is built. chains: per chunk [root, block0, ...] (build.plan);
+    seqs: the units' buckets as gradient launch sequences (the optimizer reduces them); `groups` maps
+    expert-ness to the gather group."""
 
-    def __init__(self, chains: list[list[Unit]], groups: dict[bool, Group], dtype: torch.dtype,
-                 pp: Optional[ZeroPP] = None) -> None:
+    def __init__(self, chains: list[list[Unit]], seqs: list[list[Bucket]], groups: dict[bool, Group],
+                 dtype: torch.dtype, pp: Optional[ZeroPP] = None) -> None:
+        self.chains, self.seqs = chains, seqs
         self.units = [u for chain in chains for u in chain]
         self.groups, self.dtype, self.pp = groups, dtype, pp or ZeroPP()
         self.fetch: Optional[Callable[[Bucket], Any]] = None  # offload: bucket -> Fetched shard on the device
@@ -198,6 +202,12 @@ class Zero3:
         for u in self.units:
             if u.gathered or u.pending is not None or u.fetched:
                 self.free(u)
+
+    def free_chunk(self, chunk: int) -> None:
+        """The chunk's backward ended: free its units still gathered (a parameter had no gradient)."""
+        for unit in self.chains[chunk]:
+            if unit.gathered or unit.pending is not None or unit.fetched:
+                self.free(unit)
 
     def on_grad(self, unit: Unit) -> None:
         """A parameter of `unit` received its gradient (after it was added to the bucket)."""

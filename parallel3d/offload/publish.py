@@ -5,7 +5,7 @@ each bucket's new values leave on the copy engine (streams.py) as soon as its up
 host updates the next bucket. Who reads a bucket's device parameters first waits for that bucket only:
 
     ZeRO-0     the forward pre-hook of every module that owns one of its parameters (`hooks`)
-    ZeRO-1/2   the bucket's all-gather (optimizer._start_publish); with overlap_param_gather the
+    ZeRO-1/2   the bucket's all-gather (publishing.ParamPublisher); with overlap_param_gather the
                gather itself is waited for by the bucket's first module (`bucket_hooks`, publishing.py)
     ZeRO-3     the unit's gather, through the prefetcher's fetch (zero3.py), one unit ahead of use
 

@@ -121,23 +121,11 @@ class Trainer:
         return to_dict(self.cfg)
 
     def _build_optimizer(self):
-        from parallel3d.data_parallel import DistributedOptimizer
+        """The chunks under data parallelism (data_parallel/attach.py: ZeRO-3's gathering, then the
+        DistributedOptimizer), configured from parallel.* and train.* (DataParallelConfig.from_train_config)."""
+        from parallel3d.data_parallel import DataParallelConfig, attach
 
-        t, p = self.cfg.train, self.cfg.parallel
-        return DistributedOptimizer(self.chunks, self.ctx, zero=p.zero, precision=t.precision, lr=t.lr,
-                                    betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-                                    bucket_size=p.bucket_size, bucket_size_mb=p.bucket_size_mb,
-                                    loss_scale=t.loss_scale,
-                                    initial_loss_scale=t.initial_loss_scale,
-                                    loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
-                                    offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
-                                    offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb,
-                                    grad_compression=p.grad_compression,
-                                    powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
-                                    compression_start_step=p.compression_start_step,
-                                    quantized_weights=p.zero_quantized_weights, hpz=p.zero_hpz,
-                                    quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block,
-                                    fp8_gather=p.zero3_fp8_gather, overlap_param_gather=p.overlap_param_gather)
+        return attach(self.chunks, self.ctx, DataParallelConfig.from_train_config(self.cfg))
 
     # ------------------------------------------------------------------ one optimizer step
     def _microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:

@@ -1,0 +1,110 @@
+"""The optimizer step: loss scaling, the exact global gradient norm, clipping and AdamW on the held shards.
+
+`OptimizerStep` owns the fp16 loss scaler, the step count, the learning-rate hyperparameters and the
+state of one step's prepared gradients (their unscaled global norm and the overflow flag, clip.py's
+`grad_stats`, computed once per step after the gradient sync), clipping (clip.py) and the update: AdamW
+(adamw.py) bucket after bucket on the held gradient shards, or streamed through the files under NVMe
+offload (offload/nvme.py). It hands each updated bucket to the parameter publisher (publishing.py), so
+the parameters travel while the next buckets update. It receives the buckets, the publisher and the
+offload homes; the DistributedOptimizer finishes the gradient sync before `prepare`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from parallel3d.data_parallel.adamw import adamw_
+from parallel3d.data_parallel.buffer import Bucket
+from parallel3d.data_parallel.clip import clip_, grad_stats
+from parallel3d.data_parallel.config import DataParallelConfig
+from parallel3d.data_parallel.precision import LossScaler
+from parallel3d.data_parallel.publishing import ParamPublisher
+from parallel3d.mesh import ParallelContext
+from parallel3d.offload.homes import OffloadHomes
+
+
+class OptimizerStep:
+    def __init__(self, buckets: Sequence[Bucket], ctx: ParallelContext, config: DataParallelConfig,
+                 publisher: ParamPublisher, homes: OffloadHomes) -> None:
+        self.buckets, self.ctx, self.zero = list(buckets), ctx, config.zero
+        self.publisher, self.homes = publisher, homes
+        self.lr, self.betas, self.eps, self.weight_decay = config.lr, config.betas, config.eps, config.weight_decay
+        self.scaler: Optional[LossScaler] = None
+        if config.precision == "fp16":
+            c = config
+            self.scaler = LossScaler(c.loss_scale if c.loss_scale > 0 else c.initial_loss_scale, c.loss_scale_window,
+                                     c.min_loss_scale, static=c.loss_scale > 0)
+        self.step_count = 0
+        self.prepared = self.clipped = False
+        self.norm, self.found_inf = 0.0, False
+
+    def reset(self) -> None:
+        """A new step's gradients are coming (zero_grad)."""
+        self.prepared = self.clipped = False
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    @property
+    def inv_scale(self) -> float:
+        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+
+    def prepare(self) -> None:
+        """The synced gradients' exact global norm (unscaled) and overflow flag, once per step."""
+        if self.prepared:
+            return
+        self.norm, self.found_inf = grad_stats(self.buckets, self.ctx, self.zero, self.inv_scale)
+        self.prepared = True
+
+    def clip(self, max_norm: float) -> float:
+        self.prepare()
+        if max_norm > 0 and not self.found_inf and not self.clipped:
+            clip_(self.buckets, self.norm, max_norm)
+            self.clipped = True
+        return self.norm
+
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> bool:
+        lr = self.lr if lr is None else lr
+        self.prepare()
+        found = self.found_inf
+        if self.scaler is not None:
+            self.scaler.update(found)
+        self.prepared = False
+        if found:
+            self.homes.drain(self.buckets)
+            return False
+        self.step_count += 1
+        # offload: forward order (buckets are in backward order), so the first layers' parameters are
+        # back on the device first and the next forward can start on them (offload/publish.py)
+        order = self.buckets if self.homes.copies is None else self.buckets[::-1]
+        if self.homes.nvme is not None:  # streamed: each updated master chunk is published as it is produced
+            self.homes.nvme.step(order, lr, self.betas, self.eps, self.weight_decay, self.step_count,
+                                 self.publisher.publish_chunk)
+            self.publisher.publish_params(streamed=True)
+            return True
+        for b in order:   # offload: b.grad.shard is the host gradient (offload/host_grads.py)
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
+            self.publisher.updated(b)
+        self.publisher.step_done()
+        return True
+
+    def skip(self) -> bool:
+        self.prepare()
+        if self.scaler is not None:
+            self.scaler.update(True)
+        self.prepared = False
+        self.homes.drain(self.buckets)
+        return False
+
+    def scalar_state(self) -> dict:
+        out = {"step": self.step_count}
+        if self.scaler is not None:
+            out.update(self.scaler.state())
+        return out
+
+    def load_scalar_state(self, d: dict) -> None:
+        self.step_count = int(d.get("step", 0))
+        if self.scaler is not None:
+            self.scaler.load(d)
