@@ -3,7 +3,7 @@ and FSDP2 `fully_shard`.
 
     python benchmarks/data_parallel.py [--world 2] [--hidden 256] [--layers 4] [--vocab 4096] [--seq 64]
                                        [--batch 2] [--steps 5] [--rounds 1] [--precision fp32] [--markdown]
-                                       [--impls ddp,ours-zero1,...]
+                                       [--impls ddp,ours-zero1,...] [--bucket-size N]
 
 Implementations: ddp, fsdp2, ours-zero{0,1,2,3}, and ours-zero<z>-<mode> with mode one of hsdp (dp_shard =
 world/2), powersgd (rank 4), topk (ratio 0.01), qwz, hpz (gpus_per_node = world/2), qgz, zeropp (all
@@ -86,6 +86,7 @@ def _run(w, impl: str, a: dict) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     if ours:
         opt = attach([model], ctx, DataParallelConfig(zero=int(zero), precision=a["precision"], lr=1e-3,
+                                                      bucket_size=a["bucket_size"],
                                                       **MODES[mode] if mode else {}))
     else:
         model = model.to(dtype)
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--bucket-size", type=int, default=0,
+                    help="ours: parameters per gradient bucket (parallel.bucket_size; 0: max(40M, 1M x dp))")
     args = ap.parse_args()
     a = vars(args)
     backend = "nccl" if torch.cuda.device_count() >= args.world else "gloo"
