@@ -193,3 +193,26 @@ def test_default_search_of_70b_on_64_gpus_dry_runs_at_most_its_budget(monkeypatc
         assert len(calls) == (budget if not fits else search_module.DEFAULT_MAX_CANDIDATES)
         assert len(found) == (0 if not fits else search_module.DEFAULT_MAX_CANDIDATES)
     assert search_module.dry_run_budget(0, 5000) == 5000
+
+
+def test_ranks_computing_at_once_are_priced_with_their_measured_slowdown(tmp_path):
+    """Ranks share caches, memory bandwidth and maybe physical cores: the probe's slowdown (world processes
+    at once against one alone) scales the matmul curves, bandwidth and per-op overhead of that world."""
+    plain, slowed = fake_profile(), fake_profile()
+    slowed["gloo"]["2"]["slowdown"] = {"matmul": 1.5, "op": 2.0}
+    devices = []
+    for i, prof in enumerate((plain, slowed)):
+        path = tmp_path / f"hw{i}.json"
+        path.write_text(json.dumps(prof))
+        devices.append(profile.cpu_device(2, path=path))
+    a, b = devices
+    assert b.op_overhead_s == pytest.approx(2.0 * a.op_overhead_s)
+    assert b.hbm_bytes_per_s == pytest.approx(a.hbm_bytes_per_s / 1.5)
+    for key in ("fp32", "flash_attention_fwd"):
+        assert [s for _, s in b.matmul_curves[key]] == pytest.approx([1.5 * s for _, s in a.matmul_curves[key]])
+
+
+def test_contention_probe_runs_on_spawned_ranks():
+    """measure_gloo's probe: one slowdown per kind, never below 1 (a run cannot be faster than alone)."""
+    found = profile.measure_gloo(2)
+    assert set(found["slowdown"]) == {"matmul", "op"} and min(found["slowdown"].values()) >= 1.0

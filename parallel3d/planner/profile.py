@@ -7,9 +7,9 @@ divides the threads by the local world size), so every rate is measured on one t
     matmuls on a CPU run far below the large-matmul rate;
   - memory bandwidth: a large element-wise add (read two, write one);
   - attention: aten's CPU flash attention (the `sdpa` backend a CPU run uses, kernels/attention_backend.py)
-    forward and backward, causal, at sequence lengths 64..512, against the FLOPs our flash ops declare: the
-    dry run's flash_attention_fwd / _bwd ops are priced on these curves (the CPU kernel runs well below
-    the matmul rate);
+    forward and backward, causal, at sequence lengths 64..512, against the FLOPs our flash ops declare:
+    the dry run of a CPU run takes these very ops (planner/host_kernels.py) and prices them on these
+    curves (the CPU kernel runs well below the matmul rate);
   - per-op overhead: the project's own training step (the real Trainer, world 1) on a model so small that
     its arithmetic is negligible, divided by the ops the planner's tracker counts in it: what the host
     spends per op on eager dispatch, autograd, Python modules and hooks. On a CPU at the sizes we run this
@@ -22,8 +22,11 @@ divides the threads by the local world size), so every rate is measured on one t
     the (alpha, beta) of cost.collective_time's formula;
   - the process's resident memory before any model exists (Python, torch, gloo): the CPU's analogue of the
     CUDA context, added to the planned peak so it compares with the run's peak RSS.
-Ranks sharing cores (world > cores) are priced as they run: the compute rates (matmul, bandwidth,
-per-op overhead) are scaled by cores / world, and the collectives are measured at that world size. gloo
+Ranks sharing the machine are priced as they run: with the gloo figures, `world` processes time a small
+matmul and a per-op loop all at once, and their slowdown against one process alone (shared caches and
+memory bandwidth, vCPUs on one physical core) scales the matmul curves and the per-op overhead; ranks
+outnumbering the cores also divide the rates by cores / world. The collectives are measured at that world
+size. gloo
 moves data on its own threads, which overlap with the compute only where a core is left for them (cores >
 world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
 prefetch, gradient reduction) with the compute.
@@ -35,21 +38,17 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import socket
-import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from parallel3d.planner.hardware import GPU
+from parallel3d.planner.profile_gloo import COLLECTIVES, best as _best, measure_gloo  # noqa: F401 (COLLECTIVES)
 
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
-SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -60,16 +59,6 @@ def cores() -> int:
 def cache_path() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parallel3d"
     return root / f"hardware-{socket.gethostname()}-{cores()}c.json"
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
 
 
 def measure_compute(builder: Optional[tuple] = None) -> dict:
@@ -163,85 +152,6 @@ def _op_overhead() -> float:
     return _best(step, 20) / max(Count.ops, 1)
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory now (not its peak: importing and spawning pass through transients)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
-    import torch.distributed as dist
-
-    from parallel3d import comm
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    group = comm.Group("world", list(range(world)), rank, dist.group.WORLD, None, torch.device("cpu"))
-    base_rss = _resident_bytes()
-    result = {}
-    for op in COLLECTIVES:
-        times = []
-        for nbytes in (SMALL, LARGE):
-            numel = nbytes // 4
-            t = torch.ones(numel)
-            out = torch.empty(numel // world)
-
-            def run():
-                if op == "all_reduce":
-                    comm.all_reduce(t, group)
-                elif op == "reduce_scatter":
-                    comm.start_reduce_scatter(out, t, group).wait()
-                elif op == "all_gather":
-                    comm.all_gather(t[: numel // world], group)
-                elif op == "all_to_all":
-                    comm.all_to_all(t, group)
-                else:  # a pipeline message: every rank sends to the next and receives from the previous
-                    comm.batch_p2p([comm.P2P("send", t, (rank + 1) % world),
-                                    comm.P2P("recv", torch.empty_like(t), (rank - 1) % world)], group)
-            dist.barrier()
-            best = math.inf
-            for _ in range(5 if nbytes == SMALL else 3):
-                dist.barrier()
-                t0 = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
-        result[op] = times
-    if rank == 0:
-        Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, float]:
-    """(alpha, beta) such that cost.collective_time(op, bytes, world, alpha, beta) gives both timings."""
-    n = world
-    steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(op, n - 1)
-    frac = {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(op, (n - 1) / n)
-    per_byte = max((large_s - small_s) / (LARGE - SMALL), 1e-13)
-    alpha = max(small_s - per_byte * SMALL, 1e-7) / steps
-    return alpha, frac / per_byte
-
-
-def measure_gloo(world: int) -> dict:
-    """(alpha, beta) per collective on `world` local gloo processes (a few seconds)."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.start_processes(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world,
-                           start_method="spawn")
-        found = json.loads(Path(out).read_text())
-    links = {op: list(_solve(op, world, *t)) for op, t in found["times"].items()}
-    return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"]}
-
-
 def load_profile(world: int, reprofile: bool = False, path: Optional[Path] = None,
                  builder: Optional[tuple] = None) -> dict:
     """The cached profile with this world size's gloo figures, measured (and written) where missing."""
@@ -275,19 +185,23 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
     profile = load_profile(world, reprofile, path, builder)
     c = profile["compute"]
     share = min(1.0, profile["cores"] / max(world, 1))   # ranks time-slice the cores they share
-    curves = {k: tuple((f, s / share) for f, s in rows) for k, rows in c["matmul"].items()}
-    peaks = {k: max(f / s for f, s in rows) for k, rows in curves.items()}
-    curves.update({op: tuple((f, s / share) for f, s in rows) for op, rows in c.get("attention", {}).items()})
-    peaks["tf32"] = peaks["fp32"]
     gloo = profile["gloo"].get(str(world), {"collectives": {}, "base_rss_bytes": 0})
+    # what `world` ranks computing at once measured against one alone (shared caches, memory bandwidth,
+    # vCPUs that share a physical core), on top of the time-slicing when ranks outnumber the cores
+    slow = gloo.get("slowdown", {})
+    mm, per_op = slow.get("matmul", 1.0) / share, slow.get("op", 1.0) / share
+    curves = {k: tuple((f, s * mm) for f, s in rows) for k, rows in c["matmul"].items()}
+    peaks = {k: max(f / s for f, s in rows) for k, rows in curves.items()}
+    curves.update({op: tuple((f, s * mm) for f, s in rows) for op, rows in c.get("attention", {}).items()})
+    peaks["tf32"] = peaks["fp32"]
     links = {op: tuple(v) for op, v in gloo["collectives"].items()}
     links["recv"] = links.get("send", (0.0, 1.0))
     alpha, beta = links.get("all_gather", (0.0, 1e12))
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(world, 1)
     return GPU(f"cpu ({profile['cores']} cores, {world} ranks, 1 thread each)", peaks,
-               c["memory_bytes_per_s"] * share, total, beta, beta, pcie_bytes_per_s=c["memory_bytes_per_s"],
+               c["memory_bytes_per_s"] / mm, total, beta, beta, pcie_bytes_per_s=c["memory_bytes_per_s"],
                matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
-               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] / share, collectives=links,
+               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, collectives=links,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)

@@ -1,0 +1,124 @@
+"""The collective and contention half of this machine's profile (profile.py): gloo's (alpha, beta) per
+collective at a world size, the process's resident memory before any model, and what `world` ranks
+computing at once cost each other. Measured on `world` spawned processes of one thread each.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
+
+
+def best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _contention_probe() -> dict:
+    """Seconds of a 256^3 fp32 matmul and of a tiny in-place add (per-op cost) on one thread: run alone
+    and by every rank at once, their ratio is what sharing the machine costs each rank's compute."""
+    torch.set_num_threads(1)
+    a, b, x = torch.randn(256, 256), torch.randn(256, 256), torch.zeros(16)
+    return {"matmul": best(lambda: [a @ b for _ in range(20)], 5) / 20,
+            "op": best(lambda: [x.add_(1) for _ in range(2000)], 5) / 2000}
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (not its peak: importing and spawning pass through transients)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from parallel3d import comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    group = comm.Group("world", list(range(world)), rank, dist.group.WORLD, None, torch.device("cpu"))
+    base_rss = _resident_bytes()
+    dist.barrier()
+    together = _contention_probe()   # every rank at once, as the ranks of a run compute
+    result = {}
+    for op in COLLECTIVES:
+        times = []
+        for nbytes in (SMALL, LARGE):
+            numel = nbytes // 4
+            t = torch.ones(numel)
+            out = torch.empty(numel // world)
+
+            def run():
+                if op == "all_reduce":
+                    comm.all_reduce(t, group)
+                elif op == "reduce_scatter":
+                    comm.start_reduce_scatter(out, t, group).wait()
+                elif op == "all_gather":
+                    comm.all_gather(t[: numel // world], group)
+                elif op == "all_to_all":
+                    comm.all_to_all(t, group)
+                else:  # a pipeline message: every rank sends to the next and receives from the previous
+                    comm.batch_p2p([comm.P2P("send", t, (rank + 1) % world),
+                                    comm.P2P("recv", torch.empty_like(t), (rank - 1) % world)], group)
+            dist.barrier()
+            best = math.inf
+            for _ in range(5 if nbytes == SMALL else 3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        result[op] = times
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss,
+                                              "together": together}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, float]:
+    """(alpha, beta) such that cost.collective_time(op, bytes, world, alpha, beta) gives both timings."""
+    n = world
+    steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(op, n - 1)
+    frac = {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(op, (n - 1) / n)
+    per_byte = max((large_s - small_s) / (LARGE - SMALL), 1e-13)
+    alpha = max(small_s - per_byte * SMALL, 1e-7) / steps
+    return alpha, frac / per_byte
+
+
+def measure_gloo(world: int) -> dict:
+    """(alpha, beta) per collective on `world` local gloo processes (a few seconds)."""
+    import torch.multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    try:
+        alone = _contention_probe()
+    finally:
+        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world,
+                           start_method="spawn")
+        found = json.loads(Path(out).read_text())
+    links = {op: list(_solve(op, world, *t)) for op, t in found["times"].items()}
+    slowdown = {k: max(1.0, found["together"][k] / alone[k]) for k in alone}
+    return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"], "slowdown": slowdown}
