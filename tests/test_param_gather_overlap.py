@@ -84,3 +84,29 @@ def test_the_gather_of_a_bucket_is_waited_by_its_first_module(worlds):
     for i, pending in starts:   # entering layer i: the buckets of layers i.. are still in flight
         assert set(range(i, 4)) <= set(pending), (i, pending)
         assert not set(range(i)) & set(pending), (i, pending)
+
+
+def test_zero1_step_keeps_at_most_two_gathered_buckets():
+    """ZeRO-1/2 without overlap: each bucket's gathered buffer lives until its copy into the parameters, so
+    step() finishes the oldest gather once two are in flight (else all buckets' buffers meet at the peak)."""
+    from ckpt_helpers import build_trainer, context_for, make_config
+    from parallel3d.data_parallel import publishing
+
+    cfg = make_config(["parallel.zero=1", "parallel.bucket_size=2000"], 1)
+    trainer = build_trainer(cfg, context_for(cfg))
+    publisher = trainer.optimizer.publisher
+    live, most = [0], [0]
+    start, finish = publisher._start_publish, publisher._finish_publish
+
+    def started(b):
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        return start(b)
+
+    def finished(pending):
+        live[0] -= len(pending)
+        return finish(pending)
+    publisher._start_publish, publisher._finish_publish = started, finished
+    trainer.train_step()
+    assert len(trainer.optimizer.buckets) > 4 and live[0] == 0
+    assert most[0] == publishing.GATHERS_IN_FLIGHT

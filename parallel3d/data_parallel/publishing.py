@@ -21,6 +21,11 @@ import torch
 from torch import nn
 
 from parallel3d.comm import start_all_gather, wait_work
+
+# ZeRO-1/2 gathers of one step in flight at once: each holds a gathered bucket (2 bytes per parameter in
+# bf16) until its copy into the parameters, so all of them at once would add the whole model at the peak;
+# two keep one gather travelling beside the next bucket's AdamW
+GATHERS_IN_FLIGHT = 2
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
 from parallel3d.data_parallel.zero3 import Zero3
 from parallel3d.offload.homes import OffloadHomes
@@ -59,6 +64,9 @@ class ParamPublisher:
         """b's AdamW is done: start publishing it (ZeRO-1/2: its all-gather travels while the next buckets
         update, and with overlap beside the next forward, which waits for it; offload: its device copy)."""
         if self.zero in (1, 2):
+            if not self.overlap_param_gather:   # at most GATHERS_IN_FLIGHT gathered buffers at once
+                while len(self._pending) >= GATHERS_IN_FLIGHT:
+                    self._finish_publish([self._pending.pop(0)])
             started = self._start_publish(b)
             if self.overlap_param_gather:
                 self._gathers[id(b)] = started
