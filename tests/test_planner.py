@@ -311,3 +311,42 @@ def test_planning_a_cpu_run_dry_runs_the_cpu_kernels(monkeypatch):
     plan(cfg, _stage_builder, dataclasses.replace(H100, runs_cpu_kernels=True), 8)
     plan(cfg, _stage_builder, H100, 8)
     assert seen == [("torch", "sdpa"), ("auto", "auto")]
+
+
+def test_bucketed_gradient_reduction_waits_for_its_buckets():
+    """A bucket's reduction starts once backward has produced it and after the previous one (one link):
+    one bucket hides nothing, the last bucket always follows the backward, many small ones hide the rest."""
+    from parallel3d.planner.cost import exposed_buckets
+
+    assert exposed_buckets([4.0], 10.0) == pytest.approx(4.0)             # ready only when backward ends
+    assert exposed_buckets([1.0] * 4, 10.0) == pytest.approx(1.0)         # the last bucket's reduction
+    assert exposed_buckets([2.0] * 4, 4.0) == pytest.approx(5.0)          # the link is the bottleneck
+    assert exposed_buckets([1.0, 3.0], 8.0) == pytest.approx(3.0)         # bucket 2 ready at the end
+    assert exposed_buckets([1.0] * 4, 0.0) == pytest.approx(4.0)          # no overlap at all
+    assert exposed_buckets([], 5.0) == 0.0
+
+
+def test_plan_prices_one_bucket_as_unhidden_and_small_buckets_as_hidden(monkeypatch):
+    """Through plan(): with one gradient bucket its whole reduction follows the backward (it used to be
+    priced as hidden behind it); with many small buckets (parallel.bucket_size) only about the last one's."""
+    import parallel3d.planner.estimate as estimate
+
+    calls = []
+    real = estimate.exposed_buckets
+
+    def spy(parts, backward):
+        calls.append((list(parts), backward, real(parts, backward)))
+        return calls[-1][2]
+    monkeypatch.setattr(estimate, "exposed_buckets", spy)
+    for size in (0, 1_000_000):   # one 40M bucket; 15 of 1M
+        cfg = make_config(["parallel.zero=1", f"parallel.bucket_size={size}", "model.hidden_size=1024",
+                           "model.num_heads=8", "model.num_kv_heads=8", "model.ffn_hidden_size=2816",
+                           "model.num_layers=2", "train.seq_len=256", "model.max_seq_len=256"], 2)
+        calls.clear()
+        plan(cfg, _stage_builder, H100, 8)
+        parts, backward, exposed = max(calls, key=lambda c: c[2])
+        assert 0 < sum(parts) < backward   # the old rule hid all of it
+        if size == 0:
+            assert len(parts) == 1 and exposed == pytest.approx(sum(parts))
+        else:
+            assert len(parts) > 10 and 0 < exposed < 0.25 * sum(parts)

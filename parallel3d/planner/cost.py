@@ -114,3 +114,19 @@ def collective_time(op: str, nbytes: float, n: int, alpha: float, beta: float) -
 def exposed(comm_s: float, overlap_with_s: float) -> float:
     """What is left of `comm_s` seconds of communication hidden behind `overlap_with_s` of compute."""
     return max(0.0, comm_s - overlap_with_s)
+
+
+def exposed_buckets(parts: Sequence[float], backward_s: float) -> float:
+    """What is left of the bucketed gradient reductions (`parts`: seconds per reduction, in launch order)
+    behind the backward they overlap. A bucket's reduction cannot start before backward has produced its
+    gradients (bucket i is ready once the share of the backward up to and including it has run, taking
+    seconds as the measure of size) nor before the previous one ends (one link): the last bucket's
+    reduction always follows the backward, and one bucket hides nothing."""
+    total = sum(parts)
+    if total <= 0:
+        return 0.0
+    done, ready = 0.0, 0.0
+    for part in parts:
+        ready += backward_s * part / total
+        done = max(done, ready) + part
+    return max(0.0, done - backward_s)

@@ -95,6 +95,7 @@ class RoleRun:
     peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
     grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
     op_seconds: dict = field(default_factory=dict)  # op name -> [count, modeled seconds] in the step
+    grad_sync_parts: list = field(default_factory=list)  # grad_sync_s per reduction, in launch (bucket) order
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -197,7 +198,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         tally[1] += seconds
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
-    grad_sync = 0.0
+    grad_sync, grad_sync_parts = 0.0, []
     for wall, group, op, seconds, nbytes in events:
         comm_s[f"{group}.{op}"] += seconds
         c = slot(wall)
@@ -205,6 +206,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             c.blocking_comm_s += seconds
         elif is_grad_sync(group, op) and not per_microbatch:
             grad_sync += seconds      # once per step, not per microbatch: estimate.plan overlaps it
+            grad_sync_parts.append(seconds)
         else:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
             if base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm:
@@ -226,5 +228,6 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     return RoleRun(rank=rank, pp_rank=ctx.coords.pp, memory=memory,
                    model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
                    p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside, grad_sync_s=grad_sync,
+                   grad_sync_parts=grad_sync_parts,
                    comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),
                    flops=sum(o.flops for o in tracker.ops), derated_kernels=derated, op_seconds=op_seconds)

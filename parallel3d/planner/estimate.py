@@ -28,7 +28,7 @@ from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placemen
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
-from parallel3d.planner.cost import exposed
+from parallel3d.planner.cost import exposed, exposed_buckets
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
 from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
@@ -158,7 +158,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
         last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
                              if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
-        return run.outside.time_s + exposed(run.grad_sync_s, last_backward if gpu.overlaps_comm else 0.0)
+        return run.outside.time_s + exposed_buckets(run.grad_sync_parts or [run.grad_sync_s],
+                                                    last_backward if gpu.overlaps_comm else 0.0)
 
     outside = max(tail(run) for run in stage_run.values())
     offload: dict = {}
