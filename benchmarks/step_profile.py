@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)   # as a torchrun rank runs, and as the planner's CPU profile is measured
     models = pa.GPU_MODELS if cuda else pa.MODELS
     model = args.model or next(iter(models))
     config, extra = models[model]

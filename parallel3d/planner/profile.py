@@ -2,8 +2,9 @@
 
 A CPU run under torchrun gives each rank one thread (torchrun sets OMP_NUM_THREADS=1 and launch/common.py
 divides the threads by the local world size), so every rate is measured on one thread:
-  - matmul: seconds of a square matmul at sizes 32..1024 per dtype (fp32, bf16); an op of F FLOPs is
-    priced at the time of the measured matmul of the same FLOPs (log-log interpolation), since small
+  - matmul: seconds of the three GEMMs of a linear layer (forward, input and weight gradient, in the
+    layouts autograd runs them) at 2n^3 FLOPs for n = 32..1024, per dtype (fp32, bf16); an op of F FLOPs
+    is priced at the time of the measured GEMMs of the same FLOPs (log-log interpolation), since small
     matmuls on a CPU run far below the large-matmul rate;
   - memory bandwidth: a large element-wise add (read two, write one);
   - attention: aten's CPU flash attention (the `sdpa` backend a CPU run uses, kernels/attention_backend.py)
@@ -71,8 +72,7 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
         for key, dtype in DTYPES.items():
             rows = []
             for n in MATMUL_SIZES:
-                a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-                rows.append([2.0 * n ** 3, _best(lambda: torch.mm(a, b), 5 if n < 512 else 2)])
+                rows.append([2.0 * n ** 3, _linear_gemms_seconds(n, dtype, 5 if n < 512 else 2)])
             curves[key] = rows
         x = torch.randn(1 << 22)
         y = torch.empty_like(x)
@@ -86,6 +86,16 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
         torch.set_num_threads(threads)
     return {"matmul": curves, "memory_bytes_per_s": bandwidth, "op_overhead_s": overhead,
             "host_adam_params_per_s": adam, "attention": attention}
+
+
+def _linear_gemms_seconds(n: int, dtype: torch.dtype, repeats: int) -> float:
+    """Mean seconds of the three GEMMs of a linear layer of 2n^3 FLOPs each, in the layouts autograd runs
+    them: tokens (n/2, n) @ weight (2n, n).T, its input gradient (n/2, 2n) @ (2n, n) and its weight
+    gradient (2n, n/2) @ (n/2, n). A square matmul of the same FLOPs ran 1.4-1.6x faster than these in
+    bf16 on this CPU, so square curves priced a model's linears too low."""
+    x, w, dy = (torch.randn(*shape).to(dtype) for shape in ((n // 2, n), (2 * n, n), (n // 2, 2 * n)))
+    return (_best(lambda: torch.nn.functional.linear(x, w), repeats) + _best(lambda: dy @ w, repeats)
+            + _best(lambda: dy.t() @ x, repeats)) / 3
 
 
 def _attention_curves() -> dict:
