@@ -45,7 +45,7 @@ from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.compare import read_run  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
-from parallel3d.planner.hardware import gpu as gpu_named  # noqa: E402
+from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
 from parallel3d.planner.profile import cache_path, cpu_device  # noqa: E402
 from parallel3d.training.config import load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
@@ -132,8 +132,7 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
 
 def cuda_device():
     """The planner's GPU for this machine's CUDA device, by the name the driver reports."""
-    name = torch.cuda.get_device_name().lower()
-    return gpu_named("h200" if "h200" in name else "a100" if "a100" in name else "h100")
+    return gpu_of_device(torch.cuda.get_device_name())
 
 
 def ranking(rows: list[dict]) -> dict:

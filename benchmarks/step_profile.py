@@ -48,6 +48,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)   # as a torchrun rank runs, and as the planner's CPU profile is measured
     models = pa.GPU_MODELS if cuda else pa.MODELS
     model = args.model or next(iter(models))
+    if model not in models or args.layout not in pa.GPU_LAYOUTS:
+        ap.error(f"--model {model!r} / --layout {args.layout!r}: known models {', '.join(models)}, "
+                 f"layouts {', '.join(pa.GPU_LAYOUTS)}")
     config, extra = models[model]
     overrides = pa.COMMON + extra + pa.GPU_LAYOUTS[args.layout] + (["parallel.tp=1"] if not cuda else []) \
         + args.override

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel3d.planner import profile
+from parallel3d.planner import profile, profile_gloo
 from parallel3d.planner.hardware import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def fake_profile(cores: int = 2, worlds=(1, 2, 4)) -> dict:
     compute = {"matmul": {"fp32": CURVE, "bf16": CURVE}, "memory_bytes_per_s": 2e10, "op_overhead_s": 1e-5,
                "host_adam_params_per_s": 3e8,
                "attention": {"flash_attention_fwd": CURVE, "flash_attention_bwd": CURVE}}
-    gloo = {str(w): {"collectives": {op: LINK for op in profile.COLLECTIVES}, "base_rss_bytes": 300 * 2 ** 20}
+    gloo = {str(w): {"collectives": {op: LINK for op in profile_gloo.COLLECTIVES}, "base_rss_bytes": 300 * 2 ** 20}
             for w in worlds if w > 1}
     return {"host": socket.gethostname(), "cores": cores, "compute": compute, "gloo": gloo}
 
@@ -84,7 +84,7 @@ def test_real_profile_measures_this_machine(tmp_path):
     g = profile.cpu_device(2, path=tmp_path / "hw.json")
     assert g.peak_flops["fp32"] > 0 and g.hbm_bytes_per_s > 0 and g.op_overhead_s > 0
     assert g.host_adam_params_per_s > 0 and g.reserved_bytes > 0
-    assert set(profile.COLLECTIVES) <= set(g.collectives)
+    assert set(profile_gloo.COLLECTIVES) <= set(g.collectives)
     assert all(a > 0 and b > 0 for a, b in g.collectives.values())
 
 
@@ -216,3 +216,13 @@ def test_contention_probe_runs_on_spawned_ranks():
     """measure_gloo's probe: one slowdown per kind, never below 1 (a run cannot be faster than alone)."""
     found = profile.measure_gloo(2)
     assert set(found["slowdown"]) == {"matmul", "op"} and min(found["slowdown"].values()) >= 1.0
+
+
+def test_gpu_of_a_driver_device_name():
+    """planner_accuracy --gpu plans for the GPU the driver names; an unknown one is one clear error."""
+    from parallel3d.planner.hardware import gpu_of_device
+
+    assert gpu_of_device("NVIDIA H200") is gpu("h200")
+    assert gpu_of_device("NVIDIA H100 80GB HBM3") is gpu("h100")
+    with pytest.raises(ValueError, match="no planner GPU for device 'Tesla T4'"):
+        gpu_of_device("Tesla T4")

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from parallel3d.comm import start_all_gather, wait_work
+from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.data_parallel.zero3 import Zero3
+from parallel3d.offload.homes import OffloadHomes
 
 # ZeRO-1/2 gathers of one step in flight at once: each holds a gathered bucket (2 bytes per parameter in
 # bf16) until its copy into the parameters, so all of them at once would add the whole model at the peak;
 # two keep one gather travelling beside the next bucket's AdamW
 GATHERS_IN_FLIGHT = 2
-from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
-from parallel3d.data_parallel.zero3 import Zero3
-from parallel3d.offload.homes import OffloadHomes
 
 
 class ParamPublisher:

@@ -83,7 +83,6 @@ class RoleRun:
     actions: dict                      # (kind name, chunk) -> mean ActionCost per microbatch
     p2p_s: dict                        # comm kind name -> mean seconds per message
     outside: ActionCost                # optimizer step, gradient-sync tail, clipping, loss reductions
-    grad_sync_s: float                 # DP gradient reductions (overlapped with the last backward)
     comm_bytes: dict                   # "<group>.<op>" -> bytes in the step (the JSONL field)
     comm_s: dict = field(default_factory=dict)  # "<group>.<op>" -> modeled seconds in the step
     comm_bytes_in_actions: dict = field(default_factory=dict)  # the part of comm_bytes moved inside actions
@@ -95,7 +94,9 @@ class RoleRun:
     peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
     grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
     op_seconds: dict = field(default_factory=dict)  # op name -> [count, modeled seconds] in the step
-    grad_sync_parts: list = field(default_factory=list)  # grad_sync_s per reduction, in launch (bucket) order
+    # DP gradient reductions, seconds per reduction in launch (bucket) order: once per step, hidden behind
+    # the last backward as their buckets become ready (cost.exposed_buckets)
+    grad_sync_parts: list = field(default_factory=list)
 
 
 def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
@@ -198,15 +199,14 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         tally[1] += seconds
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
-    grad_sync, grad_sync_parts = 0.0, []
+    grad_sync_parts: list = []
     for wall, group, op, seconds, nbytes in events:
         comm_s[f"{group}.{op}"] += seconds
         c = slot(wall)
         if c is outside:
             c.blocking_comm_s += seconds
         elif is_grad_sync(group, op) and not per_microbatch:
-            grad_sync += seconds      # once per step, not per microbatch: estimate.plan overlaps it
-            grad_sync_parts.append(seconds)
+            grad_sync_parts.append(seconds)   # once per step, not per microbatch: estimate.plan overlaps it
         else:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
             if base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm:
@@ -227,7 +227,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     memory["peak"] = peak
     return RoleRun(rank=rank, pp_rank=ctx.coords.pp, memory=memory,
                    model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
-                   p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside, grad_sync_s=grad_sync,
+                   p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside,
                    grad_sync_parts=grad_sync_parts,
                    comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),
                    flops=sum(o.flops for o in tracker.ops), derated_kernels=derated, op_seconds=op_seconds)

@@ -108,3 +108,13 @@ def gpu(name: str) -> GPU:
         raise ValueError(f"unknown GPU {name!r}; the planner knows {', '.join(GPUS)} and cpu (this machine, "
                          f"measured: launch/plan.py --gpu cpu)")
     return GPUS[key]
+
+
+def gpu_of_device(device_name: str) -> GPU:
+    """The planner's GPU for a device name as `torch.cuda.get_device_name()` reports it ("NVIDIA H200"),
+    matched by key substring as parallel3d/hardware.py matches its peaks."""
+    name = device_name.lower()
+    for key, found in GPUS.items():
+        if key in name:
+            return found
+    raise ValueError(f"no planner GPU for device {device_name!r}; the planner knows {', '.join(GPUS)}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from parallel3d.training.config import ExperimentConfig
 
 CPU_FLASH_FWD = "_scaled_dot_product_flash_attention_for_cpu"
@@ -23,15 +25,22 @@ CURVE_OF_OP = {CPU_FLASH_FWD: "flash_attention_fwd", CPU_FLASH_BWD: "flash_atten
 
 
 def as_run_on_cpu(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` with every `auto` kernel choice resolved as a CPU resolves it (module docstring)."""
+    """`cfg` with every `auto` kernel choice resolved as a CPU resolves it: each owner of a choice is asked
+    about a CPU tensor of the run's compute dtype (module docstring)."""
+    from parallel3d.data_parallel.precision import compute_dtype
+    from parallel3d.expert_parallel.experts import choose_impl
+    from parallel3d.kernels.attention_backend import select_attention
+    from parallel3d.kernels.dispatch import use_triton
+
     run = copy.deepcopy(cfg)
     m = run.model
+    probe = torch.empty(1, 1, 1, 8, dtype=compute_dtype(run.train.precision))   # (b, s, heads, d) on the CPU
     if m.kernels == "auto":
-        m.kernels = "torch"
+        m.kernels = "triton" if use_triton("auto", probe) else "torch"
     if m.attention == "auto":
-        m.attention = "sdpa"
+        m.attention = select_attention("auto", probe, need_lse=False)
     if m.expert_impl == "auto":
-        m.expert_impl = "loop"
+        m.expert_impl = choose_impl("auto", probe.view(1, 8), m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size)
     return run
 
 

@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from parallel3d.planner.hardware import GPU
-from parallel3d.planner.profile_gloo import COLLECTIVES, best as _best, measure_gloo  # noqa: F401 (COLLECTIVES)
+from parallel3d.planner.profile_gloo import best, measure_gloo
 
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -76,10 +76,10 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
             curves[key] = rows
         x = torch.randn(1 << 22)
         y = torch.empty_like(x)
-        bandwidth = 3 * x.numel() * 4 / _best(lambda: torch.add(x, x, out=y), 3)
+        bandwidth = 3 * x.numel() * 4 / best(lambda: torch.add(x, x, out=y), 3)
         n = 1 << 21
         p, m, v, g = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
-        adam = n / _best(lambda: adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1), 3)
+        adam = n / best(lambda: adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1), 3)
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
     finally:
@@ -94,8 +94,8 @@ def _linear_gemms_seconds(n: int, dtype: torch.dtype, repeats: int) -> float:
     gradient (2n, n/2) @ (n/2, n). A square matmul of the same FLOPs ran 1.4-1.6x faster than these in
     bf16 on this CPU, so square curves priced a model's linears too low."""
     x, w, dy = (torch.randn(*shape).to(dtype) for shape in ((n // 2, n), (2 * n, n), (n // 2, 2 * n)))
-    return (_best(lambda: torch.nn.functional.linear(x, w), repeats) + _best(lambda: dy @ w, repeats)
-            + _best(lambda: dy.t() @ x, repeats)) / 3
+    return (best(lambda: torch.nn.functional.linear(x, w), repeats) + best(lambda: dy @ w, repeats)
+            + best(lambda: dy.t() @ x, repeats)) / 3
 
 
 def _attention_curves() -> dict:
@@ -109,9 +109,9 @@ def _attention_curves() -> dict:
         scale = d ** -0.5
         pairs = s * (s + 1) / 2
         out, lse = sdpa_attention_with_lse(q, k, v, True, scale)
-        fwd.append([4.0 * b * heads * pairs * d, _best(lambda: sdpa_attention_with_lse(q, k, v, True, scale), 3)])
+        fwd.append([4.0 * b * heads * pairs * d, best(lambda: sdpa_attention_with_lse(q, k, v, True, scale), 3)])
         bwd.append([10.0 * b * heads * pairs * d,
-                    _best(lambda: sdpa_attention_backward(out, q, k, v, out, lse, True, scale), 3)])
+                    best(lambda: sdpa_attention_backward(out, q, k, v, out, lse, True, scale), 3)])
     return {"flash_attention_fwd": fwd, "flash_attention_bwd": bwd}
 
 
@@ -132,7 +132,7 @@ def _step_overhead(stage_builder, model) -> float:
     cfg = resolve_and_validate(cfg, 1)
     ctx = ParallelContext.build(MeshSpec())
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
-    best = _best(trainer.train_step, 8)
+    best = best(trainer.train_step, 8)
     _, tracker = tracked_step(trainer, "cpu")
     return best / max(len(tracker.ops), 1)
 
@@ -159,7 +159,7 @@ def _op_overhead() -> float:
 
     with Count():
         step()
-    return _best(step, 20) / max(Count.ops, 1)
+    return best(step, 20) / max(Count.ops, 1)
 
 
 def load_profile(world: int, reprofile: bool = False, path: Optional[Path] = None,
