@@ -9,6 +9,8 @@
 #   planner        benchmarks/planner_accuracy.py --gpu: predicted vs measured step and peak, world 1
 #   profile        benchmarks/step_profile.py: where a step's time goes (kernels by time, device busy)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
+#   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
+#   opcost         host cost of one RMSNorm forward + backward: our custom op against its autograd.Function
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
 #   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
@@ -41,6 +43,21 @@ for n in (2000, 20000):
     print(f"{n} add_ on 16 elements: host {host / n * 1e6:.2f} us/op, host+device {total / n * 1e6:.2f} us/op")
 '
 
+OPCOST='
+import time, torch
+from parallel3d.kernels import ops
+from parallel3d.kernels.rmsnorm import RMSNormFunction
+x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.ones(64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+for name, f in (("custom op", lambda: ops.rmsnorm(x, w, 1e-6)), ("autograd.Function", lambda: RMSNormFunction.apply(x, w, 1e-6)),
+                ("eager torch", lambda: torch.nn.functional.rms_norm(x, (64,), w, 1e-6))):
+    for n in (200, 3000):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(n): f().sum().backward()
+        host = time.perf_counter() - t0; torch.cuda.synchronize()
+    print(f"{name}: rmsnorm fwd+sum+bwd {host / n * 1e6:.1f} us of host per call")
+'
+
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -60,6 +77,8 @@ for p in $PHASES; do
         ${PLANNER_LAYOUTS:+--layouts $PLANNER_LAYOUTS} ;;
     profile) phase profile 60 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-accum4}" --top 25 ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
+    opcost) phase opcost 40 python3 -c "$OPCOST" ;;
+    attn_tiles) phase attn_tiles 100 python3 benchmarks/attention_tiles.py ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
         --impl parallel3d transformers ;;
     train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \

@@ -23,10 +23,14 @@ timings on a shared machine are noisy. `--json`: the last line is one JSON list 
 and full recomputation, four microbatches, and the optimizer offloaded to the host; planned for the GPU
 `torch.cuda.get_device_name()` names (parallel3d/planner/hardware.py) and compared on tensor memory
 (torch.cuda.max_memory_allocated, the CUDA context excluded, against the plan's peak without its reserve).
+First it measures the host's issue time per op (`GPU.host_op_s`, cost.queue_seconds): the accum4 layout at
+width 128, whose kernels are far shorter than their issue, run for real; its step over the ops its dry run
+counts. `--host-op-us X` skips that and uses X microseconds.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -44,6 +48,7 @@ import torch  # noqa: E402
 from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.compare import read_run  # noqa: E402
+from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
 from parallel3d.planner.profile import cache_path, cpu_device  # noqa: E402
@@ -82,6 +87,7 @@ GPU_MODELS = {
         "model.ffn_hidden_size=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.precision=bf16",
         "train.micro_batch_size=8", "train.global_batch_size=8", "parallel.tp=1", "parallel.zero=0"]),
 }
+HOST_PROBE = ["model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256"]
 COMMON = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_dir=null", "log.interval=1",
           "train.warmup_steps=1", "parallel.dp=0"]
 
@@ -130,6 +136,18 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
     return row
 
 
+def measure_host_op_s(gpu, steps: int, tmp: Path) -> float:
+    """Host seconds per dry-run op on this machine (see the module docstring)."""
+    config, extra = GPU_MODELS["llama_1b"]
+    overrides = COMMON + extra + GPU_LAYOUTS["accum4"] + HOST_PROBE
+    cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), 1)
+    ops = sum(count for count, _ in run_role(cfg, 0, stage_builder, gpu, cfg.parallel.gpus_per_node).op_seconds.values())
+    measured = measure(config, overrides, steps, tmp, "host-probe", 1)["measured_s"]
+    print(f"host issue time: {measured * 1e3:.1f} ms per step of the width-128 probe over {ops} ops = "
+          f"{measured / ops * 1e6:.1f} us per op (the table's default {gpu.host_op_s * 1e6:.1f} us)", flush=True)
+    return measured / ops
+
+
 def cuda_device():
     """The planner's GPU for this machine's CUDA device, by the name the driver reports."""
     return gpu_of_device(torch.cuda.get_device_name())
@@ -155,6 +173,8 @@ def main(argv=None) -> int:
                     help="use the cached profile of this machine (default: measure it again first, under the "
                          "same conditions as the runs)")
     ap.add_argument("--gpu", action="store_true", help="world 1 on this machine's CUDA GPU (module docstring)")
+    ap.add_argument("--host-op-us", type=float, default=None,
+                    help="--gpu: the host's issue time per op in microseconds (default: measure it first)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 6)
@@ -179,6 +199,9 @@ def main(argv=None) -> int:
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.gpu:
+            host = args.host_op_us * 1e-6 if args.host_op_us is not None else measure_host_op_s(gpu, steps, Path(tmp))
+            gpu = dataclasses.replace(gpu, host_op_s=host)
         for model in models:
             config, extra = all_models[model]
             for name in layouts:

@@ -41,6 +41,18 @@ def op_time(flops: float, nbytes: float, peak_flops: float, gpu: GPU, occupancy:
     return max(compute, memory) + gpu.op_overhead_s
 
 
+def queue_seconds(device_s: Sequence[float], host_op_s: float) -> float:
+    """Seconds from the first op's issue to the last op's end when the host issues ops `host_op_s` apart
+    and the device runs them in order, each as soon as it is issued and the one before it has ended: a
+    GPU's stream behind its host. The sum of `device_s` while the kernels outlast their issue (the host
+    runs ahead), n * host_op_s (plus the last kernel) when they are shorter: host-bound."""
+    host = device = 0.0
+    for seconds in device_s:
+        host += host_op_s
+        device = max(device, host) + seconds
+    return device
+
+
 def _curve(gpu: GPU, dtype: Optional[torch.dtype], name: str):
     """The measured curve of an op: its own (attention) where measured, else the matmul's of its dtype."""
     if not gpu.matmul_curves:

@@ -28,7 +28,7 @@ from torch import nn
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
-from parallel3d.planner.cost import collective_seconds, exposed, op_time
+from parallel3d.planner.cost import collective_seconds, exposed, op_time, queue_seconds
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
 from parallel3d.planner.tracker import CATEGORIES, StepTracker
@@ -68,6 +68,7 @@ class ActionCost:
     flops: float = 0.0
     blocking_comm_s: float = 0.0     # TP / EP collectives: on the critical path
     overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
+    host_stall_s: float = 0.0        # the part of compute_s the device waits for the host (cost.queue_seconds)
 
     @property
     def time_s(self) -> float:
@@ -183,6 +184,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
 
     derated: dict = {}
     op_seconds: dict = {}
+    queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
     for op in tracker.ops:
         c = slot(op.wall)
         factor = 1.0
@@ -194,9 +196,15 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds
         c.flops += op.flops
+        queued[id(c)].append(seconds)
         tally = op_seconds.setdefault(op.name, [0, 0.0])  # per op: what a profile of the real step is set beside
         tally[0] += 1
         tally[1] += seconds
+    if gpu.host_op_s:  # a GPU's queue runs behind the host: an action lasts its queue's span
+        for c in [*costs, outside]:
+            span = queue_seconds(queued[id(c)], gpu.host_op_s)
+            c.host_stall_s = max(0.0, span - c.compute_s)
+            c.compute_s = max(span, c.compute_s)
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
     grad_sync_parts: list = []
@@ -221,7 +229,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         else:
             p2p[row[1]].append(c.blocking_comm_s)
     actions = {k: ActionCost(*(statistics.mean(getattr(c, f) for c in v) for f in
-                               ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s")))
+                               ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s", "host_stall_s")))
                for k, v in per_action.items()}
     memory = {k: split[k] for k in CATEGORIES}
     memory["peak"] = peak

@@ -201,6 +201,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
                  "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
+                 "host_stall_per_microbatch_s": sum(c.host_stall_s for c in worst_run.actions.values()),
                  "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels,
                  "action_s": {f"{kind}.{chunk}": c.time_s for (kind, chunk), c in worst_run.actions.items()}}
     return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,

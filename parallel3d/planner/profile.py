@@ -212,6 +212,6 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                c["memory_bytes_per_s"] / mm, total, beta, beta, pcie_bytes_per_s=c["memory_bytes_per_s"],
                matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
-               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, collectives=links,
+               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, collectives=links,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)

@@ -1,0 +1,58 @@
+"""The planner's host term for GPUs (cost.queue_seconds): the device runs its queue behind the host, so a
+step of many small ops costs the host's issue time, one of few large ops the device's."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ckpt_helpers import make_config
+from parallel3d.planner.cost import queue_seconds
+from parallel3d.planner.dryrun import run_role
+from parallel3d.planner.hardware import gpu
+from test_planner import _stage_builder
+
+
+def test_queue_is_the_device_sum_when_kernels_outlast_their_issue():
+    assert queue_seconds([5.0, 5.0, 5.0], 1.0) == pytest.approx(1.0 + 15.0)
+
+
+def test_queue_is_the_host_when_kernels_are_shorter_than_their_issue():
+    assert queue_seconds([0.1] * 10, 1.0) == pytest.approx(10 * 1.0 + 0.1)
+
+
+def test_queue_takes_each_stall_where_it_happens():
+    """A long kernel lets the host run ahead; the short ones after it drain the lead, then wait for it."""
+    # issue at 1, 2, 3, 4: the 10 s kernel ends at 11, then the three short ones run back to back
+    assert queue_seconds([10.0, 0.5, 0.5, 0.5], 1.0) == pytest.approx(12.5)
+    # short ones first: each waits for its issue (1.5, 2.5, 3.5), the long one starts at 4
+    assert queue_seconds([0.5, 0.5, 0.5, 10.0], 1.0) == pytest.approx(14.0)
+
+
+def _run(host_op_s: float, hidden: int):
+    cfg = make_config([f"model.hidden_size={hidden}", "model.num_heads=4", "model.num_kv_heads=4",
+                       f"model.ffn_hidden_size={2 * hidden}", "model.num_layers=2", "model.vocab_size=256",
+                       "train.seq_len=64", "model.max_seq_len=64", "train.global_batch_size=4",
+                       "train.micro_batch_size=2", "train.precision=bf16"], 1)
+    return run_role(cfg, 0, _stage_builder, dataclasses.replace(gpu("h100"), host_op_s=host_op_s), 8)
+
+
+def test_a_small_model_on_a_gpu_is_priced_at_the_host_issue_rate():
+    """Every action of a tiny model is host-bound: it lasts (its ops) x host_op_s, while without the host term
+    it would be its kernels' microseconds. The stall is reported beside the compute it is part of."""
+    host, free = _run(40e-6, 64), _run(0.0, 64)
+    assert free.actions.keys() == host.actions.keys()
+    for key, action in host.actions.items():
+        device = free.actions[key].compute_s
+        assert action.compute_s > 10 * device
+        assert action.host_stall_s == pytest.approx(action.compute_s - device)
+    ops = sum(count for count, _ in host.op_seconds.values())
+    step = sum(a.compute_s for a in host.actions.values()) * 2 + host.outside.compute_s  # 2 microbatches
+    assert step == pytest.approx(ops * 40e-6, rel=0.05)
+
+
+def test_without_a_host_term_the_action_is_the_sum_of_its_ops():
+    run = _run(0.0, 64)
+    assert all(a.host_stall_s == 0.0 for a in run.actions.values())
+    total = sum(seconds for _, seconds in run.op_seconds.values())
+    assert sum(a.compute_s for a in run.actions.values()) * 2 + run.outside.compute_s == pytest.approx(total)
