@@ -23,9 +23,10 @@ timings on a shared machine are noisy. `--json`: the last line is one JSON list 
 and full recomputation, four microbatches, and the optimizer offloaded to the host; planned for the GPU
 `torch.cuda.get_device_name()` names (parallel3d/planner/hardware.py) and compared on tensor memory
 (torch.cuda.max_memory_allocated, the CUDA context excluded, against the plan's peak without its reserve).
-First it measures the host's issue time per op (`GPU.host_op_s`, cost.queue_seconds): the accum4 layout at
-width 128, whose kernels are far shorter than their issue, run for real; its step over the ops its dry run
-counts. `--host-op-us X` skips that and uses X microseconds.
+First it measures this host (`--table-host` keeps the table's figures): the issue time per op
+(`GPU.host_op_s` inside the pipeline's actions, `host_step_op_s` outside them; cost.queue_seconds) from
+the accum4 layout at width 128, whose kernels are far shorter than their issue, run for real: its pipeline
+and the rest of its step over the ops its dry run counts in each; and the host AdamW rate on one thread.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from parallel3d.planner.compare import read_run  # noqa: E402
 from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
-from parallel3d.planner.profile import cache_path, cpu_device  # noqa: E402
+from parallel3d.planner.profile import cache_path, cpu_device, host_adam_rate  # noqa: E402
 from parallel3d.training.config import load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 
@@ -136,16 +137,25 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
     return row
 
 
-def measure_host_op_s(gpu, steps: int, tmp: Path) -> float:
-    """Host seconds per dry-run op on this machine (see the module docstring)."""
+def measure_host(gpu, steps: int, tmp: Path):
+    """`gpu` with this machine's host rates (see the module docstring): the issue time per dry-run op inside
+    the pipeline's actions and outside them, from the probe's timeline, and the host AdamW rate."""
     config, extra = GPU_MODELS["llama_1b"]
     overrides = COMMON + extra + GPU_LAYOUTS["accum4"] + HOST_PROBE
     cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), 1)
-    ops = sum(count for count, _ in run_role(cfg, 0, stage_builder, gpu, cfg.parallel.gpus_per_node).op_seconds.values())
-    measured = measure(config, overrides, steps, tmp, "host-probe", 1)["measured_s"]
-    print(f"host issue time: {measured * 1e3:.1f} ms per step of the width-128 probe over {ops} ops = "
-          f"{measured / ops * 1e6:.1f} us per op (the table's default {gpu.host_op_s * 1e6:.1f} us)", flush=True)
-    return measured / ops
+    run = run_role(cfg, 0, stage_builder, gpu, cfg.parallel.gpus_per_node)
+    outside = run.outside.ops
+    inside = sum(count for count, _ in run.op_seconds.values()) - outside
+    row = measure(config, overrides, steps, tmp, "host-probe", 1)
+    torch.set_num_threads(1)  # as a torchrun rank runs the offloaded AdamW
+    adam = host_adam_rate()
+    print(f"host: the width-128 probe's pipeline {row['measured_pipeline_s'] * 1e3:.1f} ms over {inside:.0f} ops "
+          f"({row['measured_pipeline_s'] / inside * 1e6:.1f} us per op), after it {row['measured_after_s'] * 1e3:.1f} "
+          f"ms over {outside:.0f} ops ({row['measured_after_s'] / outside * 1e6:.1f} us); the table's "
+          f"{gpu.host_op_s * 1e6:.1f} / {gpu.host_step_op_s * 1e6:.1f} us; host AdamW {adam / 1e6:.0f} M params/s "
+          f"per thread (the table's {gpu.host_adam_params_per_s / 1e6:.0f})", flush=True)
+    return dataclasses.replace(gpu, host_op_s=row["measured_pipeline_s"] / inside,
+                               host_step_op_s=row["measured_after_s"] / outside, host_adam_params_per_s=adam)
 
 
 def cuda_device():
@@ -173,8 +183,8 @@ def main(argv=None) -> int:
                     help="use the cached profile of this machine (default: measure it again first, under the "
                          "same conditions as the runs)")
     ap.add_argument("--gpu", action="store_true", help="world 1 on this machine's CUDA GPU (module docstring)")
-    ap.add_argument("--host-op-us", type=float, default=None,
-                    help="--gpu: the host's issue time per op in microseconds (default: measure it first)")
+    ap.add_argument("--table-host", action="store_true",
+                    help="--gpu: keep the GPU table's host rates instead of measuring this host's first")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 6)
@@ -199,9 +209,8 @@ def main(argv=None) -> int:
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        if args.gpu:
-            host = args.host_op_us * 1e-6 if args.host_op_us is not None else measure_host_op_s(gpu, steps, Path(tmp))
-            gpu = dataclasses.replace(gpu, host_op_s=host)
+        if args.gpu and not args.table_host:
+            gpu = measure_host(gpu, steps, Path(tmp))
         for model in models:
             config, extra = all_models[model]
             for name in layouts:

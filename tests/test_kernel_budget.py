@@ -4,7 +4,9 @@ benchmarks/kernel_report.py compiles ahead of time (no GPU needed) and reads the
 Budget: every variant compiles; no local-memory spills anywhere; the 16-bit variants (the training path)
 have no stack either and use tensor-core instructions wherever there is a matrix product. The fp32 attention
 variants compute tl.dot in exact IEEE fp32 (FMA, no tensor cores: parity with the fp32 reference) and are
-held to "compiles, no local spills".
+held to "compiles, no local spills". One exception, chosen by measurement: flash attention at 64 < d <= 128
+runs on 4 warps (kernels/_flash_common.py), which keeps a stack frame in the backward (96-560 B) and in the
+document-masked forward, and still ran 2.1-2.2x the stack-free 8-warp tiles on an H200 (RESULTS.md).
 """
 from __future__ import annotations
 
@@ -52,7 +54,10 @@ def test_every_variant_compiles_without_spills(rows):
     assert not spilled, spilled
     sixteen_bit = [r for r in rows if r["variant"].startswith(("bf16", "fp16"))]
     assert sixteen_bit
-    stacked = [(r["kernel"], r["variant"], r["arch"], r["stack_bytes"]) for r in sixteen_bit if r["stack_bytes"]]
+    measured = [r for r in sixteen_bit if r["kernel"].startswith("_attn_") and " d=128 " in f"{r['variant']} "]
+    assert measured
+    stacked = [(r["kernel"], r["variant"], r["arch"], r["stack_bytes"]) for r in sixteen_bit
+               if r["stack_bytes"] and r not in measured]
     assert not stacked, stacked
     assert all(r["ctas_per_sm"] >= 1 for r in rows)
 

@@ -34,7 +34,8 @@ def _run(host_op_s: float, hidden: int):
                        f"model.ffn_hidden_size={2 * hidden}", "model.num_layers=2", "model.vocab_size=256",
                        "train.seq_len=64", "model.max_seq_len=64", "train.global_batch_size=4",
                        "train.micro_batch_size=2", "train.precision=bf16"], 1)
-    return run_role(cfg, 0, _stage_builder, dataclasses.replace(gpu("h100"), host_op_s=host_op_s), 8)
+    return run_role(cfg, 0, _stage_builder, dataclasses.replace(gpu("h100"), host_op_s=host_op_s,
+                                                              host_step_op_s=host_op_s), 8)
 
 
 def test_a_small_model_on_a_gpu_is_priced_at_the_host_issue_rate():
@@ -47,6 +48,7 @@ def test_a_small_model_on_a_gpu_is_priced_at_the_host_issue_rate():
         assert action.compute_s > 10 * device
         assert action.host_stall_s == pytest.approx(action.compute_s - device)
     ops = sum(count for count, _ in host.op_seconds.values())
+    assert sum(a.ops for a in host.actions.values()) * 2 + host.outside.ops == ops
     step = sum(a.compute_s for a in host.actions.values()) * 2 + host.outside.compute_s  # 2 microbatches
     assert step == pytest.approx(ops * 40e-6, rel=0.05)
 

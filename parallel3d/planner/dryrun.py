@@ -69,6 +69,7 @@ class ActionCost:
     blocking_comm_s: float = 0.0     # TP / EP collectives: on the critical path
     overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
     host_stall_s: float = 0.0        # the part of compute_s the device waits for the host (cost.queue_seconds)
+    ops: float = 0.0                 # ops the dry run counted in it
 
     @property
     def time_s(self) -> float:
@@ -200,9 +201,11 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         tally = op_seconds.setdefault(op.name, [0, 0.0])  # per op: what a profile of the real step is set beside
         tally[0] += 1
         tally[1] += seconds
-    if gpu.host_op_s:  # a GPU's queue runs behind the host: an action lasts its queue's span
-        for c in [*costs, outside]:
-            span = queue_seconds(queued[id(c)], gpu.host_op_s)
+    for c in [*costs, outside]:
+        c.ops = len(queued[id(c)])
+        issue = gpu.host_step_op_s if c is outside else gpu.host_op_s
+        if issue:  # a GPU's queue runs behind the host: an action lasts its queue's span
+            span = queue_seconds(queued[id(c)], issue)
             c.host_stall_s = max(0.0, span - c.compute_s)
             c.compute_s = max(span, c.compute_s)
     comm_s: dict = defaultdict(float)
@@ -229,7 +232,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         else:
             p2p[row[1]].append(c.blocking_comm_s)
     actions = {k: ActionCost(*(statistics.mean(getattr(c, f) for c in v) for f in
-                               ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s", "host_stall_s")))
+                               ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s", "host_stall_s",
+                                "ops")))
                for k, v in per_action.items()}
     memory = {k: split[k] for k in CATEGORIES}
     memory["peak"] = peak

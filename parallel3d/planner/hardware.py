@@ -24,11 +24,13 @@ Host AdamW (optimizer offload): the update the code runs (data_parallel/adamw.py
   and launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
   `HOST_ADAM_PARAMS_PER_S_PER_THREAD`, measured on this project's CPU machine (2026-11-25, 4M-element
   state, quiet: 0.24-0.36 G params/s; profile.py measures it again for `--gpu cpu`).
-Host issue time per op (`host_op_s`, GPUs only): the host's seconds to issue one op of the training step
-  (Python, autograd, dispatch, launch), which the GPU's queue hides only while its kernels take longer
-  (cost.queue_seconds). `HOST_OP_S`: measured on the H200 session's host (16 cores; RESULTS.md "First GPU
-  session"): the step of a model too small to keep the GPU busy, divided by the ops the dry run counts in
-  it. A different host or code path differs; `benchmarks/planner_accuracy.py --gpu` measures it again.
+Host issue time per op (GPUs only): the host's seconds to issue one op of the training step (Python,
+  autograd, dispatch, launch), which the GPU's queue hides only while its kernels take longer
+  (cost.queue_seconds). `HOST_OP_S` inside the pipeline's actions (66 us) and `HOST_STEP_OP_S` outside
+  them (optimizer, clipping: 28 us), measured on the host of one H200 (16 cores, 2026-11-26; RESULTS.md
+  "Second GPU session"): a 1B Llama's layout at width 128, too small to keep the GPU busy, its measured
+  pipeline and the rest of its step over the ops the dry run counts in each. Another host or code path
+  differs; `benchmarks/planner_accuracy.py --gpu` measures its own host first.
 The peaks are parallel3d/hardware.py's table, which the run's MFU uses too. `--gpu cpu` is this machine,
 measured (profile.py), with efficiencies 1 (the rates are achieved rates).
 """
@@ -43,7 +45,8 @@ from parallel3d.hardware import PEAK_FLOPS
 
 HOST_ADAM_PARAMS_PER_S_PER_THREAD = 0.3e9
 HOST_THREADS_PER_RANK = 1
-HOST_OP_S = 40e-6
+HOST_OP_S = 66e-6
+HOST_STEP_OP_S = 28e-6
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,11 @@ class GPU:
     sm_count: int = 132
     reserved_bytes: float = 2 * 2**30  # CUDA context, cuBLAS workspaces and NCCL channel buffers (~1-2 GiB)
     host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S_PER_THREAD * HOST_THREADS_PER_RANK
-    # seconds the host takes to issue one op (GPUs: the queue runs behind it, cost.queue_seconds); on a CPU
+    # seconds the host takes to issue one op (GPUs: the queue runs behind it, cost.queue_seconds) inside the
+    # pipeline's actions (modules, autograd) and outside them (optimizer, clipping: plain calls); on a CPU
     # the ops run on the host itself and op_overhead_s below is their per-op cost instead
     host_op_s: float = HOST_OP_S
+    host_step_op_s: float = HOST_STEP_OP_S
     # measured devices only (profile.py): seconds per matmul by FLOPs and dtype, per-op overhead, and
     # (alpha, beta) per collective op instead of the link's
     matmul_curves: Optional[dict] = None

@@ -64,7 +64,6 @@ def cache_path() -> Path:
 
 def measure_compute(builder: Optional[tuple] = None) -> dict:
     """Matmul and attention curves, bandwidth, per-op overhead and AdamW rate on one thread (seconds)."""
-    from parallel3d.data_parallel.adamw import adamw_flat_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -77,15 +76,22 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
         x = torch.randn(1 << 22)
         y = torch.empty_like(x)
         bandwidth = 3 * x.numel() * 4 / best(lambda: torch.add(x, x, out=y), 3)
-        n = 1 << 21
-        p, m, v, g = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
-        adam = n / best(lambda: adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1), 3)
+        adam = host_adam_rate()
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
     finally:
         torch.set_num_threads(threads)
     return {"matmul": curves, "memory_bytes_per_s": bandwidth, "op_overhead_s": overhead,
             "host_adam_params_per_s": adam, "attention": attention}
+
+
+def host_adam_rate() -> float:
+    """Parameters per second of the host AdamW the offload runs (adamw_flat_) on the calling thread(s)."""
+    from parallel3d.data_parallel.adamw import adamw_flat_
+    n = 1 << 21
+    p, m, v, g = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
+    adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1)  # the first call pages the state in
+    return n / best(lambda: adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1), 3)
 
 
 def _linear_gemms_seconds(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -212,6 +218,7 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                c["memory_bytes_per_s"] / mm, total, beta, beta, pcie_bytes_per_s=c["memory_bytes_per_s"],
                matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
-               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, collectives=links,
+               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, host_step_op_s=0.0,
+               collectives=links,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)
