@@ -100,6 +100,33 @@ IMPL_FNS = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded, "group
             "triton": grouped_swiglu_triton}
 
 
+def grouped_linear(impl: str, x: torch.Tensor, counts: Sequence[int], w: torch.Tensor, transposed: bool = False
+                   ) -> torch.Tensor:
+    """One projection of the grouped experts, differentiable: x (N, in) sorted by expert, w (E_local, out, in)
+    -> (N, out), expert e's rows times w[e]^T. transposed: w (E_local, in, out) and x_e @ w[e] (a projection's
+    input gradient). `impl` resolved (choose_impl); "padded" runs the loop."""
+    if impl == "grouped_mm":
+        offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,)
+        return _ContiguousGrad.apply(F.grouped_mm(x, w if transposed else w.transpose(1, 2), offs=offs))
+    if impl == "triton":
+        from parallel3d.kernels.ops import grouped_mm_op
+        return grouped_mm_op(x, w, [int(c) for c in counts], not transposed)  # (N, out)
+    outs = [xe @ we if transposed else F.linear(xe, we) for xe, we in zip(x.split(list(counts)), w.unbind(0))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[2 if transposed else 1])
+
+
+def grouped_weight_grad(impl: str, dy: torch.Tensor, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """dW (E_local, out, in) of grouped_linear: dW[e] = dy_e^T @ x_e over expert e's rows (zero for none)."""
+    dy = dy.contiguous()
+    if impl == "grouped_mm":
+        offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,)
+        return F.grouped_mm(dy.t(), x, offs=offs)  # (E_local, out, in)
+    if impl == "triton":
+        from parallel3d.kernels.ops import grouped_mm_wgrad
+        return grouped_mm_wgrad(dy, x.contiguous(), [int(c) for c in counts])
+    return torch.stack([dye.t() @ xe for dye, xe in zip(dy.split(list(counts)), x.split(list(counts)))])
+
+
 def choose_impl(impl: str, x: torch.Tensor, hidden: int, ffn_local: int) -> str:
     """The implementation `impl` ("auto" resolved for x's device, dtype and the GEMM shapes)."""
     if impl != "auto":
