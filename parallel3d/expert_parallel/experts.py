@@ -190,9 +190,14 @@ class GroupedExperts(nn.Module):
             (num_experts, hidden, ffn_hidden), (experts, slice(0, hidden), slice(f0, f0 + f_l)), std=std,
             expert=True))
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP)."""
+    def forward(self, x: torch.Tensor, counts: Sequence[int], tp_rows=None) -> torch.Tensor:
+        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP).
+        tp_rows (sequence parallelism, sp_dispatch.TPRows): x is this rank's received rows, run together with
+        the other TP ranks' -> (N, h) whole. Either way through this module's forward, so the forward hooks
+        that wait for the weights' buckets (offload/publish.py) see the read."""
         if len(counts) != self.local_experts or sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts {list(counts)} do not match {x.shape[0]} rows for "
                              f"{self.local_experts} local experts")
+        if tp_rows is not None:
+            return tp_rows.run(self, x)
         return grouped_swiglu(self.impl, x, counts, self.gate_proj, self.up_proj, self.down_proj, self.backend)

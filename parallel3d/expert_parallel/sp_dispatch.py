@@ -77,6 +77,16 @@ class TPRows:
         """(n_r, h) this rank's rows -> (N_all, h) all TP ranks' rows, expert-major."""
         return self.finish_gather(self.start_gather(rows))
 
+    def run(self, experts: GroupedExperts, rows: torch.Tensor) -> torch.Tensor:
+        """The grouped experts on the rows of all TP ranks: (n_r, h) this rank's received rows, expert-major ->
+        (n_r, h) their outputs, whole (GroupedExperts.forward with tp_rows). "padded" runs as the loop here."""
+        impl = choose_impl(experts.impl, rows, rows.shape[1], experts.gate_proj.shape[1])
+        impl = "loop" if impl == "padded" else impl
+        gate, up = _GatherUpGate.apply(rows, experts.gate_proj, experts.up_proj, self, impl)  # (N_all, f/tp)
+        hid = kernels.swiglu(gate, up, experts.backend)  # (N_all, f/tp)
+        out = grouped_linear(impl, hid, self.counts, experts.down_proj)  # (N_all, h) partial over TP
+        return _ReduceScatterRows.apply(out, self)  # (n_r, h)
+
     def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
         """(N_all, h) partial sums over TP, expert-major -> (n_r, h) this rank's rows, summed over TP."""
         padded = rows.new_zeros(self.group.size * self.width, rows.shape[1]).index_copy_(0, self.index, rows)
@@ -135,17 +145,6 @@ class _ReduceScatterRows(torch.autograd.Function):
         return ctx.plan.gather(dy.contiguous()), None
 
 
-def experts_on_rows(experts: GroupedExperts, rows: torch.Tensor, plan: TPRows) -> torch.Tensor:
-    """The grouped experts on the rows of all TP ranks: (n_r, h) this rank's received rows, expert-major ->
-    (n_r, h) their outputs, whole. The padded implementation runs as the loop here."""
-    impl = choose_impl(experts.impl, rows, rows.shape[1], experts.gate_proj.shape[1])
-    impl = "loop" if impl == "padded" else impl
-    gate, up = _GatherUpGate.apply(rows, experts.gate_proj, experts.up_proj, plan, impl)  # (N_all, f/tp)
-    hid = kernels.swiglu(gate, up, experts.backend)  # (N_all, f/tp)
-    out = grouped_linear(impl, hid, plan.counts, experts.down_proj)  # (N_all, h) partial over TP
-    return _ReduceScatterRows.apply(out, plan)  # (n_r, h)
-
-
 def sp_forward(layer, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
     """MoELayer.forward under sequence parallelism: x (b, s/tp, h) -> (b, s/tp, h) (module docstring)."""
     tp, k = layer.tp, layer.top_k
@@ -158,7 +157,7 @@ def sp_forward(layer, x: torch.Tensor, positions: Optional[torch.Tensor]) -> tor
     perm = permute(local.indices, layer.num_experts, keep, kept=exchange.rows_sent)
     rows = exchange.dispatch(x.reshape(b * s_local, h)[perm.token_index])  # (n_r, h) by local expert
     plan = TPRows(exchange.tp_counts, tp, x.device)
-    rows = exchange.combine(experts_on_rows(layer.experts, rows, plan))  # (N_send, h) sorted slots
+    rows = exchange.combine(layer.experts(rows, exchange.local_counts, plan))  # (N_send, h) sorted slots
     out = unpermute(rows, perm, local.weights).view(b, s_local, h)  # (b, s/tp, h) whole
     if layer.shared_experts is not None:
         out = out + layer.shared_experts(x)  # (b, s/tp, h)
