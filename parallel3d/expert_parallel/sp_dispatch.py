@@ -16,11 +16,12 @@ layer keeps 1/tp of its activations (Megatron's all-to-all dispatcher order with
 TP ranks receive different numbers of rows: the TP all-gather and reduce-scatter pad every rank's rows to
 the largest count. The counts ride along with the exchange's one host read (ExpertExchange(tp=...)).
 
-Communication over TP: the routed rows cross TP instead of the tokens. Per MoE layer forward one
-all-gather and one reduce-scatter of tp * max_r(rows_r) <= ~T*k rows (T tokens of the TP group, k routed
-slots each, fewer with drops), backward two all-gathers (the output gradient, the saved rows again) and a
-reduce-scatter (the input gradient) of the same size: about k times the bytes of the tokens' gather/scatter
-that the replicated order moved (plus the shared experts' own T-token traffic when there are any).
+Communication over TP: the routed rows cross TP instead of the tokens. Per MoE layer, forward runs one
+all-gather and one reduce-scatter of tp * max_r(rows_r) ~ T*k rows (T tokens of the TP group, k routed slots
+each, fewer with drops), backward two all-gathers (the output gradient, the saved rows again) and one
+reduce-scatter (the input gradient) of the same size: 5 collectives of ~T*k*h where the replicated order
+ran 4 of T*h, i.e. ~1.25 k times the bytes (plus the shared experts' own T-token traffic, if any). The EP
+all-to-alls carry 1/tp of what they did (each TP rank sends only its own tokens' rows).
 """
 from __future__ import annotations
 
