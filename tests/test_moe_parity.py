@@ -56,6 +56,10 @@ CASES = [  # (id, world, mesh, model, sp)
     ("ep2-edp2-deepseek", 4, dict(dp=4, ep=2), DEEPSEEK, False),
     ("ep4-deepseek-capacity", 4, dict(dp=4, ep=4), dict(DEEPSEEK, capacity_factor=1.0), False),
     ("tp2-ep2-sp", 4, dict(tp=2, dp=2, ep=2), MIXTRAL, True),
+    ("tp2-sp", 2, dict(tp=2), MIXTRAL, True),  # sp_dispatch.py without an EP exchange
+    ("tp2-sp-deepseek-capacity", 2, dict(tp=2), dict(DEEPSEEK, capacity_factor=1.0), True),
+    ("tp2-ep2-sp-deepseek-capacity", 4, dict(tp=2, dp=2, ep=2), dict(DEEPSEEK, capacity_factor=1.25), True),
+    ("tp2-cp2-ep2-sp-capacity", 4, dict(tp=2, cp=2, ep=2), dict(MIXTRAL, capacity_factor=1.0), True),
     ("tp2-ep2-deepseek-capacity", 4, dict(tp=2, dp=2, ep=2), dict(DEEPSEEK, capacity_factor=1.25), False),
     ("cp2-ep2-capacity", 2, dict(cp=2, ep=2), dict(MIXTRAL, capacity_factor=1.0), False),
     ("cp2-dp2-ep4-deepseek-capacity", 4, dict(cp=2, dp=2, ep=4), dict(DEEPSEEK, capacity_factor=1.0), False),
@@ -69,12 +73,15 @@ def test_moe_parity(worlds, world, mesh, model_kwargs, sp):
     _compare(results, ref_losses, ref_grads, ref_weights, ref_loads, ref_bias, model_kwargs)
 
 
-def test_moe_parity_full_recompute(worlds):
+@pytest.mark.parametrize("world,mesh,model_kwargs,sp", [
+    (2, dict(dp=2, ep=2), dict(MIXTRAL, capacity_factor=1.0), False),
+    (4, dict(tp=2, dp=2, ep=2), dict(DEEPSEEK, capacity_factor=1.0), True),  # the TP counts replayed too
+], ids=["ep2", "tp2-ep2-sp-deepseek"])
+def test_moe_parity_full_recompute(worlds, world, mesh, model_kwargs, sp):
     """Activation recomputation re-runs routing, all-to-alls and the aux all-reduce inside backward."""
-    kwargs = dict(MIXTRAL, capacity_factor=1.0)
-    ref = train(ParallelContext.single(), kwargs, False)
-    results = worlds.run(2, _worker, dict(dp=2, ep=2), kwargs, False, "full")
-    _compare(results, *ref, kwargs)
+    ref = train(ParallelContext.single(), model_kwargs, False)
+    results = worlds.run(world, _worker, mesh, model_kwargs, sp, "full")
+    _compare(results, *ref, model_kwargs)
 
 
 def _compare(results, ref_losses, ref_grads, ref_weights, ref_loads, ref_bias, model_kwargs):

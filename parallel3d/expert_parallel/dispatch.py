@@ -94,9 +94,14 @@ class ExpertExchange:
     The all-to-all with uneven splits needs them on the host: one read of the sent and received counts
     together (host-sync category "moe_splits"). `num_rows` is the number of slots this rank routes (the dry
     run assumes no drops and spreads them evenly over the experts).
+
+    `tp` (sequence parallelism, sp_dispatch.py): every TP rank routes its own tokens, and the rows it
+    receives are later gathered over TP, so the counts of all TP ranks are all-gathered before the read and
+    ride along with it (still one read); `tp_counts[r]` is TP rank r's rows per local expert.
     """
 
-    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None) -> None:
+    def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None,
+                 tp: Optional[Group] = None) -> None:
         """`known`: the host counts (`self.host`) of an earlier exchange of the same routing, e.g. the forward
         that an activation recomputation repeats: used instead of reading the device again."""
         ep, num_experts = group.size, counts.numel()
@@ -106,29 +111,43 @@ class ExpertExchange:
         # a dry run has no routing decisions: it assumes balanced routing of the rows it holds
         nominal = comm.even_split(num_rows, num_experts)
         syncs = group.stats.syncs if group.stats is not None else None
+        recv = None
         if ep == 1:
-            sent = known if known is not None else read_list(counts, syncs, "moe_splits", nominal)  # (E,)
-            self.host = sent
-            self.send_splits = self.recv_splits = [sum(sent)]
-            self.local_counts, self.rows_sent = sent, sum(sent)
+            device, nominal_host = counts, nominal  # (E,) sent
+        else:
+            recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
+            mine = nominal[group.rank * self.local_experts:(group.rank + 1) * self.local_experts]
+            device, nominal_host = torch.cat([counts, recv.flatten()]), nominal + mine * ep  # (2E,)
+        ranks, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+        if ranks > 1 and known is None:
+            device = comm.all_gather(device, tp)  # (tp * len,) every TP rank's counts, in TP rank order
+        both = known if known is not None else read_list(device, syncs, "moe_splits", nominal_host * ranks)
+        self.host, width = both, len(both) // ranks
+        rows = [both[r * width:(r + 1) * width] for r in range(ranks)]
+        self.tp_counts = [self._local_counts(row, ep, num_experts) for row in rows]
+        both = rows[rank]
+        if ep == 1:
+            self.send_splits = self.recv_splits = [sum(both)]
+            self.local_counts, self.rows_sent = both, sum(both)
             self.regroup = None
             return
-        recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
-        mine = nominal[group.rank * self.local_experts:(group.rank + 1) * self.local_experts]
-        both = known if known is not None else read_list(torch.cat([counts, recv.flatten()]), syncs, "moe_splits",
-                                                        nominal + mine * ep)
-        self.host = both
         sent, received = both[:num_experts], both[num_experts:]  # (E,) sent; [src-major] (ep * E_local,)
         self.rows_sent = sum(sent)
         self.send_splits = [sum(sent[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]
         self.recv_splits = [sum(received[r * self.local_experts:(r + 1) * self.local_experts]) for r in range(ep)]
-        self.local_counts = [sum(received[r * self.local_experts + e] for r in range(ep))
-                             for e in range(self.local_experts)]  # rows per local expert
+        self.local_counts = self.tp_counts[rank]  # rows per local expert
         expert_of_row = torch.repeat_interleave(
             torch.arange(self.local_experts, device=counts.device).repeat(ep), recv.flatten(),
             output_size=sum(self.recv_splits))  # (N_recv,)
         self.regroup = torch.argsort(expert_of_row, stable=True)  # source-major -> expert-major
         self.ungroup = _inverse(self.regroup)
+
+    def _local_counts(self, host: list, ep: int, num_experts: int) -> list:
+        """Rows per local expert from one rank's host counts ([sent] at ep=1, else [sent | received])."""
+        if ep == 1:
+            return list(host)
+        received = host[num_experts:]
+        return [sum(received[r * self.local_experts + e] for r in range(ep)) for e in range(self.local_experts)]
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """(N_send, h) sorted by global expert -> (N_recv, h) sorted by local expert (source order inside)."""

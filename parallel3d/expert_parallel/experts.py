@@ -100,6 +100,33 @@ IMPL_FNS = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded, "group
             "triton": grouped_swiglu_triton}
 
 
+def grouped_linear(impl: str, x: torch.Tensor, counts: Sequence[int], w: torch.Tensor, transposed: bool = False
+                   ) -> torch.Tensor:
+    """One projection of the grouped experts, differentiable: x (N, in) sorted by expert, w (E_local, out, in)
+    -> (N, out), expert e's rows times w[e]^T. transposed: w (E_local, in, out) and x_e @ w[e] (a projection's
+    input gradient). `impl` resolved (choose_impl); "padded" runs the loop."""
+    if impl == "grouped_mm":
+        offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,)
+        return _ContiguousGrad.apply(F.grouped_mm(x, w if transposed else w.transpose(1, 2), offs=offs))
+    if impl == "triton":
+        from parallel3d.kernels.ops import grouped_mm_op
+        return grouped_mm_op(x, w, [int(c) for c in counts], not transposed)  # (N, out)
+    outs = [xe @ we if transposed else F.linear(xe, we) for xe, we in zip(x.split(list(counts)), w.unbind(0))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[2 if transposed else 1])
+
+
+def grouped_weight_grad(impl: str, dy: torch.Tensor, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """dW (E_local, out, in) of grouped_linear: dW[e] = dy_e^T @ x_e over expert e's rows (zero for none)."""
+    dy = dy.contiguous()
+    if impl == "grouped_mm":
+        offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,)
+        return F.grouped_mm(dy.t(), x, offs=offs)  # (E_local, out, in)
+    if impl == "triton":
+        from parallel3d.kernels.ops import grouped_mm_wgrad
+        return grouped_mm_wgrad(dy, x.contiguous(), [int(c) for c in counts])
+    return torch.stack([dye.t() @ xe for dye, xe in zip(dy.split(list(counts)), x.split(list(counts)))])
+
+
 def choose_impl(impl: str, x: torch.Tensor, hidden: int, ffn_local: int) -> str:
     """The implementation `impl` ("auto" resolved for x's device, dtype and the GEMM shapes)."""
     if impl != "auto":
@@ -163,9 +190,14 @@ class GroupedExperts(nn.Module):
             (num_experts, hidden, ffn_hidden), (experts, slice(0, hidden), slice(f0, f0 + f_l)), std=std,
             expert=True))
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP)."""
+    def forward(self, x: torch.Tensor, counts: Sequence[int], tp_rows=None) -> torch.Tensor:
+        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP).
+        tp_rows (sequence parallelism, sp_dispatch.TPRows): x is this rank's received rows, run together with
+        the other TP ranks' -> (N, h) whole. Either way through this module's forward, so the forward hooks
+        that wait for the weights' buckets (offload/publish.py) see the read."""
         if len(counts) != self.local_experts or sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts {list(counts)} do not match {x.shape[0]} rows for "
                              f"{self.local_experts} local experts")
+        if tp_rows is not None:
+            return tp_rows.run(self, x)
         return grouped_swiglu(self.impl, x, counts, self.gate_proj, self.up_proj, self.down_proj, self.backend)

@@ -1,10 +1,12 @@
 """The MoE layer: router -> (capacity) -> permute -> all-to-all -> grouped experts -> all-to-all -> combine,
 plus always-on shared experts, auxiliary losses and load telemetry.
 
-Tensor parallelism: the layer is one TP region, like the dense MLP. The input enters it once (copy, or
-the SP all-gather), every TP rank routes the same tokens identically and runs its ffn slice of every
-expert (routed and shared), and the partial outputs are summed by one all-reduce (or SP reduce-scatter).
-The all-to-all runs inside each EP group, whose ranks share the TP rank.
+Tensor parallelism: every TP rank holds its ffn slice of every expert (routed and shared). Without sequence
+parallelism the layer is one TP region, like the dense MLP: the input enters it once (copy), every TP rank
+routes the same tokens identically and runs its slice of every expert on them, and the partial outputs are
+summed by one all-reduce. With it, each TP rank routes and dispatches only its own (b, s/tp) tokens, the
+experts gather the rows of all TP ranks and reduce-scatter their outputs back (sp_dispatch.py), so the layer
+keeps 1/tp of its activations. The all-to-all runs inside each EP group, whose ranks share the TP rank.
 
 Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) come from
 balancing statistics (per-expert counts, probability sums, squared log-partition sums, the token count) whose
@@ -89,9 +91,9 @@ def check_aux_scope(scope: str) -> None:
     if scope not in AUX_SCOPES:
         raise ValueError(f"model.moe_aux_scope must be one of {', '.join(AUX_SCOPES)}, got {scope!r}")
 from parallel3d.params import in_backward
-from parallel3d.expert_parallel.sp_entry import route_on_shard
+from parallel3d.expert_parallel.sp_dispatch import sp_forward
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_entry, enter_tp_region,
-                                        reduce_from_tp, reduce_scatter_to_sp)
+                                        reduce_from_tp)
 
 
 class _SumLocalGrad(torch.autograd.Function):
@@ -107,27 +109,26 @@ class _SumLocalGrad(torch.autograd.Function):
 
 
 class SharedExperts(nn.Module):
-    """Always-on SwiGLU expert(s) (DeepSeek): column-parallel gate/up, row-parallel down. Returns the
-    partial (pre-reduce) output so the MoE layer reduces routed and shared outputs together."""
+    """Always-on SwiGLU expert(s) (DeepSeek): column-parallel gate/up, row-parallel down. Without sequence
+    parallelism it returns the partial (pre-reduce) output, so the MoE layer reduces routed and shared
+    outputs together; with it, the shard's whole output."""
 
     def __init__(self, hidden: int, ffn_hidden: int, tp: Group, sp: bool, backend: str,
                  std: Optional[float] = None) -> None:
         super().__init__()
-        self.backend = backend
+        self.backend, self.sp = backend, sp
         self.gate_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
         self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, tp, sp, enter_region=False, std=std)
-        self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std, reduce=False)
+        self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, sp, std=std, reduce=sp)
 
-    def forward(self, x: torch.Tensor, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: tokens inside the TP region, (T, h); with sp also `shard`, the (b, s/tp, h) input they were
-        gathered from, which is all the GEMMs keep for backward (x then (b, s, h); sp_entry.py)."""
-        if shard is not None:
-            gate, up = column_entry(shard, (self.gate_proj, self.up_proj), self.gate_proj.group, True, entered=x)
-            gate, up = gate.flatten(0, 1), up.flatten(0, 1)  # (T, f/tp)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, h) tokens inside the TP region -> (T, h) partial over TP; with sp the (b, s/tp, h) shard ->
+        (b, s/tp, h): column_entry gathers it and keeps only the shard, down_proj reduce-scatters."""
+        if self.sp:
+            gate, up = column_entry(x, (self.gate_proj, self.up_proj), self.gate_proj.group, True)  # (b, s, f/tp)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)  # (T, f/tp)
-        hid = kernels.swiglu(gate, up, self.backend)  # (T, f/tp)
-        return self.down_proj(hid)  # (T, h) partial over TP
+        return self.down_proj(kernels.swiglu(gate, up, self.backend))  # (T, h) partial / (b, s/tp, h)
 
 
 class MoELayer(nn.Module):
@@ -161,11 +162,25 @@ class MoELayer(nn.Module):
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (b, s_local[/tp], h); positions (s_local,) of the tokens (capacity under CP ranks slots by them)."""
-        shard = x  # (b, s/tp, h) with sp: what the router and the shared experts save (sp_entry.py)
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        if self.sp:  # every TP rank dispatches its own tokens (sp_dispatch.py)
+            return sp_forward(self, x, positions)
+        x = enter_tp_region(x, self.tp, False)  # (b, s, h)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)  # (T, h)
-        r = route_on_shard(self.router, shard, self.tp) if self.sp else self.router(tokens)
+        r = self.router(tokens)
+        keep = self.decide(r, b, s, positions)
+        exchange = self.exchange(r.indices, keep, b * s * self.top_k)
+        perm = permute(r.indices, self.num_experts, keep, kept=exchange.rows_sent)
+        rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
+        rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
+        out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return reduce_from_tp(out.view(b, s, h), self.tp)
+
+    def decide(self, r: Routing, b: int, s: int, positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The routing r of b x s tokens -> its capacity keep mask (T, k) or None; counts the load and keeps
+        the auxiliary term (the same for every layout: r covers the whole TP-local sequence)."""
         keep = None
         if self.capacity_factor > 0:
             cap = expert_capacity(self.capacity_factor, s * self.cp.size, self.top_k, self.num_experts)
@@ -178,20 +193,17 @@ class MoELayer(nn.Module):
             term = self._aux(r, counts, b * s, b)
             if not in_backward():
                 self._aux_term = term
-        # the layer's one host sync: the exchange reads the split sizes (a recomputation replays them)
+        return keep
+
+    def exchange(self, indices: torch.Tensor, keep: Optional[torch.Tensor], num_rows: int,
+                 tp: Optional[Group] = None) -> ExpertExchange:
+        """The layer's one host sync: the exchange reads the split sizes (a recomputation replays them)."""
         tape = self._tape
         known = tape.replay() if tape is not None and tape.replaying else None
-        exchange = ExpertExchange(kept_counts(r.indices, self.num_experts, keep), self.ep, b * s * self.top_k, known)
+        exchange = ExpertExchange(kept_counts(indices, self.num_experts, keep), self.ep, num_rows, known, tp)
         if tape is not None and not tape.replaying:
             tape.record(exchange.host)
-        perm = permute(r.indices, self.num_experts, keep, kept=exchange.rows_sent)
-        rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
-        rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
-        out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
-        if self.shared_experts is not None:
-            out = out + (self.shared_experts(x, shard) if self.sp else self.shared_experts(tokens))
-        out = out.view(b, s, h)
-        return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
+        return exchange
 
     # ---- auxiliary losses -------------------------------------------------------------------------------
     def _aux(self, r: Routing, counts: torch.Tensor, num_tokens: int, batch: int) -> torch.Tensor:

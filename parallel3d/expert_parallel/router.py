@@ -70,7 +70,7 @@ class Routing:
     logits: torch.Tensor    # (T, E) fp32
     scores: torch.Tensor    # (T, E) fp32 softmax probabilities or sigmoid scores
     indices: torch.Tensor   # (T, k) int64 chosen experts (by scores + bias), best first
-    weights: torch.Tensor   # (T, k) fp32 combine weights (from scores only)
+    weights: Optional[torch.Tensor]  # (T, k) fp32 combine weights (from scores only); None when gathered (SP)
 
 
 class Router(nn.Module):

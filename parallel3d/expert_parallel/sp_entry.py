@@ -1,17 +1,17 @@
-"""The MoE layer's entry into the TP region under sequence parallelism, keeping only the (b, s/tp, h) shard.
+"""The MoE router under sequence parallelism: it reads the (b, s/tp, h) shard, never the gathered tokens.
 
-The routed experts read the all-gathered tokens through an index (which saves only the indices), but the
-router's GEMM and the shared experts' GEMMs would save the gathered (T, h) input (the router even an fp32
-copy of it). Under sp they read the shard instead:
-  - the router runs on this rank's tokens, and its decision (logits, scores, combine weights: one
-    all-gather; chosen experts: a second) is gathered along the sequence. Per token the routing is the same
-    computation as on the gathered tokens. Backward reduce-scatters the routing gradients (each TP rank
-    holds a partial one, its expert outputs being partial), so the router's gradient on the shard is
-    whole: dx_shard = d_logits_shard @ W, dW = d_logits_shard^T x_shard, summed over TP like before
-    (meta.grad_reduce) to the same total;
-  - the shared experts' GEMMs go through tensor_parallel.column_entry: they read the layer's gathered
-    tokens in forward, keep the shard, and gather it again in backward (their partial dX joins the routed
-    tokens' gradient, reduce-scattered once by the layer's entry).
+The router runs on this rank's tokens (its GEMM saves only the shard, the fp32 copy of which is tp times
+smaller than one of the gathered tokens). Capacity, the auxiliary losses and the load telemetry need the
+routing of the whole (TP-local) sequence, so its logits and scores (one all-gather) and chosen experts (a
+second) are gathered along the sequence: per token the same computation as on the gathered tokens. This
+rank's own routing (its chosen experts and combine weights) drives its dispatch (sp_dispatch.py).
+
+Gradients: the combine weights' gradient reaches the router directly, on this rank's tokens only, and is
+whole (sp_dispatch.py sums the expert outputs over TP before the combine). The gathered logits and scores
+carry the auxiliary losses' gradient, which every TP rank computes alike with weight 1/tp
+(MoELayer._aux): their backward reduce-scatters it, so each rank gets its tokens' whole share. The router
+weight's gradient dW = d_logits_shard^T x_shard is then this rank's tokens' part, summed over TP
+(meta.grad_reduce) to the world-size-1 total.
 """
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ from parallel3d.tensor_parallel import gather_from_sp
 from parallel3d.tensor_parallel.mappings import SEQ_DIM
 
 
-def route_on_shard(router: Router, x: torch.Tensor, group: Group) -> Routing:
-    """x (b, s/tp, h) -> the Routing of the gathered (b * s) tokens, computed on this rank's tokens."""
+def route_on_shard(router: Router, x: torch.Tensor, group: Group) -> tuple[Routing, Routing]:
+    """x (b, s/tp, h) -> (the Routing of the gathered b * s tokens, without combine weights; this rank's
+    Routing of its b * s/tp tokens)."""
     b, s_local, h = x.shape
-    r = router(x.reshape(b * s_local, h))  # (b * s/tp, .) per field
-    e, k = r.logits.shape[-1], r.indices.shape[-1]
-    dense = torch.cat([r.logits, r.scores, r.weights], -1).view(b, s_local, 2 * e + k)  # fp32
-    dense = gather_from_sp(dense, group).reshape(-1, 2 * e + k)  # (T, 2E + k)
-    indices = comm.all_gather(r.indices.view(b, s_local, k), group, SEQ_DIM).reshape(-1, k)  # (T, k)
-    logits, scores, weights = dense.split([e, e, k], -1)
-    return Routing(logits, scores, indices, weights)
+    local = router(x.reshape(b * s_local, h))  # (b * s/tp, .) per field
+    e, k = local.logits.shape[-1], local.indices.shape[-1]
+    dense = torch.cat([local.logits, local.scores], -1).view(b, s_local, 2 * e)  # fp32
+    dense = gather_from_sp(dense, group).reshape(-1, 2 * e)  # (T, 2E)
+    indices = comm.all_gather(local.indices.view(b, s_local, k), group, SEQ_DIM).reshape(-1, k)  # (T, k)
+    logits, scores = dense.split([e, e], -1)
+    return Routing(logits, scores, indices, None), local

@@ -75,10 +75,8 @@ def _will_run(node) -> bool:
 
 class _ColumnEntry(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, entered, group: Group, sp: bool, layers: tuple, *params):
-        if entered is not None:  # the caller already entered the region: its gather is reused
-            full = entered
-        elif sp:
+    def forward(ctx, x, group: Group, sp: bool, layers: tuple, *params):
+        if sp:
             buf, work = _gather_start(x, group)
             comm.wait_work(work, group, "all_gather")
             full = _gathered(buf)  # (b, s, h)
@@ -89,7 +87,7 @@ class _ColumnEntry(torch.autograd.Function):
             weight, bias, kind, rows = _operands(layer, list(params[2 * i: 2 * i + 2]))
             outs.append(_gemm(full, layer, weight, bias, kind, rows))  # (b, s, out_i/tp)
         del full  # under sp only the shard x is kept: backward gathers it again
-        ctx.group, ctx.sp, ctx.layers, ctx.entered = group, sp, layers, entered is not None
+        ctx.group, ctx.sp, ctx.layers = group, sp, layers
         ctx.fp8w = [getattr(params[2 * i], "fp8", None) for i in range(len(layers))]
         ctx.save_for_backward(x, *params)
         return tuple(outs)
@@ -101,8 +99,7 @@ class _ColumnEntry(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         group, sp, layers = ctx.group, ctx.sp, ctx.layers
         pending = _gather_start(x, group) if sp else None  # overlaps the dX GEMMs below
-        slot = 1 if ctx.entered else 0  # where dX goes: the caller's entered tensor, or x
-        need_dx = ctx.needs_input_grad[slot] and _will_run(ctx.next_functions[slot][0])
+        need_dx = ctx.needs_input_grad[0] and _will_run(ctx.next_functions[0][0])
         dx, states = None, []
         for i, (layer, dy) in enumerate(zip(layers, dys)):
             weight, bias, kind, rows = _operands(layer, params[2 * i: 2 * i + 2])
@@ -121,8 +118,7 @@ class _ColumnEntry(torch.autograd.Function):
             states.append((dy2, state))
         if dx is not None:
             dx = dx.view(*dys[0].shape[:-1], dx.shape[-1])  # (b, s, h) partial over TP
-        if dx is not None and not ctx.entered:  # (entered: the caller's entry sums the partial dX)
-            # sp: (b, s/tp, h); else in place: dx is this Function's own sum
+        if dx is not None:  # sp: (b, s/tp, h); else in place: dx is this Function's own sum
             dx = comm.reduce_scatter(dx, group, SEQ_DIM) if sp else comm.all_reduce(dx, group)
         if sp:
             buf, work = pending
@@ -143,19 +139,16 @@ class _ColumnEntry(torch.autograd.Function):
                 if rows is not None:
                     db = torch.zeros_like(bias).index_copy_(0, torch.arange(*rows, device=db.device), db)
             grads += [dw.to(weight.dtype), db]
-        return (None, dx, None, None, None, *grads) if ctx.entered else (dx, None, None, None, None, *grads)
+        return (dx, None, None, None, *grads)
 
 
-def column_entry(x: torch.Tensor, layers: Sequence[torch.nn.Module], group: Group, sequence_parallel: bool,
-                 entered: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+def column_entry(x: torch.Tensor, layers: Sequence[torch.nn.Module], group: Group, sequence_parallel: bool
+                 ) -> list[torch.Tensor]:
     """[layer(enter_tp_region(x)) for layer in layers], saving only x for backward (module docstring).
-    x: (b, s/tp, h) with sequence parallelism, else replicated (b, s, h). At tp=1 the plain layers run.
-    entered: enter_tp_region(x) when the caller needs it too (MoE: the routed tokens); the GEMMs read it
-    instead of gathering again, and their partial dX joins its gradient (summed by the caller's entry);
-    backward still gathers x again for dW."""
+    x: (b, s/tp, h) with sequence parallelism, else replicated (b, s, h). At tp=1 the plain layers run."""
     if group.size == 1:
-        return [layer(x if entered is None else entered) for layer in layers]
+        return [layer(x) for layer in layers]
     params = []
     for layer in layers:
         params += [layer.weight, layer.bias]
-    return list(_ColumnEntry.apply(x, entered, group, sequence_parallel, tuple(layers), *params))
+    return list(_ColumnEntry.apply(x, group, sequence_parallel, tuple(layers), *params))

@@ -1,0 +1,165 @@
+"""The MoE layer under sequence parallelism: every TP rank dispatches only its own (b, s/tp) tokens, so the
+layer keeps 1/tp of its activations (Megatron's all-to-all dispatcher order with expert tensor parallelism).
+
+    route           on the shard (sp_entry.py); capacity, auxiliary losses and telemetry read the routing
+                    gathered along the sequence, exactly as on the gathered tokens
+    permute         this rank's tokens' kept slots, sorted by expert
+    all-to-all      over EP, whose ranks share the TP rank: each carries its own shard's rows
+    all-gather      the received rows over TP (every TP rank holds its ffn slice of every local expert, so it
+                    needs the rows of all TP ranks), regrouped expert-major
+    experts         gate/up (ffn/tp columns) keep only this rank's rows and gather them again in backward
+                    (what column_entry does for the dense layers); down gives partial sums over TP
+    reduce-scatter  the partial outputs over TP, back to this rank's rows, now whole
+    all-to-all      back over EP; combine with this rank's combine weights -> (b, s/tp, h): no TP sum left
+    shared experts  column_entry on the shard; their partial (b, s, h) output reduce-scattered to the shard
+
+TP ranks receive different numbers of rows: the TP all-gather and reduce-scatter pad every rank's rows to
+the largest count. The counts ride along with the exchange's one host read (ExpertExchange(tp=...)).
+
+Communication over TP: the routed rows cross TP instead of the tokens. Per MoE layer, forward runs one
+all-gather and one reduce-scatter of tp * max_r(rows_r) ~ T*k rows (T tokens of the TP group, k routed slots
+each, fewer with drops), backward two all-gathers (the output gradient, the saved rows again) and one
+reduce-scatter (the input gradient) of the same size: 5 collectives of ~T*k*h where the replicated order
+ran 4 of T*h, i.e. ~1.25 k times the bytes (plus the shared experts' own T-token traffic, if any). The EP
+all-to-alls carry 1/tp of what they did (each TP rank sends only its own tokens' rows).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from parallel3d import comm
+from parallel3d.comm import Group
+from parallel3d.expert_parallel.dispatch import permute, unpermute
+from parallel3d.expert_parallel.experts import GroupedExperts, choose_impl, grouped_linear, grouped_weight_grad
+from parallel3d.expert_parallel.sp_entry import route_on_shard
+from parallel3d.host_sync import upload
+from parallel3d.kernels import dispatch as kernels
+from parallel3d.tensor_parallel.region import _will_run
+
+
+class TPRows:
+    """Where the rows each TP rank received go among the expert-major rows of all TP ranks.
+
+    tp_counts[r][e]: rows TP rank r received for local expert e (host ints). Rank r's rows sit, padded to
+    `width` rows, at [r * width, (r + 1) * width) of the gathered buffer, expert-major; `index` picks, for
+    every row of the expert-major order (expert, then TP rank, then the rank's own order), its padded row."""
+
+    def __init__(self, tp_counts: Sequence[Sequence[int]], group: Group, device: torch.device) -> None:
+        self.group = group
+        ranks, experts = len(tp_counts), len(tp_counts[0])
+        sizes = [sum(c) for c in tp_counts]
+        self.mine, self.width = sizes[group.rank], max(max(sizes), 1)
+        self.counts = [sum(tp_counts[r][e] for r in range(ranks)) for e in range(experts)]  # (E_local,)
+        lengths, shifts, dst = [], [], 0
+        for e in range(experts):
+            for r in range(ranks):
+                lengths.append(tp_counts[r][e])
+                shifts.append(r * self.width + sum(tp_counts[r][:e]) - dst)
+                dst += tp_counts[r][e]
+        shift = upload(torch.tensor(shifts), device)  # (tp * E_local,) padded row - expert-major row
+        self.index = (torch.repeat_interleave(shift, upload(torch.tensor(lengths), device), output_size=dst)
+                      + torch.arange(dst, device=device))  # (N_all,)
+
+    def start_gather(self, rows: torch.Tensor) -> tuple:
+        """Start the all-gather of this rank's rows (n_r, h), padded to `width`."""
+        padded = F.pad(rows, (0, 0, 0, self.width - self.mine))  # (width, h)
+        buf = rows.new_empty(self.group.size * self.width, rows.shape[1])  # (tp * width, h)
+        return buf, comm.start_all_gather(buf.view(-1), padded.view(-1), self.group), padded
+
+    def finish_gather(self, pending: tuple) -> torch.Tensor:
+        buf, work, _ = pending  # (the padded source stays alive until the gather is done)
+        comm.wait_work(work, self.group, "all_gather")
+        return buf[self.index]  # (N_all, h) expert-major
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n_r, h) this rank's rows -> (N_all, h) all TP ranks' rows, expert-major."""
+        return self.finish_gather(self.start_gather(rows))
+
+    def run(self, experts: GroupedExperts, rows: torch.Tensor) -> torch.Tensor:
+        """The grouped experts on the rows of all TP ranks: (n_r, h) this rank's received rows, expert-major ->
+        (n_r, h) their outputs, whole (GroupedExperts.forward with tp_rows). "padded" runs as the loop here."""
+        impl = choose_impl(experts.impl, rows, rows.shape[1], experts.gate_proj.shape[1])
+        impl = "loop" if impl == "padded" else impl
+        gate, up = _GatherUpGate.apply(rows, experts.gate_proj, experts.up_proj, self, impl)  # (N_all, f/tp)
+        hid = kernels.swiglu(gate, up, experts.backend)  # (N_all, f/tp)
+        out = grouped_linear(impl, hid, self.counts, experts.down_proj)  # (N_all, h) partial over TP
+        return _ReduceScatterRows.apply(out, self)  # (n_r, h)
+
+    def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N_all, h) partial sums over TP, expert-major -> (n_r, h) this rank's rows, summed over TP."""
+        padded = rows.new_zeros(self.group.size * self.width, rows.shape[1]).index_copy_(0, self.index, rows)
+        return comm.reduce_scatter(padded, self.group)[:self.mine]  # (n_r, h)
+
+
+class _GatherUpGate(torch.autograd.Function):
+    """this rank's rows (n_r, h) -> gate, up (N_all, f/tp) over the rows of all TP ranks, saving only the
+    rows this rank received (the gathered (N_all, h) is tp times larger)."""
+
+    @staticmethod
+    def forward(ctx, rows, w_gate, w_up, plan: TPRows, impl: str):
+        x = plan.gather(rows)  # (N_all, h)
+        gate = grouped_linear(impl, x, plan.counts, w_gate)  # (N_all, f/tp)
+        up = grouped_linear(impl, x, plan.counts, w_up)  # (N_all, f/tp)
+        ctx.plan, ctx.impl = plan, impl
+        ctx.save_for_backward(rows, w_gate, w_up)
+        return gate, up
+
+    # gate_e = X_e Wg_e^T, up_e = X_e Wu_e^T over expert e's rows X_e of all TP ranks:
+    #   dX_e = dgate_e Wg_e + dup_e Wu_e      partial over TP (this rank's ffn slice): reduce-scattered to the
+    #                                         rows this rank received, whole
+    #   dWg_e = dgate_e^T X_e, dWu_e = dup_e^T X_e   with X gathered again from the saved rows
+    # A zero-bubble input pass needs no dW and a weight pass no dX (pipeline/backward.py): each is skipped
+    # alike on every TP rank (the graph is the same), with its collectives.
+    @staticmethod
+    def backward(ctx, dgate, dup):
+        rows, w_gate, w_up = ctx.saved_tensors
+        plan, impl = ctx.plan, ctx.impl
+        need = [ctx.needs_input_grad[i] and _will_run(ctx.next_functions[i][0]) for i in range(3)]
+        pending = plan.start_gather(rows) if need[1] or need[2] else None  # under the dX GEMMs on NCCL
+        dgate, dup = dgate.contiguous(), dup.contiguous()
+        dx = dwg = dwu = None
+        if need[0]:
+            dx = grouped_linear(impl, dgate, plan.counts, w_gate, transposed=True)  # (N_all, h)
+            dx = plan.reduce_scatter(dx.add_(grouped_linear(impl, dup, plan.counts, w_up, transposed=True)))
+        if pending is not None:
+            x = plan.finish_gather(pending)  # (N_all, h)
+            dwg = grouped_weight_grad(impl, dgate, x, plan.counts).to(w_gate.dtype) if need[1] else None
+            dwu = grouped_weight_grad(impl, dup, x, plan.counts).to(w_up.dtype) if need[2] else None
+        return dx, dwg, dwu, None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """(N_all, h) partial expert outputs of all TP ranks' rows -> (n_r, h) this rank's rows, summed."""
+
+    @staticmethod
+    def forward(ctx, rows, plan: TPRows):
+        ctx.plan = plan
+        return plan.reduce_scatter(rows)
+
+    # y_r = sum over TP ranks of their partial rows for rank r: every rank's partial rows get dy_r, i.e. the
+    # output gradients of all TP ranks' rows, gathered.
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.plan.gather(dy.contiguous()), None
+
+
+def sp_forward(layer, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
+    """MoELayer.forward under sequence parallelism: x (b, s/tp, h) -> (b, s/tp, h) (module docstring)."""
+    tp, k = layer.tp, layer.top_k
+    b, s_local, h = x.shape
+    r, local = route_on_shard(layer.router, x, tp)  # gathered (T, .) and this rank's (b * s/tp, .)
+    keep = layer.decide(r, b, s_local * tp.size, positions)  # (T, k) or None
+    if keep is not None:  # this rank's part of the sequence (gather_from_sp stacks the TP ranks' parts)
+        keep = keep.view(b, tp.size, s_local, k)[:, tp.rank].reshape(b * s_local, k)  # (b * s/tp, k)
+    exchange = layer.exchange(local.indices, keep, b * s_local * k, tp)
+    perm = permute(local.indices, layer.num_experts, keep, kept=exchange.rows_sent)
+    rows = exchange.dispatch(x.reshape(b * s_local, h)[perm.token_index])  # (n_r, h) by local expert
+    plan = TPRows(exchange.tp_counts, tp, x.device)
+    rows = exchange.combine(layer.experts(rows, exchange.local_counts, plan))  # (N_send, h) sorted slots
+    out = unpermute(rows, perm, local.weights).view(b, s_local, h)  # (b, s/tp, h) whole
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(x)  # (b, s/tp, h)
+    return out
