@@ -1,6 +1,6 @@
 """ZeRO-1/2 parameter all-gathers overlapped with the next forward (issue 27 item 5, `overlap_param_gather`):
 step() leaves each bucket's gather in flight and the bucket's first forward use waits for it (a forward
-pre-hook on the modules owning its parameters, the pattern of offload/publish.py).
+pre-hook on the blocks holding its parameters, the pattern of offload/publish.py).
 
 Exact: the same losses, norms, gradients and weights as world size 1, through the DistributedOptimizer
 harness and through the real Trainer (the optimizer it builds, with the option on). Order: after a step
@@ -110,3 +110,12 @@ def test_zero1_step_keeps_at_most_two_gathered_buckets():
     trainer.train_step()
     assert len(trainer.optimizer.buckets) > 4 and live[0] == 0
     assert most[0] == publishing.GATHERS_IN_FLIGHT
+
+
+def test_overlapped_gathers_under_sequence_parallel_small_buckets(worlds):
+    """tp2 x dp2 with SP and a bucket per few tensors: the fused SP entry (tensor_parallel.column_entry) reads
+    q/k/v's and gate/up's weights without calling those layers' forward, so a wait hung on their own
+    modules would never fire and the forward would read last step's weights; each block waits instead."""
+    layout = ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1", "parallel.bucket_size=1000",
+              "train.global_batch_size=4", "parallel.overlap_param_gather=true"]
+    check(worlds.run(4, trainer_run, layout, 3), trainer_run(None, ["train.global_batch_size=4"], 3), "fp32")

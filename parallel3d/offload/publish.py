@@ -4,9 +4,9 @@ The offloaded step updates bucket after bucket on the host (forward order: the f
 each bucket's new values leave on the copy engine (streams.py) as soon as its update is done, while the
 host updates the next bucket. Who reads a bucket's device parameters first waits for that bucket only:
 
-    ZeRO-0     the forward pre-hook of every module that owns one of its parameters (`hooks`)
+    ZeRO-0     the forward pre-hook of the block (or chunk) holding its parameters (`hooks`)
     ZeRO-1/2   the bucket's all-gather (publishing.ParamPublisher); with overlap_param_gather the
-               gather itself is waited for by the bucket's first module (`bucket_hooks`, publishing.py)
+               gather itself is waited for by the first block holding it (`bucket_hooks`, publishing.py)
     ZeRO-3     the unit's gather, through the prefetcher's fetch (zero3.py), one unit ahead of use
 
 `wait_all` is the backstop for any other reader (checkpoints, the end of the backward pass).
@@ -76,9 +76,9 @@ class DevicePublish:
 
 
 def bucket_hooks(buckets: Sequence[Bucket], modules: Sequence[nn.Module], wait: Callable[[Bucket], None]) -> list:
-    """A forward pre-hook on each module owning parameters of `buckets` calls wait(b) for each of its
-    buckets: whatever brings a bucket's parameters up to date (a copy, an all-gather) is waited for by its
-    first reader only. Returns the hook handles."""
+    """A forward pre-hook on each block holding parameters of `buckets` (and on the chunk, for those outside
+    the blocks) calls wait(b) for each of its buckets: whatever brings a bucket's parameters up to date (a
+    copy, an all-gather) is waited for by its first reader only. Returns the hook handles."""
     from parallel3d.data_parallel.zero3 import find_units
 
     owner = {id(s.param): b for b in buckets for s in b.slots}
@@ -91,10 +91,13 @@ def bucket_hooks(buckets: Sequence[Bucket], modules: Sequence[nn.Module], wait: 
                    if id(p) in owner and id(p) not in in_blocks}
         if outside:
             handles.append(root.register_forward_pre_hook(_waiter(list(outside.values()), wait)))
-        for m in root.modules():
-            mine = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+        # each block waits for every bucket of its parameters: inside a block, weights may be read without
+        # their module's forward (the fused SP entry, tensor_parallel.column_entry, reads q/k/v's and
+        # gate/up's), so a wait hung on the owning module would not fire
+        for unit in find_units(root):
+            mine = {id(owner[id(p)]): owner[id(p)] for p in unit.parameters() if id(p) in owner}
             if mine:
-                handles.append(m.register_forward_pre_hook(_waiter(list(mine.values()), wait)))
+                handles.append(unit.register_forward_pre_hook(_waiter(list(mine.values()), wait)))
     return handles
 
 
