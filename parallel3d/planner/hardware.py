@@ -22,8 +22,9 @@ Achievable fractions (the efficiencies), with their basis:
 Host AdamW (optimizer offload): the update the code runs (data_parallel/adamw.py `adamw_flat_`, exact
   torch arithmetic, not a vectorised CPU-Adam) at the threads a rank gets: torchrun sets OMP_NUM_THREADS=1
   and launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
-  `HOST_ADAM_PARAMS_PER_S_PER_THREAD`, measured on this project's CPU machine (2026-11-25, 4M-element
-  state, quiet: 0.24-0.36 G params/s; profile.py measures it again for `--gpu cpu`).
+  `HOST_ADAM_PARAMS_PER_S_PER_THREAD`, measured on this project's CPU machine (2026-11-26, 64M-parameter
+  state, larger than any cache as an offloaded model's is, quiet: 0.29 G params/s; profile.host_adam_rate
+  measures it again for `--gpu cpu` and for `planner_accuracy.py --gpu`).
 Host issue time per op (GPUs only): the host's seconds to issue one op of the training step (Python,
   autograd, dispatch, launch), which the GPU's queue hides only while its kernels take longer
   (cost.queue_seconds). `HOST_OP_S` inside the pipeline's actions (66 us) and `HOST_STEP_OP_S` outside
