@@ -53,6 +53,9 @@ def _table(result: Plan, gpu, world: int) -> str:
     lines.append(f"  pipeline {b['pipeline_s']:.3f} s + outside the pipeline (grad sync tail, optimizer) "
                  f"{b['outside_actions_s']:.3f} s; per microbatch: compute {b['compute_per_microbatch_s']:.4f} s, "
                  f"blocking comm {b['blocking_comm_per_microbatch_s']:.4f} s")
+    if b.get("host_stall_per_microbatch_s"):
+        lines.append(f"  of that compute, {b['host_stall_per_microbatch_s']:.4f} s per microbatch waits for the host "
+                     f"to issue ops (planner/cost.py queue_seconds): small kernels, host-bound")
     off = b.get("offload") or {}
     if off.get("host_bytes") or off.get("exposed_s"):
         lines.append(f"  offload: {off['host_bytes'] / GiB:.2f} GiB in host memory, {off['exposed_s']:.3f} s per step "

@@ -58,3 +58,10 @@ def test_without_a_host_term_the_action_is_the_sum_of_its_ops():
     assert all(a.host_stall_s == 0.0 for a in run.actions.values())
     total = sum(seconds for _, seconds in run.op_seconds.values())
     assert sum(a.compute_s for a in run.actions.values()) * 2 + run.outside.compute_s == pytest.approx(total)
+
+
+def test_plan_cli_says_when_the_host_sets_the_pace():
+    from test_planner import _plan_cli
+    out = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "1", "--gpu", "h100", "parallel.tp=1")
+    assert out.returncode == 0, out.stderr
+    assert "waits for the host" in out.stdout
