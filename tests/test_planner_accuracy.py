@@ -90,6 +90,16 @@ def test_real_profile_measures_this_machine(tmp_path):
     assert all(a > 0 and b > 0 for a, b in g.collectives.values())
 
 
+def test_per_op_overhead_of_the_real_step_is_measured():
+    """What `launch/plan.py --gpu cpu` measures on a machine without a cached profile: the real Trainer's
+    step on a minimal model over its tracked ops (a name clash once broke it for every fresh machine)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from common import stage_builder
+    from parallel3d.models.config import ModelConfig
+    seconds = profile._step_overhead(stage_builder, ModelConfig())
+    assert 0 < seconds < 0.1
+
+
 def test_one_table_of_gpu_peaks_for_the_planner_and_the_run_mfu():
     from parallel3d.training.metrics import lookup_peak_flops
     for name, device in (("h100", "NVIDIA H100 80GB HBM3"), ("a100", "NVIDIA A100-SXM4-80GB"),

@@ -154,9 +154,9 @@ def _step_overhead(stage_builder, model) -> float:
     cfg = resolve_and_validate(cfg, 1)
     ctx = ParallelContext.build(MeshSpec())
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
-    best = best(trainer.train_step, 8)
+    step_s = best(trainer.train_step, 8)
     _, tracker = tracked_step(trainer, "cpu")
-    return best / max(len(tracker.ops), 1)
+    return step_s / max(len(tracker.ops), 1)
 
 
 def _op_overhead() -> float:
