@@ -26,6 +26,7 @@ from test_dp_parity import BASE
 FROM_TRAINING = {
     "zero": "parallel.zero", "precision": "train.precision", "lr": "train.lr",
     "betas": "train.beta1,train.beta2", "eps": "train.eps", "weight_decay": "train.weight_decay",
+    "adamw_block": "train.adamw_block",
     "bucket_size": "parallel.bucket_size", "bucket_size_mb": "parallel.bucket_size_mb",
     "loss_scale": "train.loss_scale", "initial_loss_scale": "train.initial_loss_scale",
     "loss_scale_window": "train.loss_scale_window", "min_loss_scale": "train.min_loss_scale",
@@ -54,7 +55,7 @@ SHARDED = ExperimentConfig(
                             zero_quantized_weights=True, zero_hpz=True, zero_quantized_gradients=True,
                             quant_block=64, zero3_fp8_gather=True),
     train=TrainConfig(precision="fp16", lr=1e-3, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05,
-                      loss_scale=8.0, initial_loss_scale=1024.0, loss_scale_window=50, min_loss_scale=2.0))
+                      adamw_block=4096, loss_scale=8.0, initial_loss_scale=1024.0, loss_scale_window=50, min_loss_scale=2.0))
 COMPRESSED = ExperimentConfig(model=None, parallel=ParallelConfig(zero=1, grad_compression="powersgd",
                                                                   overlap_param_gather=True))
 
@@ -140,3 +141,19 @@ def test_zero3_needs_its_gatherer_attached_first():
     ctx = ParallelContext.single()
     with pytest.raises(ValueError, match=r"parallel.zero=3: .*attach"):
         DistributedOptimizer([_model(ctx)], ctx, DataParallelConfig(zero=3))
+
+
+def test_adamw_block_changes_no_bit():
+    """train.adamw_block only cuts the elementwise update into pieces: any size gives the same weights."""
+    from ckpt_helpers import build_trainer, make_config
+    from parallel3d.mesh import ParallelContext
+
+    def weights(block: int) -> list:
+        torch.manual_seed(0)
+        trainer = build_trainer(make_config(["parallel.tp=1", f"train.adamw_block={block}"], 1),
+                                ParallelContext.single())
+        for _ in range(2):
+            trainer.train_step()
+        return [p.detach().clone() for c in trainer.chunks for p in c.parameters()]
+    by_device, small = weights(0), weights(1000)
+    assert all(torch.equal(a, b) for a, b in zip(by_device, small)) and len(small) > 0

@@ -65,3 +65,30 @@ def test_plan_cli_says_when_the_host_sets_the_pace():
     out = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "1", "--gpu", "h100", "parallel.tp=1")
     assert out.returncode == 0, out.stderr
     assert "waits for the host" in out.stdout
+
+
+def test_a_cpu_plan_runs_the_cpus_adamw_blocks():
+    """A CPU run updates in cache-sized blocks of about 7 ops each, a GPU in 16M-element ones. Planning a CPU
+    run, the stand-in takes the CPU's blocks (host_kernels.as_run_on_cpu asks adamw.block_for), so the plan
+    counts the optimizer ops the real CPU step runs: once it counted 8 blocks where the run had 838."""
+    from ckpt_helpers import build_trainer
+    from parallel3d.data_parallel.adamw import BLOCK
+    from parallel3d.mesh import ParallelContext
+    from parallel3d.planner.dryrun import tracked_step
+    from parallel3d.planner.host_kernels import as_run_on_cpu
+
+    cfg = make_config(["parallel.tp=1", "model.hidden_size=128", "model.ffn_hidden_size=256",
+                       "model.vocab_size=2048", "parallel.bucket_size=400000"], 1)
+    planned_cfg = as_run_on_cpu(cfg)
+    assert cfg.train.adamw_block == 0 and planned_cfg.train.adamw_block == BLOCK
+    planned = run_role(planned_cfg, 0, _stage_builder, gpu("h100"), 8).op_seconds["lerp_"][0]
+    _, tracker = tracked_step(build_trainer(cfg, ParallelContext.single()), "cpu")
+    real = sum(op.name == "lerp_" for op in tracker.ops)
+    assert planned == real > 2   # more blocks than buckets: the CPU's block size, not the GPU's
+    gpu_plan = run_role(cfg, 0, _stage_builder, gpu("h100"), 8).op_seconds["lerp_"][0]
+    assert gpu_plan < real
+
+
+def test_adamw_block_refuses_a_negative_size():
+    with pytest.raises(ValueError, match="train.adamw_block must be 0"):
+        make_config(["train.adamw_block=-1"], 1)

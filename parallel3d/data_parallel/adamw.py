@@ -26,8 +26,15 @@ DEVICE_BLOCK = 1 << 24
 
 
 def block_for(device: torch.device) -> int:
-    """Elements per AdamW block on `device` (the meta stand-in is priced as the GPU it stands for)."""
+    """Elements per AdamW block on `device` (the meta stand-in is priced as the GPU it stands for; a plan
+    of a CPU run sets train.adamw_block to the CPU's, planner/host_kernels.py)."""
     return BLOCK if device.type == "cpu" else DEVICE_BLOCK
+
+
+def check_block(block: int) -> None:
+    """train.adamw_block: 0 (by device) or a positive number of elements."""
+    if block < 0:
+        raise ValueError(f"train.adamw_block must be 0 (by device) or a positive number of elements, got {block}")
 
 
 def decay_ranges(b: Bucket) -> list[tuple[int, int]]:
@@ -69,11 +76,11 @@ def clip_ranges(ranges: Sequence[tuple[int, int]], a: int, e: int) -> list[tuple
 
 @torch.no_grad()
 def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-           step: int, grad: Optional[torch.Tensor] = None) -> None:
+           step: int, grad: Optional[torch.Tensor] = None, block: Optional[int] = None) -> None:
     """torch.optim.AdamW's single-tensor update on the bucket's resident flat fp32 state (padding stays 0)."""
     grad = b.grad.shard if grad is None else grad  # offload: a host copy of the held gradient
     adamw_flat_(b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq, grad, decay_ranges(b), lr, betas, eps,
-                weight_decay, step)
+                weight_decay, step, block)
 
 
 OFFLOAD_MODES = ("none", "cpu", "nvme")

@@ -6,7 +6,7 @@ build (gradient sync, optimizer step, parameter publishing, offload homes) read 
 that does not come from a training config builds the dataclass directly (tests, benchmarks).
 
 Validation calls each rule's owner, never restating it:
-    on construction     parallel.zero's range, check_offload (adamw.py), check_zeropp (quantize.py)
+    on construction     parallel.zero's range, check_offload and check_block (adamw.py), check_zeropp (quantize.py)
     check(ctx, modules) what needs the layout or the model (the optimizer calls it before anything
                         collective): check_offload_device (adamw.py), check_compression (compression.py),
                         check_hpz (mesh_spec.py), check_fp8_gather (fp8_gather.py, with the model's recipe)
@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from parallel3d.data_parallel.adamw import check_offload, check_offload_device
+from parallel3d.data_parallel.adamw import check_block, check_offload, check_offload_device
 from parallel3d.data_parallel.compression import check_compression
 from parallel3d.data_parallel.fp8_gather import check_fp8_gather, fp8_recipe
 from parallel3d.data_parallel.quantize import check_zeropp
@@ -44,6 +44,7 @@ class DataParallelConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    adamw_block: int = 0                   # elements per AdamW block; 0: by device (adamw.block_for)
     bucket_size: int = 0                   # parameters per bucket; build.bucket_elems
     bucket_size_mb: float = 0.0            # > 0 overrides bucket_size
     loss_scale: float = 0.0                # fp16: > 0 static, 0 dynamic
@@ -73,6 +74,7 @@ class DataParallelConfig:
         check_offload(self.offload_optimizer, self.offload_params, self.zero, self.offload_dir,
                       self.offload_buffer_mb)
         check_zeropp(self.zero, self.quantized_weights, self.hpz, self.quantized_gradients, self.quant_block)
+        check_block(self.adamw_block)
         object.__setattr__(self, "betas", tuple(self.betas))
 
     def check(self, ctx: ParallelContext, modules: Sequence[nn.Module]) -> None:
@@ -97,7 +99,7 @@ class DataParallelConfig:
         not import training): every parallel.* and train.* key the optimizer uses."""
         t, p = cfg.train, cfg.parallel
         return cls(zero=p.zero, precision=t.precision, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                   weight_decay=t.weight_decay, bucket_size=p.bucket_size, bucket_size_mb=p.bucket_size_mb,
+                   weight_decay=t.weight_decay, adamw_block=t.adamw_block, bucket_size=p.bucket_size, bucket_size_mb=p.bucket_size_mb,
                    loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
                    loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
                    offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,

@@ -30,6 +30,7 @@ class OptimizerStep:
         self.buckets, self.ctx, self.zero = list(buckets), ctx, config.zero
         self.publisher, self.homes = publisher, homes
         self.lr, self.betas, self.eps, self.weight_decay = config.lr, config.betas, config.eps, config.weight_decay
+        self.block = config.adamw_block or None   # None: by device (adamw.block_for)
         self.scaler: Optional[LossScaler] = None
         if config.precision == "fp16":
             c = config
@@ -85,7 +86,7 @@ class OptimizerStep:
             self.publisher.publish_params(streamed=True)
             return True
         for b in order:   # offload: b.grad.shard is the host gradient (offload/host_grads.py)
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count)
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, block=self.block)
             self.publisher.updated(b)
         self.publisher.step_done()
         return True

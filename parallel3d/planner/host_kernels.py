@@ -27,6 +27,7 @@ CURVE_OF_OP = {CPU_FLASH_FWD: "flash_attention_fwd", CPU_FLASH_BWD: "flash_atten
 def as_run_on_cpu(cfg: ExperimentConfig) -> ExperimentConfig:
     """`cfg` with every `auto` kernel choice resolved as a CPU resolves it: each owner of a choice is asked
     about a CPU tensor of the run's compute dtype (module docstring)."""
+    from parallel3d.data_parallel.adamw import block_for
     from parallel3d.data_parallel.precision import compute_dtype
     from parallel3d.expert_parallel.experts import choose_impl
     from parallel3d.kernels.attention_backend import select_attention
@@ -39,6 +40,8 @@ def as_run_on_cpu(cfg: ExperimentConfig) -> ExperimentConfig:
         m.kernels = "triton" if use_triton("auto", probe) else "torch"
     if m.attention == "auto":
         m.attention = select_attention("auto", probe, need_lse=False)
+    if run.train.adamw_block == 0:   # the CPU's cache-sized blocks: about 7 ops each, at the host's per-op cost
+        run.train.adamw_block = block_for(probe.device)
     if m.expert_impl == "auto":
         m.expert_impl = choose_impl("auto", probe.view(1, 8), m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size)
     return run

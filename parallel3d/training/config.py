@@ -108,6 +108,7 @@ class TrainConfig:
     beta1: float = 0.9           # AdamW first-moment decay
     beta2: float = 0.95          # AdamW second-moment decay
     eps: float = 1e-8            # AdamW denominator epsilon
+    adamw_block: int = 0         # elements per AdamW block; 0: by device (128K on a CPU, 16M on a GPU)
     grad_clip: float = 1.0       # 0: no clipping
     activation_checkpointing: str = "none"  # recompute in backward: full = each block, selective = the attention core
     # Megatron's --recompute-method block: N beyond a chunk's layers recomputes all of them (clamped per chunk)

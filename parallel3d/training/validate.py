@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
-from parallel3d.data_parallel.adamw import OFFLOAD_MODES, check_offload
+from parallel3d.data_parallel.adamw import OFFLOAD_MODES, check_block, check_offload
 from parallel3d.data_parallel.compression import MODES as COMPRESSION_MODES, check_compression
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.tensor_parallel.fp8 import RECIPES as FP8_RECIPES, check_fp8
@@ -105,6 +105,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
              f"parallel.zero={p.zero} (ZeRO-3 already gathers around each unit's use)")
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
+    _owned(lambda: check_block(t.adamw_block))
     _choice(t.precision, "train.precision", CHOICES["train.precision"])
     hd = m.head_dim or m.hidden_size // m.num_heads
     _owned(lambda: check_fp8(t.fp8, t.precision, {
