@@ -75,7 +75,7 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
                 rows.append([2.0 * n ** 3, _linear_gemms_seconds(n, dtype, 5 if n < 512 else 2)])
             curves[key] = rows
         memory = _memory_curve()
-        bandwidth = max(b / s for b, s in memory)
+        bandwidth = memory[-1][0] / memory[-1][1]   # bulk copies (offload, activation copies) run at DRAM speed
         adam = host_adam_rate()
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
