@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from parallel3d.planner import profile, profile_gloo
-from parallel3d.planner.cost import memory_seconds, op_time
 from parallel3d.planner.hardware import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +84,6 @@ def test_real_profile_measures_this_machine(tmp_path):
     g = profile.cpu_device(2, path=tmp_path / "hw.json")
     assert g.peak_flops["fp32"] > 0 and g.hbm_bytes_per_s > 0 and g.op_overhead_s > 0
     assert g.host_adam_params_per_s > 0 and g.reserved_bytes > 0
-    assert len(g.memory_curve) == len(profile.MEMORY_SIZES) and all(b > 0 and t > 0 for b, t in g.memory_curve)
     assert set(profile_gloo.COLLECTIVES) <= set(g.collectives)
     assert all(a > 0 and b > 0 for a, b in g.collectives.values())
 
@@ -238,27 +236,3 @@ def test_gpu_of_a_driver_device_name():
     assert gpu_of_device("NVIDIA H100 80GB HBM3") is gpu("h100")
     with pytest.raises(ValueError, match="no planner GPU for device 'Tesla T4'"):
         gpu_of_device("Tesla T4")
-
-
-def test_memory_bound_ops_move_at_the_rate_of_their_size(tmp_path):
-    """A CPU moves a small tensor at cache speed and a large one at DRAM speed: an op is priced at the
-    measured rate of its own size, not at one bandwidth (which, measured at cache sizes, made every large
-    op 4x too fast here)."""
-    curve = ((1e6, 1e-5), (1e8, 1e-2))   # 100 GB/s in cache, 10 GB/s from DRAM
-    assert memory_seconds(1e6, curve) == pytest.approx(1e-5)
-    assert memory_seconds(1e8, curve) == pytest.approx(1e-2)
-    assert memory_seconds(1e7, curve) == pytest.approx(10 ** -3.5)   # log-log between the two
-    assert memory_seconds(1e3, curve) == pytest.approx(1e-8)         # below: the smallest point's rate
-    assert memory_seconds(1e9, curve) == pytest.approx(1e-1)         # above: the largest point's rate
-    assert memory_seconds(0, curve) == 0.0
-    fake = fake_profile()
-    fake["compute"]["memory"] = [list(p) for p in curve]
-    (tmp_path / "hw.json").write_text(json.dumps(fake))
-    device = profile.cpu_device(2, path=tmp_path / "hw.json")
-    small, large = (op_time(0.0, b, 1.0, device) - device.op_overhead_s for b in (1e6, 1e8))
-    assert large / small == pytest.approx(1000)   # 100x the bytes at a tenth of the rate
-    del fake["compute"]["memory"]                 # a cache written before the curve: one bandwidth
-    (tmp_path / "old.json").write_text(json.dumps(fake))
-    old = profile.cpu_device(2, path=tmp_path / "old.json")
-    assert old.memory_curve is None and op_time(0.0, 1e8, 1.0, old) - old.op_overhead_s == pytest.approx(
-        1e8 / old.hbm_bytes_per_s)

@@ -3,9 +3,8 @@
 Op time = max(FLOPs / (peak(dtype) * matmul efficiency), bytes moved / (HBM * memory efficiency)): a
 matmul is compute-bound, an element-wise op or a norm is bandwidth-bound, and nothing is free. On a
 measured device (profile.py, `--gpu cpu`) a matmul costs what the measured matmul of the same FLOPs took
-(small matmuls run far below the peak there), a memory-bound op moves its bytes at the measured rate of
-its size (cache or DRAM), and every op adds the host's per-op overhead (eager dispatch and autograd,
-which a GPU hides behind its queue and a CPU cannot).
+(small matmuls run far below the peak there) and every op adds the host's per-op overhead (eager
+dispatch and autograd, which a GPU hides behind its queue and a CPU cannot).
 
 Collective time (ring algorithms, as NCCL runs them for large messages), with n ranks, the logical bytes
 comm.py records (see its docstring) and the group's link (NVLink when every rank of the group sits in
@@ -38,10 +37,7 @@ def op_time(flops: float, nbytes: float, peak_flops: float, gpu: GPU, occupancy:
         compute = matmul_seconds(flops, curve)
     else:
         compute = flops / (peak_flops * gpu.matmul_efficiency * occupancy) if flops else 0.0
-    if gpu.memory_curve:
-        memory = memory_seconds(nbytes, gpu.memory_curve)
-    else:
-        memory = nbytes / (gpu.hbm_bytes_per_s * gpu.memory_efficiency)
+    memory = nbytes / (gpu.hbm_bytes_per_s * gpu.memory_efficiency)
     return max(compute, memory) + gpu.op_overhead_s
 
 
@@ -80,20 +76,6 @@ def matmul_seconds(flops: float, curve: Sequence[tuple[float, float]]) -> float:
             return math.exp(math.log(s0) + w * (math.log(s1) - math.log(s0)))
     f, s = pts[-1]
     return flops * s / f
-
-
-def memory_seconds(nbytes: float, curve: Sequence[tuple[float, float]]) -> float:
-    """Seconds to move `nbytes` from measured (bytes, seconds) points, log-log interpolated; outside them at
-    the rate of the nearest point (no fixed cost: the per-op overhead is priced on its own)."""
-    if nbytes <= 0:
-        return 0.0
-    pts = sorted(curve)
-    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
-        if b0 <= nbytes <= b1:
-            w = math.log(nbytes / b0) / math.log(b1 / b0)
-            return math.exp(math.log(s0) + w * (math.log(s1) - math.log(s0)))
-    b, s = pts[0] if nbytes < pts[0][0] else pts[-1]
-    return nbytes * s / b
 
 
 def collective_seconds(op: str, nbytes: float, ranks: Sequence[int], gpus_per_node: int, gpu: GPU) -> float:

@@ -76,7 +76,6 @@ class GPU:
     # measured devices only (profile.py): seconds per matmul by FLOPs and dtype, per-op overhead, and
     # (alpha, beta) per collective op instead of the link's
     matmul_curves: Optional[dict] = None
-    memory_curve: Optional[tuple] = None  # (bytes moved, seconds) of a memory-bound op by size (cache vs DRAM)
     op_overhead_s: float = 0.0
     collectives: Optional[dict] = None
     # whether communication can run beside compute (a GPU's copy engines and NCCL's SMs; on a CPU, only

@@ -50,7 +50,6 @@ from parallel3d.planner.hardware import GPU
 from parallel3d.planner.profile_gloo import best, measure_gloo
 
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
-MEMORY_SIZES = (1 << 16, 1 << 19, 1 << 22, 1 << 24)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -74,28 +73,16 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
             for n in MATMUL_SIZES:
                 rows.append([2.0 * n ** 3, _linear_gemms_seconds(n, dtype, 5 if n < 512 else 2)])
             curves[key] = rows
-        memory = _memory_curve()
-        bandwidth = memory[-1][0] / memory[-1][1]   # bulk copies (offload, activation copies) run at DRAM speed
+        x = torch.randn(1 << 22)
+        y = torch.empty_like(x)
+        bandwidth = 3 * x.numel() * 4 / best(lambda: torch.add(x, x, out=y), 3)
         adam = host_adam_rate()
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
     finally:
         torch.set_num_threads(threads)
-    return {"matmul": curves, "memory_bytes_per_s": bandwidth, "memory": memory, "op_overhead_s": overhead,
+    return {"matmul": curves, "memory_bytes_per_s": bandwidth, "op_overhead_s": overhead,
             "host_adam_params_per_s": adam, "attention": attention}
-
-
-def _memory_curve() -> list:
-    """[bytes moved, seconds] of an fp32 add (two reads, one write) from 64K to 16M elements. A CPU moves
-    small tensors at cache speed and large ones at DRAM speed, 4x slower here (42 against 9 GB/s at 4M and
-    32M elements), and a training step has both: norms of one micro-batch, and a vocabulary's logits or
-    a whole gradient bucket."""
-    rows = []
-    for n in MEMORY_SIZES:
-        x = torch.randn(n)
-        y = torch.empty_like(x)
-        rows.append([3.0 * n * 4, best(lambda: torch.add(x, x, out=y), 5 if n < 1 << 22 else 3)])
-    return rows
 
 
 def host_adam_rate() -> float:
@@ -225,7 +212,6 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
     curves = {k: tuple((f, s * mm) for f, s in rows) for k, rows in c["matmul"].items()}
     peaks = {k: max(f / s for f, s in rows) for k, rows in curves.items()}
     curves.update({op: tuple((f, s * mm) for f, s in rows) for op, rows in c.get("attention", {}).items()})
-    memory = tuple((b, s * mm) for b, s in c["memory"]) if c.get("memory") else None  # older caches: none
     peaks["tf32"] = peaks["fp32"]
     links = {op: tuple(v) for op, v in gloo["collectives"].items()}
     links["recv"] = links.get("send", (0.0, 1.0))
@@ -235,8 +221,7 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                c["memory_bytes_per_s"] / mm, total, beta, beta, pcie_bytes_per_s=c["memory_bytes_per_s"],
                matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
-               matmul_curves=curves, memory_curve=memory, op_overhead_s=c["op_overhead_s"] * per_op,
-               host_op_s=0.0, host_step_op_s=0.0,
+               matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, host_step_op_s=0.0,
                collectives=links,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)
