@@ -37,7 +37,7 @@ from parallel3d.expert_parallel.experts import GroupedExperts, choose_impl, grou
 from parallel3d.expert_parallel.sp_entry import route_on_shard
 from parallel3d.host_sync import upload
 from parallel3d.kernels import dispatch as kernels
-from parallel3d.tensor_parallel.region import _will_run
+from parallel3d.tensor_parallel.region import will_run
 
 
 class TPRows:
@@ -117,7 +117,7 @@ class _GatherUpGate(torch.autograd.Function):
     def backward(ctx, dgate, dup):
         rows, w_gate, w_up = ctx.saved_tensors
         plan, impl = ctx.plan, ctx.impl
-        need = [ctx.needs_input_grad[i] and _will_run(ctx.next_functions[i][0]) for i in range(3)]
+        need = [ctx.needs_input_grad[i] and will_run(ctx.next_functions[i][0]) for i in range(3)]
         pending = plan.start_gather(rows) if need[1] or need[2] else None  # under the dX GEMMs on NCCL
         dgate, dup = dgate.contiguous(), dup.contiguous()
         dx = dwg = dwu = None

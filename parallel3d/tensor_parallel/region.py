@@ -61,7 +61,7 @@ def _gathered(buf: torch.Tensor) -> torch.Tensor:
     return buf.transpose(0, 1).reshape(b, tp * s_local, h)
 
 
-def _will_run(node) -> bool:
+def will_run(node) -> bool:
     """Whether this backward needs the gradient of the entry's input: not in a zero-bubble weight pass
     (pipeline/backward.py differentiates towards the parameters only), which then skips dX and its
     reduce-scatter. Undecidable cases (a leaf input under autograd.grad) answer yes."""
@@ -99,7 +99,7 @@ class _ColumnEntry(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         group, sp, layers = ctx.group, ctx.sp, ctx.layers
         pending = _gather_start(x, group) if sp else None  # overlaps the dX GEMMs below
-        need_dx = ctx.needs_input_grad[0] and _will_run(ctx.next_functions[0][0])
+        need_dx = ctx.needs_input_grad[0] and will_run(ctx.next_functions[0][0])
         dx, states = None, []
         for i, (layer, dy) in enumerate(zip(layers, dys)):
             weight, bias, kind, rows = _operands(layer, params[2 * i: 2 * i + 2])
