@@ -49,10 +49,15 @@ MODES = {
 }
 
 
-def config(size: str, mode: str, seq: int):
+def shape(size: str) -> list[str]:
+    """The model overrides of ladder rung `size` (benchmarks/planner_published.py plans one of them too)."""
     h, layers, ffn, heads, kv = LADDER[size]
-    overrides = [f"model.hidden_size={h}", f"model.num_layers={layers}", f"model.ffn_hidden_size={ffn}",
-                 f"model.num_heads={heads}", f"model.num_kv_heads={kv}", f"model.max_seq_len={seq}",
+    return [f"model.hidden_size={h}", f"model.num_layers={layers}", f"model.ffn_hidden_size={ffn}",
+            f"model.num_heads={heads}", f"model.num_kv_heads={kv}"]
+
+
+def config(size: str, mode: str, seq: int):
+    overrides = [*shape(size), f"model.max_seq_len={seq}",
                  "parallel.tp=1", "parallel.sp=false", f"train.seq_len={seq}", "train.micro_batch_size=1",
                  "train.global_batch_size=1", "train.activation_checkpointing=full", "train.precision=bf16",
                  *MODES[mode]]

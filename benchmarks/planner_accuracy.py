@@ -147,8 +147,12 @@ def measure_host(gpu, steps: int, tmp: Path):
     outside = run.outside.ops
     inside = sum(count for count, _ in run.op_seconds.values()) - outside
     row = measure(config, overrides, steps, tmp, "host-probe", 1)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a torchrun rank runs the offloaded AdamW
-    adam = host_adam_rate()
+    try:
+        adam = host_adam_rate()
+    finally:
+        torch.set_num_threads(threads)
     print(f"host: the width-128 probe's pipeline {row['measured_pipeline_s'] * 1e3:.1f} ms over {inside:.0f} ops "
           f"({row['measured_pipeline_s'] / inside * 1e6:.1f} us per op), after it {row['measured_after_s'] * 1e3:.1f} "
           f"ms over {outside:.0f} ops ({row['measured_after_s'] / outside * 1e6:.1f} us); the table's "

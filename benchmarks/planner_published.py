@@ -36,8 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import stage_builder  # noqa: E402
+from offload_capacity import shape  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.dryrun import DryRunError  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
@@ -102,9 +104,7 @@ SIZES = [  # Llama-shaped models for one GPU: (name, config, overrides)
     ("Llama-3-8B", "llama3_8b", []),
     ("12.3B (h 5120, 40 layers)", "llama3_8b", ["model.hidden_size=5120", "model.num_layers=40",
                                               "model.num_heads=40", "model.ffn_hidden_size=13824"]),
-    ("30.7B (h 6656, 64 layers)", "llama3_8b", ["model.hidden_size=6656", "model.num_layers=64",
-                                              "model.num_heads=52", "model.num_kv_heads=4",
-                                              "model.ffn_hidden_size=17920"]),  # offload_capacity.py's 30b
+    ("30.7B (h 6656, 64 layers)", "llama3_8b", shape("30b")),  # the rung offload_capacity.py confirmed
     ("35.3B (h 8192, 48 layers)", "llama3_70b", ["model.num_layers=48", "model.ffn_hidden_size=22016"]),
     ("Llama-3-70B", "llama3_70b", []),
 ]

@@ -89,7 +89,6 @@ def test_the_gather_of_a_bucket_is_waited_by_its_first_module(worlds):
 def test_zero1_step_keeps_at_most_two_gathered_buckets():
     """ZeRO-1/2 without overlap: each bucket's gathered buffer lives until its copy into the parameters, so
     step() finishes the oldest gather once two are in flight (else all buckets' buffers meet at the peak)."""
-    from ckpt_helpers import build_trainer, context_for, make_config
     from parallel3d.data_parallel import publishing
 
     cfg = make_config(["parallel.zero=1", "parallel.bucket_size=2000"], 1)

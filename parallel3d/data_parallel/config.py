@@ -99,7 +99,8 @@ class DataParallelConfig:
         not import training): every parallel.* and train.* key the optimizer uses."""
         t, p = cfg.train, cfg.parallel
         return cls(zero=p.zero, precision=t.precision, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                   weight_decay=t.weight_decay, adamw_block=t.adamw_block, bucket_size=p.bucket_size, bucket_size_mb=p.bucket_size_mb,
+                   weight_decay=t.weight_decay, adamw_block=t.adamw_block, bucket_size=p.bucket_size,
+                   bucket_size_mb=p.bucket_size_mb,
                    loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
                    loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
                    offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,

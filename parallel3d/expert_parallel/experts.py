@@ -7,7 +7,8 @@ ffn slice [tp_r*f/tp, (tp_r+1)*f/tp) exactly like the dense MLP's column/row spl
     down_proj            (E, h, f)   local (E_local, h, f/tp)
 
 `meta.expert=True`: gradients are summed over expert-data-parallel ranks, not DP x CP. Under TP each rank
-returns a *partial* output (its ffn slice), summed by the MoE layer's single TP reduce.
+returns a *partial* output (its ffn slice), summed by the MoE layer's single TP reduce; under sequence
+parallelism the experts run on the rows of all TP ranks and sum them back to each rank's (sp_dispatch.py).
 
 Rows arrive sorted by local expert with host-side counts, so each expert's rows are one contiguous slice:
   "loop"       one pair of GEMMs per local expert on its slice (few experts per rank: cheap, exact)
@@ -20,6 +21,7 @@ many small experts: benchmarks/experts.py, RESULTS.md).
 """
 from __future__ import annotations
 
+from functools import partial
 from itertools import accumulate
 from typing import Optional, Sequence
 
@@ -41,14 +43,9 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str) -> torch.Tensor:
 
 def grouped_swiglu_loop(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
                         w_down: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """x (N, h) expert-major, counts (E_local,) -> (N, h). Every expert runs, even on 0 rows, so every
-    stacked weight takes part in autograd (zero gradient rather than None). The weights are unbound once:
-    indexing w[e] per expert would make backward materialise E full-size gradients (one per select)."""
-    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
-    outs = []
-    for xe, wg, wu, wd in zip(x.split(list(counts)), gates, ups, downs):  # xe (n_e, h)
-        outs.append(F.linear(_swiglu(F.linear(xe, wg), F.linear(xe, wu), backend), wd))  # (n_e, h)
-    return torch.cat(outs) if outs else x.new_zeros(0, w_down.shape[1])
+    """x (N, h) expert-major, counts (E_local,) -> (N, h): one GEMM per expert and projection
+    (grouped_linear's loop)."""
+    return _grouped_swiglu("loop", x, counts, w_gate, w_up, w_down, backend)
 
 
 def grouped_swiglu_padded(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -79,34 +76,33 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def grouped_swiglu_mm(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
-                      w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """torch's grouped GEMM; offs are the cumulative row counts."""
-    offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,) no host sync
-    gate = _ContiguousGrad.apply(F.grouped_mm(x, w_gate.transpose(1, 2), offs=offs))  # (N, f)
-    up = _ContiguousGrad.apply(F.grouped_mm(x, w_up.transpose(1, 2), offs=offs))  # (N, f)
-    return _ContiguousGrad.apply(F.grouped_mm(_swiglu(gate, up, backend), w_down.transpose(1, 2), offs=offs))
+def offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """grouped_mm's offs, the cumulative row counts (E_local,) int32, uploaded without a host sync."""
+    return upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), device)
 
 
-def grouped_swiglu_triton(x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
-                          w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """Our Triton grouped GEMM (one launch per projection, forward and backward)."""
-    from parallel3d.kernels.ops import grouped_mm  # the custom op (fake implementation, compiles without a break)
-    hid = _swiglu(grouped_mm(x, w_gate, counts), grouped_mm(x, w_up, counts), backend)  # (N, f)
-    return grouped_mm(hid, w_down, counts)  # (N, h)
+def _grouped_swiglu(impl: str, x: torch.Tensor, counts: Sequence[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                    w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """The three projections of grouped_linear around the SwiGLU, the offsets uploaded once."""
+    offs = offsets(counts, x.device) if impl == "grouped_mm" else None
+    gate = grouped_linear(impl, x, counts, w_gate, offs=offs)  # (N, f)
+    up = grouped_linear(impl, x, counts, w_up, offs=offs)  # (N, f)
+    return grouped_linear(impl, _swiglu(gate, up, backend), counts, w_down, offs=offs)  # (N, h)
 
 
-IMPL_FNS = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded, "grouped_mm": grouped_swiglu_mm,
-            "triton": grouped_swiglu_triton}
+IMPL_FNS = {"loop": grouped_swiglu_loop, "padded": grouped_swiglu_padded,
+            "grouped_mm": partial(_grouped_swiglu, "grouped_mm"), "triton": partial(_grouped_swiglu, "triton")}
 
 
-def grouped_linear(impl: str, x: torch.Tensor, counts: Sequence[int], w: torch.Tensor, transposed: bool = False
-                   ) -> torch.Tensor:
+def grouped_linear(impl: str, x: torch.Tensor, counts: Sequence[int], w: torch.Tensor, transposed: bool = False,
+                   offs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One projection of the grouped experts, differentiable: x (N, in) sorted by expert, w (E_local, out, in)
     -> (N, out), expert e's rows times w[e]^T. transposed: w (E_local, in, out) and x_e @ w[e] (a projection's
-    input gradient). `impl` resolved (choose_impl); "padded" runs the loop."""
+    input gradient). `impl` resolved (choose_impl); "padded" runs the loop. The loop unbinds the weights once:
+    indexing w[e] per expert would make backward materialise E full-size gradients (one per select); every
+    expert runs, even on 0 rows, so every weight gets a (zero) gradient. `offs`: offsets(counts), if at hand."""
     if impl == "grouped_mm":
-        offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,)
+        offs = offsets(counts, x.device) if offs is None else offs  # (E_local,)
         return _ContiguousGrad.apply(F.grouped_mm(x, w if transposed else w.transpose(1, 2), offs=offs))
     if impl == "triton":
         from parallel3d.kernels.ops import grouped_mm_op
@@ -115,11 +111,12 @@ def grouped_linear(impl: str, x: torch.Tensor, counts: Sequence[int], w: torch.T
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[2 if transposed else 1])
 
 
-def grouped_weight_grad(impl: str, dy: torch.Tensor, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+def grouped_weight_grad(impl: str, dy: torch.Tensor, x: torch.Tensor, counts: Sequence[int],
+                        offs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dW (E_local, out, in) of grouped_linear: dW[e] = dy_e^T @ x_e over expert e's rows (zero for none)."""
     dy = dy.contiguous()
     if impl == "grouped_mm":
-        offs = upload(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)  # (E_local,)
+        offs = offsets(counts, x.device) if offs is None else offs  # (E_local,)
         return F.grouped_mm(dy.t(), x, offs=offs)  # (E_local, out, in)
     if impl == "triton":
         from parallel3d.kernels.ops import grouped_mm_wgrad

@@ -25,6 +25,7 @@ all-to-alls carry 1/tp of what they did (each TP rank sends only its own tokens'
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.expert_parallel.dispatch import permute, unpermute
-from parallel3d.expert_parallel.experts import GroupedExperts, choose_impl, grouped_linear, grouped_weight_grad
+from parallel3d.expert_parallel.experts import (GroupedExperts, choose_impl, grouped_linear, grouped_weight_grad,
+                                               offsets)
 from parallel3d.expert_parallel.sp_entry import route_on_shard
 from parallel3d.host_sync import upload
 from parallel3d.kernels import dispatch as kernels
@@ -53,12 +55,14 @@ class TPRows:
         sizes = [sum(c) for c in tp_counts]
         self.mine, self.width = sizes[group.rank], max(max(sizes), 1)
         self.counts = [sum(tp_counts[r][e] for r in range(ranks)) for e in range(experts)]  # (E_local,)
+        starts = [[0, *accumulate(c)] for c in tp_counts]  # where expert e starts in rank r's own rows
         lengths, shifts, dst = [], [], 0
         for e in range(experts):
             for r in range(ranks):
                 lengths.append(tp_counts[r][e])
-                shifts.append(r * self.width + sum(tp_counts[r][:e]) - dst)
+                shifts.append(r * self.width + starts[r][e] - dst)
                 dst += tp_counts[r][e]
+        self.offs: Optional[torch.Tensor] = None  # grouped_mm's offsets of self.counts, uploaded once (run)
         shift = upload(torch.tensor(shifts), device)  # (tp * E_local,) padded row - expert-major row
         self.index = (torch.repeat_interleave(shift, upload(torch.tensor(lengths), device), output_size=dst)
                       + torch.arange(dst, device=device))  # (N_all,)
@@ -83,9 +87,11 @@ class TPRows:
         (n_r, h) their outputs, whole (GroupedExperts.forward with tp_rows). "padded" runs as the loop here."""
         impl = choose_impl(experts.impl, rows, rows.shape[1], experts.gate_proj.shape[1])
         impl = "loop" if impl == "padded" else impl
+        if impl == "grouped_mm" and self.offs is None:
+            self.offs = offsets(self.counts, rows.device)  # (E_local,) for all five grouped GEMMs
         gate, up = _GatherUpGate.apply(rows, experts.gate_proj, experts.up_proj, self, impl)  # (N_all, f/tp)
         hid = kernels.swiglu(gate, up, experts.backend)  # (N_all, f/tp)
-        out = grouped_linear(impl, hid, self.counts, experts.down_proj)  # (N_all, h) partial over TP
+        out = grouped_linear(impl, hid, self.counts, experts.down_proj, offs=self.offs)  # (N_all, h) partial
         return _ReduceScatterRows.apply(out, self)  # (n_r, h)
 
     def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
@@ -101,8 +107,8 @@ class _GatherUpGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, w_gate, w_up, plan: TPRows, impl: str):
         x = plan.gather(rows)  # (N_all, h)
-        gate = grouped_linear(impl, x, plan.counts, w_gate)  # (N_all, f/tp)
-        up = grouped_linear(impl, x, plan.counts, w_up)  # (N_all, f/tp)
+        gate = grouped_linear(impl, x, plan.counts, w_gate, offs=plan.offs)  # (N_all, f/tp)
+        up = grouped_linear(impl, x, plan.counts, w_up, offs=plan.offs)  # (N_all, f/tp)
         ctx.plan, ctx.impl = plan, impl
         ctx.save_for_backward(rows, w_gate, w_up)
         return gate, up
@@ -122,12 +128,12 @@ class _GatherUpGate(torch.autograd.Function):
         dgate, dup = dgate.contiguous(), dup.contiguous()
         dx = dwg = dwu = None
         if need[0]:
-            dx = grouped_linear(impl, dgate, plan.counts, w_gate, transposed=True)  # (N_all, h)
-            dx = plan.reduce_scatter(dx.add_(grouped_linear(impl, dup, plan.counts, w_up, transposed=True)))
+            dx = grouped_linear(impl, dgate, plan.counts, w_gate, True, plan.offs)  # (N_all, h)
+            dx = plan.reduce_scatter(dx.add_(grouped_linear(impl, dup, plan.counts, w_up, True, plan.offs)))
         if pending is not None:
             x = plan.finish_gather(pending)  # (N_all, h)
-            dwg = grouped_weight_grad(impl, dgate, x, plan.counts).to(w_gate.dtype) if need[1] else None
-            dwu = grouped_weight_grad(impl, dup, x, plan.counts).to(w_up.dtype) if need[2] else None
+            dwg = grouped_weight_grad(impl, dgate, x, plan.counts, plan.offs).to(w_gate.dtype) if need[1] else None
+            dwu = grouped_weight_grad(impl, dup, x, plan.counts, plan.offs).to(w_up.dtype) if need[2] else None
         return dx, dwg, dwu, None, None
 
 

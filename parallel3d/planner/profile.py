@@ -27,9 +27,8 @@ Ranks sharing the machine are priced as they run: with the gloo figures, `world`
 matmul and a per-op loop all at once, and their slowdown against one process alone (shared caches and
 memory bandwidth, vCPUs on one physical core) scales the matmul curves and the per-op overhead; ranks
 outnumbering the cores also divide the rates by cores / world. The collectives are measured at that world
-size. gloo
-moves data on its own threads, which overlap with the compute only where a core is left for them (cores >
-world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
+size. gloo moves data on its own threads, which overlap with the compute only where a core is left for
+them (cores > world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
 prefetch, gradient reduction) with the compute.
 
 Cache: $XDG_CACHE_HOME/parallel3d (default ~/.cache/parallel3d)/hardware-<host>-<cores>c.json, with the

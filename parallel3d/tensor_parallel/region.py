@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from parallel3d import comm
 from parallel3d.comm import Group
