@@ -7,6 +7,8 @@ bf16 run (observed about 2-3%). Tensor parallelism: with the amax all-reductions
 quantised as at world size 1, so tp=2 (+sp) follows the world-size-1 fp8 run to bf16 rounding."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -73,16 +75,25 @@ def _train(worker, overrides, steps):
     return [trainer.train_step() for _ in range(steps)], converted  # the step records
 
 
-def test_fp8_training_loss_within_tolerance_of_bf16():
-    steps = 150
-    ref = [r["loss"] for r in _train(None, [], steps)[0]]
-    for recipe in ("tensorwise", "rowwise"):
-        records, converted = _train(None, [f"train.fp8={recipe}"], steps)
-        got = [r["loss"] for r in records]
-        assert converted and set(converted) == {recipe}
-        tail, ref_tail = sum(got[-20:]) / 20, sum(ref[-20:]) / 20
-        assert ref_tail < 0.7 * ref[0], "the bf16 run must learn (the comparison relies on it)"
-        assert abs(tail - ref_tail) <= 0.05 * ref_tail, f"{recipe}: {tail:.4f} vs bf16 {ref_tail:.4f}"
+TOLERANCE_STEPS = 150
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_losses() -> tuple:
+    return tuple(r["loss"] for r in _train(None, [], TOLERANCE_STEPS)[0])
+
+
+# CI runs tensorwise (its scaling is the coarser of the two); make sweep runs rowwise too
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.sweep)])
+def test_fp8_training_loss_within_tolerance_of_bf16(recipe):
+    """The stated tolerance: over 150 steps the fp8 run's mean loss of the last 20 is within 5% of bf16's."""
+    ref = _bf16_losses()
+    records, converted = _train(None, [f"train.fp8={recipe}"], TOLERANCE_STEPS)
+    got = [r["loss"] for r in records]
+    assert converted and set(converted) == {recipe}
+    tail, ref_tail = sum(got[-20:]) / 20, sum(ref[-20:]) / 20
+    assert ref_tail < 0.7 * ref[0], "the bf16 run must learn (the comparison relies on it)"
+    assert abs(tail - ref_tail) <= 0.05 * ref_tail, f"{recipe}: {tail:.4f} vs bf16 {ref_tail:.4f}"
 
 
 def test_fp8_tensor_parallel_follows_world_size_one(worlds):

@@ -104,6 +104,7 @@ def test_fp8_gather_tensorwise_is_exact_with_recompute_and_pipeline(worlds, over
     assert all(g["bytes"][0]["dp_cp.all_gather"] < r["bytes"][0]["dp_cp.all_gather"] for g, r in zip(got, ref))
 
 
+@pytest.mark.sweep   # compiling costs 20 s on 2 cores; test_compile covers compiled blocks through the Trainer
 def test_fp8_gather_under_compile_is_exact(worlds):
     """Compiled blocks read the gathered copy too (it changes every gather: no stale constant baked in)."""
     over = ["train.fp8=tensorwise", "train.compile=true"]

@@ -19,7 +19,7 @@ dry-runs every valid layout. Each dry run prints a progress line (count, elapsed
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 import time
 from typing import Optional, TextIO
@@ -77,7 +77,9 @@ def recompute_layer_options(chunk_layers: int, ac: str) -> list[int]:
 
 def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals=None, recompute_layers=0
                ) -> Optional[ExperimentConfig]:
-    c = copy.deepcopy(cfg)
+    # resolve_and_validate copies `c` deeply: these shallow copies only keep `cfg` itself untouched (a
+    # search validates tens of thousands of layouts, and two deep copies each were most of its time)
+    c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel), train=dataclasses.replace(cfg.train))
     p, t = c.parallel, c.train
     p.tp, p.cp, p.pp, p.dp, p.ep, p.zero, p.schedule, p.virtual_stages = tp, cp, pp, dp, ep, zero, schedule, v
     p.sp, p.layers_per_stage = tp > 1, None
