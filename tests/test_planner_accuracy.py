@@ -25,10 +25,12 @@ def fake_profile(cores: int = 2, worlds=(1, 2, 4)) -> dict:
     """A profile file as profile.py writes it, with round numbers (no measuring in these tests)."""
     compute = {"matmul": {"fp32": CURVE, "bf16": CURVE}, "memory_bytes_per_s": 2e10, "op_overhead_s": 1e-5,
                "host_adam_params_per_s": 3e8,
-               "attention": {"flash_attention_fwd": CURVE, "flash_attention_bwd": CURVE}}
+               "attention": {"flash_attention_fwd": CURVE, "flash_attention_bwd": CURVE},
+               "hot_bytes_per_s": 1e11, "memory_bytes_per_s_cold": 1e10, "cache_bytes": 32 * 2 ** 20}
     gloo = {str(w): {"collectives": {op: LINK for op in profile_gloo.COLLECTIVES}, "base_rss_bytes": 300 * 2 ** 20}
             for w in worlds if w > 1}
-    return {"host": socket.gethostname(), "cores": cores, "compute": compute, "gloo": gloo}
+    return {"version": profile.VERSION, "host": socket.gethostname(), "cores": cores, "compute": compute,
+            "gloo": gloo}
 
 
 @pytest.fixture
@@ -69,6 +71,9 @@ def test_ranks_sharing_cores_are_priced_as_they_run(tmp_path):
     assert two.hbm_bytes_per_s == pytest.approx(2 * four.hbm_bytes_per_s)
     assert four.op_overhead_s == pytest.approx(2 * two.op_overhead_s)
     assert two.host_adam_params_per_s == pytest.approx(3e8) and four.host_adam_params_per_s == pytest.approx(1.5e8)
+    # ranks share the last-level cache; a byte from memory costs what an add measured beyond the cache
+    assert (two.cache_bytes, four.cache_bytes) == (16 * 2 ** 20, 8 * 2 ** 20)
+    assert two.cold_s_per_byte == pytest.approx(1 / 1e10 - 1 / 1e11)
     assert two.collectives["all_reduce"] == tuple(LINK) and two.reserved_bytes == 300 * 2 ** 20
     # gloo's threads hide communication only where a core is left for them
     assert not two.overlaps_comm and not four.overlaps_comm and profile.cpu_device(1, path=path).overlaps_comm

@@ -28,6 +28,7 @@ from torch import nn
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
+from parallel3d.planner import op_replay
 from parallel3d.planner.cost import collective_seconds, exposed, op_time, queue_seconds
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
@@ -126,7 +127,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
 
     ctx.stats.listener = on_collective
     try:
-        out, tracker = tracked_step(trainer, torch.device(device).type)
+        out, tracker = tracked_step(trainer, torch.device(device).type, signatures=gpu.op_times is not None)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         raise DryRunError(f"dry run of rank {rank} ({ctx.coords}) failed in its training step "
                           f"(last collective: {ctx.stats.last_op or 'none'}): {type(e).__name__}: {e}") from e
@@ -152,11 +153,13 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     return result
 
 
-def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
+def tracked_step(trainer, device_type: str, signatures: bool = False) -> tuple[dict, StepTracker]:
     """One `trainer.train_step()` under a StepTracker (the model state it starts with adopted by category),
-    for the dry run and for the real step it is checked against. Returns (the step's record, tracker)."""
+    for the dry run and for the real step it is checked against. Returns (the step's record, tracker).
+    `signatures`: the tracker also records each distinct op's signature (op_replay.py)."""
     opt = trainer.optimizer
-    tracker = StepTracker(device_type=device_type, syncs=trainer.ctx.stats.syncs)
+    tracker = StepTracker(device_type=device_type, syncs=trainer.ctx.stats.syncs,
+                          signatures={} if signatures else None)
     state = opt.state_by_category()
     for category in ("params", "grads", "optimizer"):
         tracker.adopt(state[category], category, resizable=category == "params" and opt.zero == 3)
@@ -173,6 +176,16 @@ def tracked_step(trainer, device_type: str) -> tuple[dict, StepTracker]:
     return out, tracker
 
 
+def _cold_seconds(op, gpu: GPU) -> float:
+    """What a replayed op (its inputs hot in cache) lacks in the step: the inputs the step last touched more
+    than the cache ago come from memory. An op whose own traffic exceeds the cache streamed from memory when
+    it was replayed too, and gets nothing."""
+    if op.nbytes > gpu.cache_bytes:
+        return 0.0
+    cold = sum(n for n, distance in op.reuse if distance < 0 or distance > gpu.cache_bytes)
+    return cold * gpu.cold_s_per_byte
+
+
 def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per_microbatch: bool) -> RoleRun:
     mine = sorted((r for r in out["actions"] if r[0] == ctx.coords.pp), key=lambda r: r[5])
     starts = [r[5] for r in mine]             # actions run one after another: bisect finds an op's action
@@ -185,6 +198,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
 
     derated: dict = {}
     op_seconds: dict = {}
+    # a measured machine: each op at its replayed time plus the host's own per-op cost (op_replay.py)
+    measured = op_replay.measure(tracker.signatures, gpu.op_times) if gpu.op_times is not None else {}
     queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
     for op in tracker.ops:
         c = slot(op.wall)
@@ -194,7 +209,11 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             if found is not None:
                 factor, warps = found
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
-        seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
+        replayed = measured.get(op.key)
+        if replayed is not None:
+            seconds = (replayed + _cold_seconds(op, gpu)) * gpu.op_time_scale + gpu.op_overhead_s
+        else:
+            seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds
         c.flops += op.flops
         queued[id(c)].append(seconds)

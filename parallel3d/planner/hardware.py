@@ -38,6 +38,7 @@ measured (profile.py), with efficiencies 1 (the rates are achieved rates).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -78,6 +79,14 @@ class GPU:
     matmul_curves: Optional[dict] = None
     op_overhead_s: float = 0.0
     collectives: Optional[dict] = None
+    # this machine, measured op by op (planner/op_replay.py): the cache of replayed op times, and what
+    # ranks computing at once multiply them by; ops it cannot replay fall back to the curves above
+    op_times: Optional[Path] = None
+    op_time_scale: float = 1.0
+    # replayed ops read their inputs from cache; an input the step last touched more than `cache_bytes` of
+    # traffic ago comes from memory instead, at `cold_s_per_byte` more (profile.py measures both)
+    cache_bytes: float = 0.0
+    cold_s_per_byte: float = 0.0
     # whether communication can run beside compute (a GPU's copy engines and NCCL's SMs; on a CPU, only
     # when a core is left over for gloo's threads: ranks >= cores serialise them with the compute)
     overlaps_comm: bool = True

@@ -11,10 +11,15 @@ divides the threads by the local world size), so every rate is measured on one t
     forward and backward, causal, at sequence lengths 64..512, against the FLOPs our flash ops declare:
     the dry run of a CPU run takes these very ops (planner/host_kernels.py) and prices them on these
     curves (the CPU kernel runs well below the matmul rate);
+  - every op of a plan, replayed alone on tensors of its shapes (planner/op_replay.py, cached beside this
+    profile): the time of the kernel the code runs, where the curves above only approximate it. Replayed,
+    its inputs are hot in cache; in the step, an input last touched more than the cache ago (weights,
+    optimizer state, activations saved for backward) comes from memory: `memory_hierarchy` measures the
+    cache's size and what a byte from memory costs more, and the tracker each input's reuse distance;
   - per-op overhead: the project's own training step (the real Trainer, world 1) on a model so small that
-    its arithmetic is negligible, divided by the ops the planner's tracker counts in it: what the host
-    spends per op on eager dispatch, autograd, Python modules and hooks. On a CPU at the sizes we run this
-    is most of a step (a GPU hides it behind its queue, so GPUs have none). Needs the stage builder the
+    its arithmetic is negligible, less its ops' replayed times, divided by the ops the planner's tracker
+    counts in it: what the host spends around each op on Python modules, autograd and hooks. On a CPU at
+    the sizes we run this is a large part of a step (a GPU hides it behind its queue). Needs the stage builder the
     launch scripts use (the library does not import the models); without one, a bare nn.Sequential's
     forward + backward stands in (it underestimates: no hooks, no trainer);
   - host AdamW: `adamw_flat_` (parallel3d/data_parallel/adamw.py, the update the code runs) in params/s;
@@ -25,14 +30,15 @@ divides the threads by the local world size), so every rate is measured on one t
     CUDA context, added to the planned peak so it compares with the run's peak RSS.
 Ranks sharing the machine are priced as they run: with the gloo figures, `world` processes time a small
 matmul and a per-op loop all at once, and their slowdown against one process alone (shared caches and
-memory bandwidth, vCPUs on one physical core) scales the matmul curves and the per-op overhead; ranks
-outnumbering the cores also divide the rates by cores / world. The collectives are measured at that world
-size. gloo moves data on its own threads, which overlap with the compute only where a core is left for
-them (cores > world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
-prefetch, gradient reduction) with the compute.
+memory bandwidth, vCPUs on one physical core) scales the matmul curves, the replayed op times and the
+per-op overhead; ranks outnumbering the cores also divide the rates by cores / world. The collectives
+are measured at that world size. gloo moves data on its own threads, which overlap with the compute only
+where a core is left for them (cores > world); otherwise the planner serialises the collectives it would
+hide on a GPU (CP ring, ZeRO-3 prefetch, gradient reduction) with the compute.
 
 Cache: $XDG_CACHE_HOME/parallel3d (default ~/.cache/parallel3d)/hardware-<host>-<cores>c.json, with the
-gloo figures per world size; `--reprofile` measures again.
+gloo figures per world size, and the replayed op times beside it (ops-hardware-...); `--reprofile`
+measures both again.
 """
 from __future__ import annotations
 
@@ -45,10 +51,14 @@ from typing import Optional
 
 import torch
 
+from parallel3d.planner import op_replay
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.profile_gloo import best, measure_gloo
 
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
+# 2: the per-op overhead is the host's time around the ops, their replayed kernels taken out (op_replay.py), and
+# the memory hierarchy behind replayed ops (memory_hierarchy)
+VERSION = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -75,13 +85,33 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
         x = torch.randn(1 << 22)
         y = torch.empty_like(x)
         bandwidth = 3 * x.numel() * 4 / best(lambda: torch.add(x, x, out=y), 3)
+        del x, y
+        hierarchy = memory_hierarchy()
         adam = host_adam_rate()
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
     finally:
         torch.set_num_threads(threads)
     return {"matmul": curves, "memory_bytes_per_s": bandwidth, "op_overhead_s": overhead,
-            "host_adam_params_per_s": adam, "attention": attention}
+            "host_adam_params_per_s": adam, "attention": attention, **hierarchy}
+
+
+def memory_hierarchy() -> dict:
+    """The cache a replayed op's inputs sit in and the memory behind it, from an add over working sets of
+    1.5 MiB to 768 MiB (three tensors): `hot_bytes_per_s` at the smallest, `memory_bytes_per_s_cold` at the
+    largest, and `cache_bytes` the largest working set still at least halfway between the two in time per
+    byte (a 4.7 MB bf16 weight read by a GEMM ran 1.14 ms cycled over 19 MB of copies and 1.43 ms over 300
+    MB here, with the knee near 32 MB; the add's midpoint came out at 48 MiB)."""
+    rates = {}
+    for log2 in range(17, 27):
+        n = 1 << log2
+        x, y = torch.rand(n), torch.rand(n)
+        out = torch.empty(n)
+        rates[3 * 4 * n] = 3 * 4 * n / best(lambda: torch.add(x, y, out=out), 3 if log2 < 24 else 2)
+    hot, cold = rates[min(rates)], rates[max(rates)]
+    halfway = 2 / (1 / hot + 1 / cold)
+    cache = max((size for size, rate in rates.items() if rate >= halfway), default=min(rates))
+    return {"hot_bytes_per_s": hot, "memory_bytes_per_s_cold": cold, "cache_bytes": cache}
 
 
 def host_adam_rate() -> float:
@@ -141,8 +171,10 @@ def _step_overhead(stage_builder, model) -> float:
     ctx = ParallelContext.build(MeshSpec())
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     step_s = best(trainer.train_step, 8)
-    _, tracker = tracked_step(trainer, "cpu")
-    return step_s / max(len(tracker.ops), 1)
+    _, tracker = tracked_step(trainer, "cpu", signatures=True)
+    kernels = op_replay.measure(tracker.signatures)   # what the ops take without the host around them
+    replayed = sum(kernels.get(op.key) or 0.0 for op in tracker.ops)
+    return max(step_s - replayed, 0.0) / max(len(tracker.ops), 1)
 
 
 def _op_overhead() -> float:
@@ -181,9 +213,9 @@ def load_profile(world: int, reprofile: bool = False, path: Optional[Path] = Non
         except ValueError:
             profile = {}
     changed = False
-    if "compute" not in profile:
-        profile = {"host": socket.gethostname(), "cores": cores(), "compute": measure_compute(builder),
-                   "gloo": {}}
+    if "compute" not in profile or profile.get("version") != VERSION:
+        profile = {"version": VERSION, "host": socket.gethostname(), "cores": cores(),
+                   "compute": measure_compute(builder), "gloo": {}}
         changed = True
     if str(world) not in profile["gloo"] and world > 1:
         profile["gloo"][str(world)] = measure_gloo(world)
@@ -200,6 +232,10 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                builder: Optional[tuple] = None) -> GPU:
     """This machine as the planner's device for `world` ranks (module docstring). `builder`: (the launch
     scripts' stage builder, a default model config), for the per-op overhead of the real step."""
+    path = path or cache_path()
+    ops = path.with_name(f"ops-{path.name}")   # replayed op times (op_replay.py)
+    if reprofile:
+        ops.unlink(missing_ok=True)
     profile = load_profile(world, reprofile, path, builder)
     c = profile["compute"]
     share = min(1.0, profile["cores"] / max(world, 1))   # ranks time-slice the cores they share
@@ -222,5 +258,7 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
                matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, host_step_op_s=0.0,
                collectives=links,
+               op_times=ops, op_time_scale=mm, cache_bytes=c["cache_bytes"] / max(world, 1),  # a shared cache
+               cold_s_per_byte=max(0.0, 1 / c["memory_bytes_per_s_cold"] - 1 / c["hot_bytes_per_s"]),
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)

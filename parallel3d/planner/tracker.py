@@ -23,7 +23,9 @@ gets a category when it is born:
 
 Compute: every op gets its FLOPs (torch.utils.flop_counter's formulas, the ones FlopCounterMode uses),
 its bytes read and written (tensor arguments and results, views cost nothing) and the wall time at which
-it ran, so the planner can attribute modeled time to the pipeline action that ran it.
+it ran, so the planner can attribute modeled time to the pipeline action that ran it; on request
+(`signatures`), the op's signature, by which a measured machine prices it (planner/op_replay.py), and
+each input's reuse distance (the bytes moved since it was last touched: past the cache, it comes from memory).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from torch.utils.flop_counter import flop_registry
 from parallel3d.host_sync import HostSyncs, blocking_upload
 from parallel3d.planner.host_kernels import FLOPS as HOST_FLOPS
 from parallel3d.planner.kernels import CAUSAL_ARG
+from parallel3d.planner.op_replay import signature
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 
@@ -59,6 +62,10 @@ class OpCost:
     name: str = ""       # aten op name (the planner maps some to our kernels)
     head_dim: int = 0    # last dim of the first input
     causal: bool = False
+    key: str = ""        # op_replay.signature's key, where the tracker records signatures
+    # with signatures: (bytes, reuse distance) of each tensor input, the distance being the bytes the step's
+    # ops moved since its storage was last read or written (-1: not touched before in this step)
+    reuse: tuple = ()
 
 
 @dataclass
@@ -84,6 +91,10 @@ class StepTracker(TorchDispatchMode):
     _grad_code: object = None
     _watched: list = field(default_factory=list)  # (weakref to storage, alloc index) polled for resizes
     syncs: Optional[HostSyncs] = None  # where blocking host-to-device copies onto the device are counted
+    # signature -> replay spec of every distinct op (planner/op_replay.py), when the caller asks for them
+    signatures: Optional[dict] = None
+    _moved: int = 0      # bytes read + written by the ops so far (the reuse distances' clock)
+    _touched: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -191,7 +202,26 @@ class StepTracker(TorchDispatchMode):
         dtype = next((t.dtype for t in ins if t.is_floating_point()), torch.float32)
         backward = torch._C._current_graph_task_id() != -1
         head_dim = int(ins[0].shape[-1]) if ins and ins[0].dim() else 0
-        self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward, name, head_dim, causal))
+        key, reuse = "", ()
+        if self.signatures is not None:
+            key, spec = signature(func, args, kwargs)
+            self.signatures.setdefault(key, spec)
+            reuse = self._reuse(ins, outs, nbytes)
+        self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward, name, head_dim, causal,
+                               key, reuse))
+
+    def _reuse(self, ins: list, outs: list, nbytes: int) -> tuple:
+        """Each input's (bytes, reuse distance) (OpCost.reuse), then this op's own traffic on the clock."""
+        found = []
+        for t in ins:
+            if t.device.type == self.device_type:
+                last = self._touched.get(t.untyped_storage(), {}).get(t.storage_offset())
+                found.append((t.numel() * t.element_size(), -1 if last is None else self._moved - last))
+        self._moved += nbytes
+        for t in ins + outs:   # per storage and offset: a flat buffer's views (parameters, AdamW's blocks) apart
+            if t.device.type == self.device_type:
+                self._touched.setdefault(t.untyped_storage(), {})[t.storage_offset()] = self._moved
+        return tuple(found)
 
     # ------------------------------------------------------------------ results
     def finish(self, classify: Callable[[object], Optional[str]]) -> None:

@@ -1,0 +1,124 @@
+"""Measured op times for the machine the planner runs on (`launch/plan.py --gpu cpu`): every distinct op of
+the dry run, replayed on real tensors of its shapes, strides and dtypes, and timed.
+
+Why not the roofline there: a CPU's aten kernels run far from any roofline, and do work the dispatch-level
+tracker never sees (casts and adds inside a kernel, the fused head's vocabulary-sized `addmm_` with its
+own accumulation, the CPU flash-attention backward's loops). At world 1 the roofline-priced ops of
+llama_100m came to 0.43 of their profiled time. Timing the op itself on this machine is the hardware
+profile at the grain the planner prices: what the code runs, on the machine it runs on.
+
+An op's signature is its aten overload, each tensor argument's shape, strides and dtype, and every other
+argument but float scalars (devices read as one, so the `meta` stand-in's ops and the CPU's compare). Replayed values:
+floating tensors uniform in [0.5, 1.5) (a square root of a negative number, a NaN, ran 80x slower than
+of a positive one here, and training takes the square roots of second moments), integer tensors zeros
+(every index in range), booleans true. An op that
+fails on them (a division by an integer zero, a shape that depends on values it did not get) is left to
+the roofline: `measure` returns no time for it.
+
+Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. Not measured
+here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
+and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
+
+Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+VERSION = 1
+SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
+
+
+def signature(func, args: tuple, kwargs: dict) -> tuple[str, tuple]:
+    """(key, replay spec) of one op call. The spec holds what `replay` needs to rebuild the call."""
+    leaves, tree = tree_flatten((args, kwargs))
+    spec, parts = [], [str(func)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            item = ("T", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
+            parts.append(f"T{item[1]}{item[2]}{item[3]}")
+        elif isinstance(leaf, torch.device):
+            item = ("D",)
+            parts.append("D")
+        else:   # a float scalar (a learning rate, a scale) changes no op's time: one key for every value
+            item = ("V", leaf)
+            parts.append("f" if isinstance(leaf, float) else repr(leaf))
+        spec.append(item)
+    parts.append(str(tree))
+    return "|".join(parts), (func, tree, tuple(spec))
+
+
+def _tensor(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of these shape and strides (overlapping ones included) with replay values."""
+    n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+    if dtype == torch.bool:
+        base = torch.ones(n, dtype=dtype)
+    elif dtype.is_floating_point or dtype.is_complex:
+        base = (torch.rand(n) + 0.5).to(dtype)
+    else:
+        base = torch.zeros(n, dtype=dtype)
+    return base.as_strided(shape, stride)
+
+
+def _call(spec: tuple) -> Callable[[], object]:
+    func, tree, items = spec
+    leaves = []
+    for item in items:
+        if item[0] == "T":
+            leaves.append(_tensor(*item[1:]))
+        elif item[0] == "D":
+            leaves.append(torch.device("cpu"))
+        else:
+            leaves.append(item[1])
+    args, kwargs = tree_unflatten(leaves, tree)
+    return lambda: func(*args, **kwargs)
+
+
+def replay(spec: tuple) -> Optional[float]:
+    """Seconds of one op on this CPU, one thread (module docstring); None where the op cannot be replayed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = _call(spec)
+        t0 = time.perf_counter()
+        run()                                     # warm-up: first-touch pages, lazy kernel setup
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(2 if first > SLOW_OP_S else 5):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, ZeroDivisionError):
+        return None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(specs: dict, path: Optional[Path] = None) -> dict:
+    """signature -> seconds for every op of `specs` (signature -> replay spec), from the cache at `path`
+    where it has them, replayed (and cached) where not. Ops that cannot be replayed map to None."""
+    cached: dict = {}
+    if path is not None and path.exists():
+        try:
+            found = json.loads(path.read_text())
+            cached = found["ops"] if found.get("version") == VERSION else {}
+        except (ValueError, KeyError):
+            cached = {}
+    missing = [key for key in specs if key not in cached]
+    with torch.no_grad():
+        for key in missing:
+            cached[key] = replay(specs[key])
+    if missing and path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": VERSION, "ops": cached}))
+        tmp.replace(path)
+    return {key: cached[key] for key in specs}

@@ -1,0 +1,126 @@
+"""Planning this machine op by op (planner/op_replay.py): the dry run's ops are the CPU step's ops, each is
+priced at its replayed time (times the ranks' slowdown) plus the host's per-op overhead, and an op that
+cannot be replayed falls back to the roofline."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from ckpt_helpers import make_config
+from parallel3d.mesh import MeshSpec, ParallelContext
+from parallel3d.planner import op_replay
+from parallel3d.planner.dryrun import run_role, tracked_step
+from parallel3d.planner.hardware import gpu
+from parallel3d.planner.host_kernels import as_run_on_cpu
+from parallel3d.training.trainer import Trainer
+from test_planner import _stage_builder
+
+
+def _cfg():
+    return as_run_on_cpu(make_config(["model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
+                                      "model.ffn_hidden_size=64", "model.num_layers=2", "model.vocab_size=128",
+                                      "train.seq_len=32", "model.max_seq_len=32", "train.global_batch_size=4",
+                                      "train.micro_batch_size=2"], 1))
+
+
+def _signatures(cfg, device: str) -> Counter:
+    ctx = (ParallelContext.simulated(MeshSpec(), 0, "meta") if device == "meta"
+           else ParallelContext.single(torch.device("cpu")))
+    trainer = Trainer(cfg, ctx, _stage_builder(cfg, ctx))
+    if device == "cpu":
+        trainer.train_step()   # the step the plan stands for is a later one (lr, bias corrections differ)
+    _, tracker = tracked_step(trainer, device, signatures=True)
+    assert set(tracker.signatures) == {op.key for op in tracker.ops}
+    return Counter(op.key for op in tracker.ops)
+
+
+def test_the_dry_run_replays_the_ops_the_cpu_step_runs():
+    """What is replayed is what runs: the stand-in's op signatures are the CPU step's, all but the input
+    batch's own layout (the loader's strides), op for op."""
+    cfg = _cfg()
+    dry, real = _signatures(cfg, "meta"), _signatures(cfg, "cpu")
+    shared = sum((dry & real).values())
+    assert shared >= 0.97 * sum(real.values())
+    assert {k for k in real if k.startswith("aten.mm")} == {k for k in dry if k.startswith("aten.mm")}
+
+
+def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
+    """A cache that says every mm takes 1 ms: each mm of the plan costs 1 ms x the ranks' slowdown + the
+    per-op overhead, and the ops the cache does not hold are priced by the roofline as before."""
+    cfg = _cfg()
+    base = dataclasses.replace(gpu("h100"), host_op_s=0.0, host_step_op_s=0.0, op_overhead_s=3e-6)
+    roofline = run_role(cfg, 0, _stage_builder, base, 8)
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    times = {k: (1e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures}
+    cache = tmp_path / "ops.json"
+    cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
+    replayed = run_role(cfg, 0, _stage_builder, dataclasses.replace(base, op_times=cache, op_time_scale=1.5), 8)
+    count, seconds = replayed.op_seconds["mm"]
+    assert count == roofline.op_seconds["mm"][0] > 0
+    assert seconds == pytest.approx(count * (1e-3 * 1.5 + 3e-6))
+    for name, (n, s) in roofline.op_seconds.items():
+        if name != "mm":
+            assert tuple(replayed.op_seconds[name]) == (n, pytest.approx(s))
+    assert json.loads(cache.read_text())["ops"] == times   # nothing replayed: the cache had every op
+
+
+def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):
+    cfg = _cfg()
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    cache = tmp_path / "ops.json"
+    first = op_replay.measure(tracker.signatures, cache)
+    assert first.keys() == tracker.signatures.keys()
+    assert all(s is not None and s > 0 for s in first.values())   # every op of a Llama step replays on a CPU
+    monkeypatch.setattr(op_replay, "replay", lambda spec: pytest.fail("replayed an op the cache holds"))
+    assert op_replay.measure(tracker.signatures, cache) == first
+    assert json.loads(cache.read_text())["version"] == op_replay.VERSION
+
+
+def test_an_op_that_cannot_run_on_replay_values_has_no_time():
+    """Integer inputs replay as zeros (indices in range); an op they break is left to the roofline."""
+    key, spec = op_replay.signature(torch.ops.aten.remainder.Tensor,
+                                    (torch.ones(4, dtype=torch.int64, device="meta"),
+                                     torch.ones(4, dtype=torch.int64, device="meta")), {})
+    assert op_replay.replay(spec) is None
+    assert op_replay.measure({key: spec}) == {key: None}
+
+
+def test_replay_values_keep_square_roots_real_and_strides_as_recorded():
+    """Second moments are non-negative in training; a replayed sqrt of negatives (NaNs) ran 80x slower."""
+    x = op_replay._tensor((3, 4), (0, 1), torch.float32)   # an expanded tensor, as autograd passes them
+    assert x.stride() == (0, 1) and bool((x >= 0.5).all()) and bool((x < 1.5).all())
+    key_meta, _ = op_replay.signature(torch.ops.aten.sqrt.default, (torch.empty(8, device="meta"),), {})
+    key_cpu, _ = op_replay.signature(torch.ops.aten.sqrt.default, (torch.empty(8),), {})
+    key_strided, _ = op_replay.signature(torch.ops.aten.sqrt.default, (torch.empty(16)[::2],), {})
+    assert key_meta == key_cpu != key_strided
+
+
+def test_reuse_distance_is_the_traffic_since_an_input_was_last_touched():
+    from parallel3d.planner.tracker import StepTracker
+
+    x = torch.ones(256)                      # 1 KiB, made before the step: never touched in it
+    tracker = StepTracker(device_type="cpu", signatures={})
+    with tracker:
+        y = x + 1                            # reads x, writes y: 2 KiB moved
+        z = y * 3                            # y was just written
+        x + z                                # since x was last touched, the mul moved 2 KiB
+    assert [op.reuse for op in tracker.ops] == [((1024, -1),), ((1024, 0),), ((1024, 2048), (1024, 0))]
+
+
+def test_inputs_from_beyond_the_cache_cost_the_memory_they_come_from():
+    """A replayed op ran with its inputs in cache: each input the step touched longer ago than the cache
+    holds (or never) adds its bytes at the measured extra cost; an op larger than the cache gets nothing
+    (it streamed from memory when replayed)."""
+    from parallel3d.planner.dryrun import _cold_seconds
+    from parallel3d.planner.tracker import OpCost
+
+    dev = dataclasses.replace(gpu("h100"), cache_bytes=10_000, cold_s_per_byte=1e-9)
+    op = OpCost(0.0, 0.0, 4000.0, torch.float32, False, reuse=((1000, -1), (1000, 20_000), (1000, 9_000)))
+    assert _cold_seconds(op, dev) == pytest.approx(2000 * 1e-9)
+    assert _cold_seconds(dataclasses.replace(op, nbytes=20_000.0), dev) == 0.0
