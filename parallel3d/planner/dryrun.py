@@ -211,7 +211,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
         replayed = measured.get(op.key)
         if replayed is not None:
-            seconds = (replayed + _cold_seconds(op, gpu)) * gpu.op_time_scale + gpu.op_overhead_s
+            seconds = replayed * gpu.op_time_scale + _cold_seconds(op, gpu) + gpu.op_overhead_s
         else:
             seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds

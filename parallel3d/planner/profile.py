@@ -24,14 +24,15 @@ divides the threads by the local world size), so every rate is measured on one t
     forward + backward stands in (it underestimates: no hooks, no trainer);
   - host AdamW: `adamw_flat_` (parallel3d/data_parallel/adamw.py, the update the code runs) in params/s;
   - gloo: each collective as parallel3d.comm runs it (all-reduce, reduce-scatter, all-gather, all-to-all,
-    batched send/recv), at 1 KiB and 4 MiB, on `world` spawned processes of one thread each, solved for
-    the (alpha, beta) of cost.collective_time's formula;
+    batched send/recv), at 1 KiB and 4 MiB, each after a short matmul and averaged over calls as a step
+    pays them (profile_gloo.py), on `world` spawned processes of one thread each, solved for the
+    (alpha, beta) of cost.collective_time's formula;
   - the process's resident memory before any model exists (Python, torch, gloo): the CPU's analogue of the
     CUDA context, added to the planned peak so it compares with the run's peak RSS.
 Ranks sharing the machine are priced as they run: with the gloo figures, `world` processes time a small
-matmul and a per-op loop all at once, and their slowdown against one process alone (shared caches and
-memory bandwidth, vCPUs on one physical core) scales the matmul curves, the replayed op times and the
-per-op overhead; ranks outnumbering the cores also divide the rates by cores / world. The collectives
+matmul, a per-op loop and a stream through memory all at once, and their slowdown against one process
+alone (shared caches and memory bandwidth, vCPUs on one physical core) scales the matmul curves and the
+replayed op times, the per-op overhead, and the cost of a byte from memory; ranks outnumbering the cores also divide the rates by cores / world. The collectives
 are measured at that world size. gloo moves data on its own threads, which overlap with the compute only
 where a core is left for them (cores > world); otherwise the planner serialises the collectives it would
 hide on a GPU (CP ring, ZeRO-3 prefetch, gradient reduction) with the compute.
@@ -57,8 +58,8 @@ from parallel3d.planner.profile_gloo import best, measure_gloo
 
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # 2: the per-op overhead is the host's time around the ops, their replayed kernels taken out (op_replay.py), and
-# the memory hierarchy behind replayed ops (memory_hierarchy)
-VERSION = 2
+# the memory hierarchy behind replayed ops (memory_hierarchy); 3: collectives timed as a step calls them
+VERSION = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -243,7 +244,7 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
     # what `world` ranks computing at once measured against one alone (shared caches, memory bandwidth,
     # vCPUs that share a physical core), on top of the time-slicing when ranks outnumber the cores
     slow = gloo.get("slowdown", {})
-    mm, per_op = slow.get("matmul", 1.0) / share, slow.get("op", 1.0) / share
+    mm, per_op, memory = (slow.get(k, 1.0) / share for k in ("matmul", "op", "memory"))
     curves = {k: tuple((f, s * mm) for f, s in rows) for k, rows in c["matmul"].items()}
     peaks = {k: max(f / s for f, s in rows) for k, rows in curves.items()}
     curves.update({op: tuple((f, s * mm) for f, s in rows) for op, rows in c.get("attention", {}).items()})
@@ -259,6 +260,6 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, host_step_op_s=0.0,
                collectives=links,
                op_times=ops, op_time_scale=mm, cache_bytes=c["cache_bytes"] / max(world, 1),  # a shared cache
-               cold_s_per_byte=max(0.0, 1 / c["memory_bytes_per_s_cold"] - 1 / c["hot_bytes_per_s"]),
+               cold_s_per_byte=max(0.0, 1 / c["memory_bytes_per_s_cold"] - 1 / c["hot_bytes_per_s"]) * memory,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)
