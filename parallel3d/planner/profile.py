@@ -99,16 +99,15 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
 
 def memory_hierarchy() -> dict:
     """The cache a replayed op's inputs sit in and the memory behind it, from an add over working sets of
-    1.5 MiB to 768 MiB (three tensors): `hot_bytes_per_s` at the smallest, `memory_bytes_per_s_cold` at the
+    1.5 MiB to 384 MiB (three tensors): `hot_bytes_per_s` at the smallest, `memory_bytes_per_s_cold` at the
     largest, and `cache_bytes` the largest working set still at least halfway between the two in time per
     byte (a 4.7 MB bf16 weight read by a GEMM ran 1.14 ms cycled over 19 MB of copies and 1.43 ms over 300
     MB here, with the knee near 32 MB; the add's midpoint came out at 48 MiB)."""
     rates = {}
-    for log2 in range(17, 27):
+    for log2 in range(17, 26):
         n = 1 << log2
-        x, y = torch.rand(n), torch.rand(n)
-        out = torch.empty(n)
-        rates[3 * 4 * n] = 3 * 4 * n / best(lambda: torch.add(x, y, out=out), 3 if log2 < 24 else 2)
+        x, y, out = (torch.full((n,), 1.0) for _ in range(3))   # not rand: 100M random numbers take seconds
+        rates[3 * 4 * n] = 3 * 4 * n / best(lambda: torch.add(x, y, out=out), 20 if log2 < 22 else 3)
     hot, cold = rates[min(rates)], rates[max(rates)]
     halfway = 2 / (1 / hot + 1 / cold)
     cache = max((size for size, rate in rates.items() if rate >= halfway), default=min(rates))
