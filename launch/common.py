@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.checkpoint.store import CheckpointError  # noqa: E402
 from parallel3d.comm import CollectiveError  # noqa: E402
+from parallel3d.host_memory import keep_freed_memory  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
 from parallel3d.training.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
@@ -82,8 +83,11 @@ def build_context(cfg: ExperimentConfig) -> ParallelContext:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     p = cfg.parallel
     init_distributed(timeout_s=p.timeout_s)
-    return ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), timeout_s=p.timeout_s)
+    ctx = ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
+                                         dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), timeout_s=p.timeout_s)
+    if ctx.device.type == "cpu":   # the tensors live in host memory: reuse it as CUDA's caching allocator would
+        keep_freed_memory()
+    return ctx
 
 
 def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):

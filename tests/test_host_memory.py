@@ -1,0 +1,60 @@
+"""CPU runs keep freed host memory for reuse (parallel3d/host_memory.py): without it glibc hands large
+freed blocks back to the kernel and every training step faults them in again."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = """
+import os, resource, sys
+sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.join({root!r}, "launch"))
+import torch
+from common import build_context, stage_builder
+from parallel3d.mesh import ParallelContext
+from parallel3d.models.config import ModelConfig
+from parallel3d.training.config import load_config
+from parallel3d.training.trainer import Trainer
+from parallel3d.training.validate import resolve_and_validate
+
+over = ["model.hidden_size=256", "model.ffn_hidden_size=768", "model.num_heads=4", "model.num_kv_heads=4",
+        "model.num_layers=2", "model.vocab_size=8192", "train.seq_len=128", "model.max_seq_len=128",
+        "train.micro_batch_size=4", "train.global_batch_size=8", "parallel.tp=1", "train.precision=fp32"]
+cfg = resolve_and_validate(load_config(os.path.join({root!r}, "configs/tiny.yaml"), over, ModelConfig), 1)
+# the launch scripts' context (a one-rank gloo world), or a bare one that skips what they set
+ctx = build_context(cfg) if sys.argv[1] == "launch" else ParallelContext.single(torch.device("cpu"))
+torch.set_num_threads(1)
+trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
+for _ in range(2):
+    trainer.train_step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):
+    trainer.train_step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(mode: str) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", STEPS.format(root=str(ROOT)), mode], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_in_again():
+    """Two training steps of a small Llama: tens of thousands of page faults without (glibc trims and
+    unmaps the freed activations), next to none through the launch scripts' context."""
+    bare, launched = _faults("bare"), _faults("launch")
+    assert bare > 10_000, bare
+    assert launched < bare // 50, (launched, bare)
