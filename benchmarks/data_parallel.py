@@ -19,7 +19,9 @@ after two warm-up steps, the model-state bytes per rank (parameters + gradients 
 counted from the live tensors: FSDP2's DTensor shards by their local part) and the peak memory
 (CUDA: max_memory_allocated; CPU: growth of the process's peak RSS, coarse). Every implementation
 runs in a freshly spawned world so peak RSS is its own. Ratios compare ours with the PyTorch built-in of
-the same memory class: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 (> 1 means ours is faster / smaller).
+the same memory class: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 (> 1 means ours is faster / smaller). On a CPU every
+implementation's ranks keep freed host memory for reuse (parallel3d/host_memory.py), as our launch scripts
+set for a CPU run.
 Timings are never asserted anywhere (docs/architecture.md section 4).
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from parallel3d.host_memory import keep_freed_memory  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.models.llama import Llama  # noqa: E402
 from parallel3d.data_parallel import DataParallelConfig, attach  # noqa: E402
@@ -68,6 +71,8 @@ def _peak_rss() -> int:
 def _run(w, impl: str, a: dict) -> dict:
     torch.manual_seed(0)
     cuda = w.device.type == "cuda"
+    if not cuda:   # every implementation's ranks reuse freed host memory, as launch/common.py sets for ours
+        keep_freed_memory()
     rss0 = _peak_rss()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
