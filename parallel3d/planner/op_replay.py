@@ -8,12 +8,12 @@ llama_100m came to 0.43 of their profiled time. Timing the op itself on this mac
 profile at the grain the planner prices: what the code runs, on the machine it runs on.
 
 An op's signature is its aten overload, each tensor argument's shape, strides and dtype, and every other
-argument but float scalars (devices read as one, so the `meta` stand-in's ops and the CPU's compare). Replayed values:
-floating tensors uniform in [0.5, 1.5) (a square root of a negative number, a NaN, ran 80x slower than
-of a positive one here, and training takes the square roots of second moments), integer tensors zeros
-(every index in range), booleans true. An op that
-fails on them (a division by an integer zero, a shape that depends on values it did not get) is left to
-the roofline: `measure` returns no time for it.
+argument but float scalars (devices read as one, so the `meta` stand-in's ops and the CPU's compare).
+Replayed values: floating tensors uniform in [0.5, 1.5) (a square root of a negative number, a NaN, ran
+80x slower than of a positive one here, and training takes the square roots of second moments), integer
+tensors zeros (every index in range), booleans true. An op that fails on them (a division by an integer
+zero, a shape that depends on values it did not get) is left to the roofline: `measure` returns no time
+for it.
 
 Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. Not measured
 here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
@@ -38,7 +38,11 @@ SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up,
 
 def signature(func, args: tuple, kwargs: dict) -> tuple[str, tuple]:
     """(key, replay spec) of one op call. The spec holds what `replay` needs to rebuild the call."""
-    leaves, tree = tree_flatten((args, kwargs))
+    return signature_of_leaves(func, *tree_flatten((args, kwargs)))
+
+
+def signature_of_leaves(func, leaves: list, tree) -> tuple[str, tuple]:
+    """`signature` of a call whose (args, kwargs) the caller has flattened already (the tracker has)."""
     spec, parts = [], [str(func)]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

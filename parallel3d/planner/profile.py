@@ -6,7 +6,8 @@ divides the threads by the local world size), so every rate is measured on one t
     layouts autograd runs them) at 2n^3 FLOPs for n = 32..1024, per dtype (fp32, bf16); an op of F FLOPs
     is priced at the time of the measured GEMMs of the same FLOPs (log-log interpolation), since small
     matmuls on a CPU run far below the large-matmul rate;
-  - memory bandwidth: a large element-wise add (read two, write one);
+  - memory bandwidth: an element-wise add (read two, write one) over working sets from cache-sized to
+    memory-sized (`memory_hierarchy`);
   - attention: aten's CPU flash attention (the `sdpa` backend a CPU run uses, kernels/attention_backend.py)
     forward and backward, causal, at sequence lengths 64..512, against the FLOPs our flash ops declare:
     the dry run of a CPU run takes these very ops (planner/host_kernels.py) and prices them on these
@@ -19,9 +20,9 @@ divides the threads by the local world size), so every rate is measured on one t
   - per-op overhead: the project's own training step (the real Trainer, world 1) on a model so small that
     its arithmetic is negligible, less its ops' replayed times, divided by the ops the planner's tracker
     counts in it: what the host spends around each op on Python modules, autograd and hooks. On a CPU at
-    the sizes we run this is a large part of a step (a GPU hides it behind its queue). Needs the stage builder the
-    launch scripts use (the library does not import the models); without one, a bare nn.Sequential's
-    forward + backward stands in (it underestimates: no hooks, no trainer);
+    the sizes we run this is a large part of a step (a GPU hides it behind its queue). Needs the stage
+    builder the launch scripts use (the library does not import the models); without one, a bare
+    nn.Sequential's forward + backward stands in (it underestimates: no hooks, no trainer);
   - host AdamW: `adamw_flat_` (parallel3d/data_parallel/adamw.py, the update the code runs) in params/s;
   - gloo: each collective as parallel3d.comm runs it (all-reduce, reduce-scatter, all-gather, all-to-all,
     batched send/recv), at 1 KiB and 4 MiB, each after a short matmul and averaged over calls as a step
@@ -32,10 +33,11 @@ divides the threads by the local world size), so every rate is measured on one t
 Ranks sharing the machine are priced as they run: with the gloo figures, `world` processes time a small
 matmul, a per-op loop and a stream through memory all at once, and their slowdown against one process
 alone (shared caches and memory bandwidth, vCPUs on one physical core) scales the matmul curves and the
-replayed op times, the per-op overhead, and the cost of a byte from memory; ranks outnumbering the cores also divide the rates by cores / world. The collectives
-are measured at that world size. gloo moves data on its own threads, which overlap with the compute only
-where a core is left for them (cores > world); otherwise the planner serialises the collectives it would
-hide on a GPU (CP ring, ZeRO-3 prefetch, gradient reduction) with the compute.
+replayed op times, the per-op overhead, and the cost of a byte from memory; ranks outnumbering the
+cores also divide the rates by cores / world. The collectives are measured at that world size. gloo
+moves data on its own threads, which overlap with the compute only where a core is left for them (cores
+> world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
+prefetch, gradient reduction) with the compute.
 
 Cache: $XDG_CACHE_HOME/parallel3d (default ~/.cache/parallel3d)/hardware-<host>-<cores>c.json, with the
 gloo figures per world size, and the replayed op times beside it (ops-hardware-...); `--reprofile`
@@ -83,24 +85,21 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
             for n in MATMUL_SIZES:
                 rows.append([2.0 * n ** 3, _linear_gemms_seconds(n, dtype, 5 if n < 512 else 2)])
             curves[key] = rows
-        x = torch.randn(1 << 22)
-        y = torch.empty_like(x)
-        bandwidth = 3 * x.numel() * 4 / best(lambda: torch.add(x, x, out=y), 3)
-        del x, y
         hierarchy = memory_hierarchy()
         adam = host_adam_rate()
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
     finally:
         torch.set_num_threads(threads)
-    return {"matmul": curves, "memory_bytes_per_s": bandwidth, "op_overhead_s": overhead,
-            "host_adam_params_per_s": adam, "attention": attention, **hierarchy}
+    return {"matmul": curves, "op_overhead_s": overhead, "host_adam_params_per_s": adam, "attention": attention,
+            **hierarchy}
 
 
 def memory_hierarchy() -> dict:
     """The cache a replayed op's inputs sit in and the memory behind it, from an add over working sets of
     1.5 MiB to 384 MiB (three tensors): `hot_bytes_per_s` at the smallest, `memory_bytes_per_s_cold` at the
-    largest, and `cache_bytes` the largest working set still at least halfway between the two in time per
+    largest, `memory_bytes_per_s` (the device's one bandwidth, what the roofline falls back to) at 48 MiB,
+    and `cache_bytes` the largest working set still at least halfway between the two in time per
     byte (a 4.7 MB bf16 weight read by a GEMM ran 1.14 ms cycled over 19 MB of copies and 1.43 ms over 300
     MB here, with the knee near 32 MB; the add's midpoint came out at 48 MiB)."""
     rates = {}
@@ -111,7 +110,8 @@ def memory_hierarchy() -> dict:
     hot, cold = rates[min(rates)], rates[max(rates)]
     halfway = 2 / (1 / hot + 1 / cold)
     cache = max((size for size, rate in rates.items() if rate >= halfway), default=min(rates))
-    return {"hot_bytes_per_s": hot, "memory_bytes_per_s_cold": cold, "cache_bytes": cache}
+    return {"hot_bytes_per_s": hot, "memory_bytes_per_s_cold": cold, "memory_bytes_per_s": rates[3 * 4 << 22],
+            "cache_bytes": cache}
 
 
 def host_adam_rate() -> float:
@@ -172,15 +172,21 @@ def _step_overhead(stage_builder, model) -> float:
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     step_s = best(trainer.train_step, 8)
     _, tracker = tracked_step(trainer, "cpu", signatures=True)
-    kernels = op_replay.measure(tracker.signatures)   # what the ops take without the host around them
+    return _host_per_op(step_s, tracker)
+
+
+def _host_per_op(step_s: float, tracker) -> float:
+    """Seconds per tracked op of a step of `step_s` that the host spends around its ops: the step less
+    the ops' replayed kernels (op_replay.py), over the op count."""
+    kernels = op_replay.measure(tracker.signatures)
     replayed = sum(kernels.get(op.key) or 0.0 for op in tracker.ops)
     return max(step_s - replayed, 0.0) / max(len(tracker.ops), 1)
 
 
 def _op_overhead() -> float:
     """Seconds per aten op of a small model-like forward + backward (nn modules, autograd), where the
-    arithmetic itself is negligible: what eager PyTorch costs per op on this host."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    arithmetic itself is negligible: what eager PyTorch costs per op on this host around its kernels."""
+    from parallel3d.planner.tracker import StepTracker
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
@@ -190,16 +196,10 @@ def _op_overhead() -> float:
     def step():
         model(x).sum().backward()
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    tracker = StepTracker(device_type="cpu", signatures={})
+    with tracker:
         step()
-    return best(step, 20) / max(Count.ops, 1)
+    return _host_per_op(best(step, 20), tracker)
 
 
 def load_profile(world: int, reprofile: bool = False, path: Optional[Path] = None,

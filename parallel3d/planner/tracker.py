@@ -25,7 +25,8 @@ Compute: every op gets its FLOPs (torch.utils.flop_counter's formulas, the ones 
 its bytes read and written (tensor arguments and results, views cost nothing) and the wall time at which
 it ran, so the planner can attribute modeled time to the pipeline action that ran it; on request
 (`signatures`), the op's signature, by which a measured machine prices it (planner/op_replay.py), and
-each input's reuse distance (the bytes moved since it was last touched: past the cache, it comes from memory).
+each input's reuse distance (the bytes moved since it was last touched: past the cache, it comes from
+memory).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from torch.utils.flop_counter import flop_registry
 from parallel3d.host_sync import HostSyncs, blocking_upload
 from parallel3d.planner.host_kernels import FLOPS as HOST_FLOPS
 from parallel3d.planner.kernels import CAUSAL_ARG
-from parallel3d.planner.op_replay import signature
+from parallel3d.planner.op_replay import signature_of_leaves
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 
@@ -190,7 +191,8 @@ class StepTracker(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if func.is_view or name in _FREE_OPS:
             return
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        leaves, tree = tree_flatten((args, kwargs))
+        ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
         flops = 0.0
         # our kernels' ops register theirs (kernels/ops.py); aten's CPU flash ops are counted here
@@ -204,7 +206,7 @@ class StepTracker(TorchDispatchMode):
         head_dim = int(ins[0].shape[-1]) if ins and ins[0].dim() else 0
         key, reuse = "", ()
         if self.signatures is not None:
-            key, spec = signature(func, args, kwargs)
+            key, spec = signature_of_leaves(func, leaves, tree)
             self.signatures.setdefault(key, spec)
             reuse = self._reuse(ins, outs, nbytes)
         self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward, name, head_dim, causal,
