@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from parallel3d import gloo_collectives as gloo
 from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
 
 
@@ -152,10 +153,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
         return t
     src = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move the axis back
     out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    group._record("all_gather", _nbytes(out))
-    _run(group, "all_gather", lambda: _all_gather_single()(out, src, group=group.pg), src)
-    if group.simulated:
-        _simulate_all_gather(out, src, group.size)
+    wait_work(start_all_gather(out, src, group), group, "all_gather")
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -168,10 +166,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
                          f"divisible by the group size {group.size}")
     src = t.movedim(dim, 0).contiguous() if dim != 0 else t.contiguous()
     out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    group._record("reduce_scatter", _nbytes(src))
-    _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, src, group=group.pg), src)
-    if group.simulated:
-        out.copy_(src.narrow(0, group.rank * out.shape[0], out.shape[0]))
+    wait_work(start_reduce_scatter(out.view(-1), src.view(-1), group), group, "reduce_scatter")
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -223,12 +218,21 @@ def start_all_reduce(t: torch.Tensor, group: Group) -> Optional[object]:
                                                              async_op=True), t)
 
 
+def on_gloo(group: Group) -> bool:
+    """Whether the group's collectives run on gloo (parallel3d/gloo_collectives.py's reduce-scatter and
+    all-gather replace gloo's own)."""
+    return group.pg is not None and not group.simulated and dist.get_backend(group.pg) == "gloo"
+
+
 def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
     """out (n,) <- this rank's n-element block of the sum over ranks of inp (size * n,)."""
     if group.size == 1:
         out.copy_(inp)
         return None
     group._record("reduce_scatter", _nbytes(inp))
+    if on_gloo(group):
+        return _run(group, "reduce_scatter", lambda: gloo.start_reduce_scatter(out, inp, group.pg, group.size),
+                    out, inp)
     work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,
                                                                             async_op=True), out, inp)
     if group.simulated:
@@ -242,6 +246,9 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
         out.copy_(inp)
         return None
     group._record("all_gather", _nbytes(out))
+    if on_gloo(group):
+        return _run(group, "all_gather", lambda: gloo.start_all_gather(out, inp, group.pg, group.ranks, group.rank),
+                    out, inp)
     work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),
                 out, inp)
     if group.simulated:

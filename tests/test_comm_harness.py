@@ -45,15 +45,18 @@ def test_collectives_and_accounting(worlds, n):
 
 
 def _collectives_before_torch_2_13(w):
-    """torch < 2.13 has only all_gather_into_tensor / reduce_scatter_tensor (the GPU image runs 2.11)."""
+    """torch < 2.13 has only all_gather_into_tensor / reduce_scatter_tensor (the GPU image runs 2.11). Those
+    are NCCL's path: on gloo comm runs its own (gloo_collectives.py), so that choice is switched off here."""
     import torch.distributed as dist
     saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")
              if hasattr(dist, name)}
     for name in saved:
         delattr(dist, name)
+    on_gloo, comm.on_gloo = comm.on_gloo, lambda group: False
     try:
         return _collectives(w)
     finally:
+        comm.on_gloo = on_gloo
         for name, fn in saved.items():
             setattr(dist, name, fn)
 
@@ -63,6 +66,48 @@ def test_collectives_run_on_torch_before_2_13(worlds):
     for a, b in zip(new, old):
         for x, y in zip(a[:-1], b[:-1]):
             assert torch.equal(x, y)
+
+
+def _gloo_against_native(w):
+    """comm's gloo reduce-scatter and all-gather against gloo's own, on random data of several dtypes, with
+    three gathers and a tag-0 point-to-point ring in flight on the one group at once."""
+    ctx = w.context(MeshSpec(dp=w.world_size))
+    g, r, n = ctx.dp, w.rank, w.world_size
+    assert comm.on_gloo(g)
+    torch.manual_seed(r)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        x = (torch.rand(n * 37) * 100).to(dtype)
+        shards = [(torch.rand(11 + k) * 100).to(dtype) for k in range(3)]
+        fulls = [torch.empty(n * s.numel(), dtype=dtype) for s in shards]
+        works = [comm.start_all_gather(f, s, g) for f, s in zip(fulls, shards)]
+        ring = comm.start_batch_p2p([comm.P2P("send", shards[0], g.ranks[(r + 1) % n]),
+                                     comm.P2P("recv", torch.empty_like(shards[0]), g.ranks[(r - 1) % n])], g)
+        seg = torch.empty(37, dtype=dtype)
+        rs = comm.start_reduce_scatter(seg, x, g) if dtype.is_floating_point else None
+        for work in reversed(works):
+            comm.wait_work(work, g, "all_gather")
+        ring.wait()
+        comm.wait_work(rs, g, "reduce_scatter")
+        on_gloo, comm.on_gloo = comm.on_gloo, lambda group: False
+        try:
+            native = [comm.all_gather(s, g) for s in shards]
+            native_seg = comm.reduce_scatter(x, g) if rs is not None else None
+        finally:
+            comm.on_gloo = on_gloo
+        out[str(dtype)] = (fulls, native, seg if rs is not None else None, native_seg)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_collectives_match_gloos_own(worlds, n):
+    for rank_out in worlds.run(n, _gloo_against_native):
+        for dtype, (fulls, native, seg, native_seg) in rank_out.items():
+            for a, b in zip(fulls, native):
+                assert torch.equal(a, b), dtype
+            if seg is not None:   # the sum's order may differ from gloo's: exact at 2 ranks
+                assert torch.equal(seg, native_seg) if n == 2 else torch.allclose(seg.float(), native_seg.float(),
+                                                                                  rtol=1e-2), dtype
 
 
 def _hang(w):

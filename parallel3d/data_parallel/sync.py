@@ -2,7 +2,7 @@
 
 A post-accumulate hook adds every gradient into its bucket's accumulation buffer; a complete bucket is
 launched in its sequence's order (build.py); the reduction is an all-reduce (ZeRO-0), a reduce-scatter
-(ZeRO >= 1; on gloo as an all-to-all, reduce.py), a compressed all-reduce (compression.py) or a quantised
+(ZeRO >= 1; on gloo as an all-to-all, gloo_collectives.py), a compressed all-reduce (compression.py) or a quantised
 all-to-all (qgZ, quantize.py), followed under HSDP by an all-reduce of the segment across the replicas.
 
 When buckets are reduced (`per_microbatch`):
@@ -35,12 +35,11 @@ from typing import Any, Optional
 import torch
 
 from parallel3d import comm
-from parallel3d.comm import start_all_reduce, wait_work
+from parallel3d.comm import start_all_reduce, start_reduce_scatter, wait_work
 from parallel3d.data_parallel.buffer import Bucket, Slot, add_rows
 from parallel3d.data_parallel.build import local_ties
 from parallel3d.data_parallel.compression import Compressor
 from parallel3d.data_parallel.quantize import quantized_reduce_scatter
-from parallel3d.data_parallel.reduce import start_reduce_scatter
 from parallel3d.data_parallel.zero3 import Zero3
 from parallel3d.mesh import ParallelContext
 
@@ -216,7 +215,7 @@ class GradientSync:
             quantized_reduce_scatter(p.out, full, b.group, self.qgz_block)
         else:
             p.out = grad_buffer(b.seg, self.grad_dtype, full.device)
-            p.work = start_reduce_scatter(p.out, full, b.group, self.ctx.backend == "gloo")
+            p.work = start_reduce_scatter(p.out, full, b.group)
         if self.per_microbatch:
             b.grad.full = None   # the next backward accumulates into a fresh buffer
         b.grad.launched = True

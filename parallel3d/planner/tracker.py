@@ -8,7 +8,7 @@ Memory: every op's output storages are registered when first seen and released w
 gets a category when it is born:
   - storages already alive when tracking starts are the model state, classified by the caller
     (`classify`: params, grads, optimizer);
-  - storages allocated while `parallel3d.comm` (or data_parallel/reduce.py, gloo's reduce-scatter) is
+  - storages allocated while `parallel3d.comm` (or gloo_collectives.py, its reduce-scatter on gloo) is
     on the Python stack are communication buffers
     (gather outputs, receive buffers, reduction outputs in flight), unless autograd saves them for
     backward (a sequence-parallel all-gather's output kept by the next linear), which makes them
@@ -100,9 +100,9 @@ class StepTracker(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
         import parallel3d.comm as comm_module
-        import parallel3d.data_parallel.reduce as reduce_module   # gloo's reduce-scatter receive buffers
+        import parallel3d.gloo_collectives as gloo_module   # the all-to-all reduce-scatter's receive buffers
         from parallel3d.data_parallel.sync import grad_buffer
-        self._comm_files = (comm_module.__file__, reduce_module.__file__)
+        self._comm_files = (comm_module.__file__, gloo_module.__file__)
         self._grad_code = grad_buffer.__code__
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 

@@ -1,0 +1,85 @@
+"""Reduce-scatter and all-gather on gloo, built from gloo's faster primitives.
+
+gloo's own reduce-scatter and all-gather are slower than the all-to-all and point-to-point transfers that
+move the same bytes (2 ranks on this machine, benchmarks/RESULTS.md "gloo's collectives"): a 32 MiB
+reduce-scatter took 50 ms against 24 ms as an all-to-all plus a local sum, and gloo's all-gather 33 ms
+against 15 ms as direct sends, with the same ordering from 2 KiB up. ZeRO-1/2 pay one of each per bucket
+and step (DDP one all-reduce), sequence parallelism one of each per layer, so `parallel3d.comm` runs these
+on every gloo group. NCCL and the simulated dry run keep the native collectives.
+
+    reduce-scatter, N ranks, input (N*S,) in N segments; rank k keeps segment k of the sum:
+        all-to-all: rank k receives every rank's segment k   (N, S)   -- (N-1)/N of the input, as a ring
+        wait():     out = sum over the N received segments   (S,)
+
+    all-gather, rank k's input (S,) -> out (N*S,):
+        rank k sends its input to every peer and receives peer j's into out[j*S:(j+1)*S]; its own block is
+        a local copy                                                  -- (N-1)/N of out, as a ring
+
+Both return a handle with `wait()` and `is_completed()` (the gradient sync polls the latter on gloo).
+Peers are the group's global ranks. The point-to-point tag is this module's own, so a gather in flight
+never matches the pipeline's or ring attention's transfers (tag 0); gathers in flight on one group match
+in the order they were posted, which every rank shares.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+GATHER_TAG = 0x6A7   # distinct from the tag-0 point-to-point traffic of the pipeline and ring attention
+
+
+class SumOnWait:
+    """An all-to-all reduce-scatter in flight: waiting sums the received segments into `out`."""
+
+    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, size: int) -> None:
+        self.work, self.recv, self.out, self.size = work, recv, out, size
+
+    def is_completed(self) -> bool:
+        return self.recv is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.recv is not None:
+            self.work.wait()
+            torch.sum(self.recv.view(self.size, -1), dim=0, out=self.out)   # (N, S) -> (S,)
+            self.recv = None
+        return True
+
+
+class Transfers:
+    """Point-to-point sends and receives in flight (an all-gather); keeps its tensors alive until done."""
+
+    def __init__(self, works: list, tensors: list) -> None:
+        self.works, self.tensors = works, tensors
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works, self.tensors = [], []
+        return True
+
+
+def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: object, size: int) -> SumOnWait:
+    """out (S,) <- this rank's segment of the sum over the group of inp (N*S,), both contiguous."""
+    recv = torch.empty_like(inp)                                  # (N*S,): every rank's copy of my segment
+    work = dist.all_to_all_single(recv, inp, group=pg, async_op=True)
+    return SumOnWait(work, recv, out, size)
+
+
+def start_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: object, ranks: Sequence[int], rank: int
+                     ) -> Transfers:
+    """out (N*S,) <- every rank's inp (S,), in group-rank order; `rank` is this rank's group rank."""
+    n, blocks = inp.numel(), out.view(len(ranks), -1)              # (N, S)
+    ops = []
+    for step in range(1, len(ranks)):                               # peers in ring order: no pair waits
+        peer = (rank + step) % len(ranks)
+        ops.append(dist.P2POp(dist.isend, inp, ranks[peer], group=pg, tag=GATHER_TAG))
+        ops.append(dist.P2POp(dist.irecv, blocks[(rank - step) % len(ranks)], ranks[(rank - step) % len(ranks)],
+                              group=pg, tag=GATHER_TAG))
+    works = dist.batch_isend_irecv(ops)
+    blocks[rank].copy_(inp.view(n))
+    return Transfers(list(works), [inp, out])
