@@ -241,9 +241,10 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
 
 
 def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
-    """out (size * n,) <- every rank's inp (n,), in group-rank order."""
+    """out (size * n,) <- every rank's inp (n,), in group-rank order; inp may be this rank's block of out."""
     if group.size == 1:
-        out.copy_(inp)
+        if not torch._C._is_alias_of(inp, out):
+            out.copy_(inp)
         return None
     group._record("all_gather", _nbytes(out))
     if on_gloo(group):
@@ -311,8 +312,16 @@ def barrier(group: Group) -> None:
 
 
 def _simulate_all_gather(out: torch.Tensor, t: torch.Tensor, size: int) -> None:
-    """Every rank holds this rank's t; filled in place (no temporary, so a dry run's memory is the real one)."""
-    out.view((size,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((size,) + tuple(t.shape)))
+    """Every rank holds this rank's t; filled in place (no temporary, so a dry run's memory is the real one).
+    An in-place gather (t is this rank's block of out, as ZeRO-1/2's) fills the other blocks only."""
+    blocks = out.view((size,) + tuple(t.shape))
+    if not torch._C._is_alias_of(t, out):
+        blocks.copy_(t.unsqueeze(0).expand((size,) + tuple(t.shape)))
+        return
+    k = (t.storage_offset() - out.storage_offset()) // max(t.numel(), 1)
+    for lo, hi in ((0, k), (k + 1, size)):
+        if hi > lo:
+            blocks[lo:hi].copy_(t.unsqueeze(0).expand((hi - lo,) + tuple(t.shape)))
 
 
 def _simulate_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:

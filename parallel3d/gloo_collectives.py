@@ -15,6 +15,7 @@ on every gloo group. NCCL and the simulated dry run keep the native collectives.
         rank k sends its input to every peer and receives peer j's into out[j*S:(j+1)*S]; its own block is
         a local copy                                                  -- (N-1)/N of out, as a ring
 
+The all-gather may run in place (inp is this rank's block of out, as ZeRO-1/2's parameter buffer).
 Both return a handle with `wait()` and `is_completed()` (the gradient sync polls the latter on gloo).
 Peers are the group's global ranks. The point-to-point tag is this module's own, so a gather in flight
 never matches the pipeline's or ring attention's transfers (tag 0); gathers in flight on one group match
@@ -81,5 +82,6 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: object, ranks: Se
         ops.append(dist.P2POp(dist.irecv, blocks[(rank - step) % len(ranks)], ranks[(rank - step) % len(ranks)],
                               group=pg, tag=GATHER_TAG))
     works = dist.batch_isend_irecv(ops)
-    blocks[rank].copy_(inp.view(n))
+    if not torch._C._is_alias_of(inp, out):                         # in place: inp already is its block
+        blocks[rank].copy_(inp.view(n))
     return Transfers(list(works), [inp, out])

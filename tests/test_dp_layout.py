@@ -138,12 +138,14 @@ def _dry_bytes(zero: int, dp: int) -> tuple[dict, int, int]:
 def test_optimizer_and_gradient_bytes_are_the_padded_range(zero):
     """dp=8, tiny model (one bucket at the default bucket size): each rank holds ceil(N / (8 x 64)) x 64
     elements, i.e. 12 bytes of fp32 master + Adam m, v each, and ZeRO-1 keeps the bucket's fp32 gradient
-    (8 ranges). The rows layout held ceil(rows / 8) rows of every parameter instead (more bytes here)."""
+    (8 ranges). The parameters are views of the bucket's bf16 parameter buffer, padding included (the
+    all-gather lands in it). The rows layout held ceil(rows / 8) rows of every parameter instead (more
+    bytes here)."""
     mem, n, buckets = _dry_bytes(zero, 8)
     assert buckets == 1
     held = -(-n // (8 * 64)) * 64
     assert mem["optimizer"] == 12 * held
-    assert mem["params"] == 2 * n
+    assert mem["params"] == 2 * 8 * held
     if zero == 1:
         assert mem["grads"] == 4 * 8 * held
 

@@ -198,7 +198,7 @@ class Bucket:
     replica: Optional[Group] = None # HSDP: the reduced segment is then all-reduced over this group
     grad: GradSync = field(default_factory=GradSync)
     adam: AdamState = field(default_factory=AdamState)
-    param_flat: Optional[torch.Tensor] = None   # ZeRO-0: flat params (views) / ZeRO-3: persistent shard
+    param_flat: Optional[torch.Tensor] = None   # ZeRO-0/1/2: flat params (views) / ZeRO-3: persistent shard
 
     @property
     def numel(self) -> int:

@@ -146,7 +146,8 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
     ZeRO-0: parameters become views of one flat buffer (the master itself in fp32, so no copy).
     state_device (optimizer offload): master and Adam state on the host; parameters keep a device copy.
     resident=False (NVMe offload): no master or Adam tensors here (offload/nvme.py holds them in files).
-    ZeRO-1/2: parameters stay separate tensors, converted to the compute dtype.
+    ZeRO-1/2: parameters become views of one flat buffer of the whole bucket in the compute dtype
+    (`param_flat`, N * S elements, Megatron's parameter buffer): the step's all-gather lands in it in place.
     ZeRO-3: a persistent shard in the compute dtype (the master itself in fp32); parameters are freed.
     """
     dev = b.slots[0].param.device
@@ -167,9 +168,11 @@ def init_bucket(b: Bucket, zero: int, dtype: torch.dtype, grad_dtype: torch.dtyp
             s.param.data = s.flat(b.param_flat).view(s.param.shape)
         b.grad.full = b.grad.shard = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
     elif zero in (1, 2):
+        b.param_flat = torch.zeros(b.numel, dtype=dtype, device=dev)          # (N*S,), zero padding
         for s in b.slots:
-            if s.param.dtype != dtype:
-                s.param.data = s.param.data.to(dtype)
+            whole = s.whole(b.param_flat)
+            whole.copy_(s.param.data.reshape(-1))
+            s.param.data = whole.view(s.param.shape)
         if zero == 1:
             b.grad.full = torch.zeros(b.numel, dtype=grad_dtype, device=dev)
     else:

@@ -2,13 +2,14 @@
 
     zero  where the updated master goes                         then
     0     the flat parameter buffer (params are views of it)    -
-    1/2   a device shard per bucket                             all-gathered into the parameters
+    1/2   this rank's segment of the bucket's flat parameter    all-gathered in place: every rank's segment
+          buffer (params are views of it)                       lands in the parameters, no copy
     3     the persistent shard (or the parameter offload home)  gathered around each unit's use (zero3.py)
 
 With optimizer or parameter offload the device copies are asynchronous (offload/publish.py): each bucket's
 copy is issued right after its update and its first reader waits for that bucket only.
 
-`ParamPublisher` owns this: the device shards being published, the overlapped gathers in flight, the
+`ParamPublisher` owns this: the buckets whose segment is published, the overlapped gathers in flight, the
 forward hooks that wait for a bucket's parameters, and where ZeRO-3 fetches its persistent shard from
 under offload. The optimizer step calls `updated(b)` after each bucket's AdamW and `step_done()` after
 the last; it receives the buckets, the offload homes (offload/homes.py) and ZeRO-3's gatherer.
@@ -21,14 +22,9 @@ import torch
 from torch import nn
 
 from parallel3d.comm import start_all_gather, wait_work
-from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
+from parallel3d.data_parallel.buffer import Bucket
 from parallel3d.data_parallel.zero3 import Zero3
 from parallel3d.offload.homes import OffloadHomes
-
-# ZeRO-1/2 gathers of one step in flight at once: each holds a gathered bucket (2 bytes per parameter in
-# bf16) until its copy into the parameters, so all of them at once would add the whole model at the peak;
-# two keep one gather travelling beside the next bucket's AdamW
-GATHERS_IN_FLIGHT = 2
 
 
 class ParamPublisher:
@@ -37,11 +33,11 @@ class ParamPublisher:
         """overlap (ZeRO-1/2, `overlap_param_gather`): step() leaves each bucket's all-gather in flight and
         the first forward use of the bucket waits for it (a forward pre-hook on the modules owning its
         parameters), so the gathers travel beside the next forward, as Megatron's overlap_param_gather.
-        The gathered buffers then live until that use (2 bytes per parameter at most, all buckets)."""
+        Each gather lands in its bucket's parameter buffer, so none needs memory of its own."""
         self.buckets, self.zero, self.dtype, self.zero3 = list(buckets), zero, dtype, zero3
         self.published, self.param_home, self.nvme = homes.published, homes.param_home, homes.nvme
-        self._shards: dict[int, torch.Tensor] = {}   # ZeRO-1/2: device shards being published
-        self._gathers: dict[int, tuple] = {}          # overlap: id(bucket) -> (bucket, gathered, work)
+        self._staged: set[int] = set()                # ZeRO-1/2: buckets whose segment holds this step's master
+        self._gathers: dict[int, tuple] = {}          # overlap: id(bucket) -> (bucket, work)
         self._pending: list[tuple] = []               # ZeRO-1/2 gathers of the running step
         self.overlap_param_gather = overlap and zero in (1, 2)
         self.hooks: list = []
@@ -64,9 +60,6 @@ class ParamPublisher:
         """b's AdamW is done: start publishing it (ZeRO-1/2: its all-gather travels while the next buckets
         update, and with overlap beside the next forward, which waits for it; offload: its device copy)."""
         if self.zero in (1, 2):
-            if not self.overlap_param_gather:   # at most GATHERS_IN_FLIGHT gathered buffers at once
-                while len(self._pending) >= GATHERS_IN_FLIGHT:
-                    self._finish_publish([self._pending.pop(0)])
             started = self._start_publish(b)
             if self.overlap_param_gather:
                 self._gathers[id(b)] = started
@@ -100,7 +93,8 @@ class ParamPublisher:
     def publish_chunk(self, b: Bucket, a: int, e: int, values: torch.Tensor,
                       staging: Optional[torch.Tensor] = None):
         """Elements [a, e) of b's updated master -> the parameters' home: the ZeRO-0/3 flat copy, the
-        parameter offload home, or (ZeRO-1/2) the device shard publish_params all-gathers. With offload
+        parameter offload home, or (ZeRO-1/2) this rank's segment of the parameter buffer, which the
+        all-gather then sends to every rank. With offload
         the device copy is asynchronous: returns its ticket (`staging`: a pinned buffer for the
         conversion to the compute dtype, kept by the caller until then)."""
         if self.param_home is not None:
@@ -109,9 +103,8 @@ class ParamPublisher:
         if self.zero in (0, 3):
             dst = b.param_flat[a:e]
         else:  # the all-gather runs on the device (master may be on the host)
-            if id(b) not in self._shards:
-                self._shards[id(b)] = torch.empty(b.seg, dtype=self.dtype, device=b.slots[0].param.device)
-            dst = self._shards[id(b)][a:e]
+            self._staged.add(id(b))
+            dst = self._segment(b)[a:e]
         if self.published is None:
             dst.copy_(values)
             return None
@@ -129,35 +122,34 @@ class ParamPublisher:
         streamed: the NVMe step already passed every chunk to publish_chunk."""
         if self.zero3 is not None:
             self.zero3.invalidate()   # hpZ's secondary copies are stale
+        if self.zero in (1, 2):
+            self.wait_params()   # an overlapped gather of the last step still sends from the segment
         if self.nvme is not None and not streamed:
             self.nvme.read_master(self.buckets, self.publish_chunk)
         for b in self.buckets if self.nvme is None else []:
-            if self.zero in (1, 2) and self.published is not None:
-                self.publish_chunk(b, 0, b.seg, b.adam.master)
-            elif self.zero in (1, 2):  # no copy when the master already is a device tensor of the compute dtype
-                self._shards[id(b)] = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
-            elif b.param_flat is not b.adam.master:
+            if self.zero in (1, 2) or b.param_flat is not b.adam.master:
                 self.publish_chunk(b, 0, b.seg, b.adam.master)
         if self.zero in (0, 3):
             return
-        self.wait_params()   # an overlapped gather of the last step must not land after these
         self._finish_publish([self._start_publish(b) for b in self.buckets])
 
+    @staticmethod
+    def _segment(b: Bucket) -> torch.Tensor:
+        """ZeRO-1/2: this rank's segment of the bucket's parameter buffer, (S,)."""
+        return b.param_flat[b.shard * b.seg: (b.shard + 1) * b.seg]
+
     def _start_publish(self, b: Bucket) -> tuple:
-        """ZeRO-1/2: launch the all-gather of a bucket's updated shard (`updated` calls it right after the
-        bucket's AdamW, so the gather travels while the next buckets update)."""
-        if self.published is not None and id(b) not in self._shards:   # offload: the shard's copy, in flight
+        """ZeRO-1/2: the updated master into this rank's segment of the parameter buffer, then the
+        all-gather of the buffer in place (`updated` calls it right after the bucket's AdamW, so the gather
+        travels while the next buckets update)."""
+        self._wait_gather(b)   # overlap: last step's gather of b, if no forward waited for it, still sends
+        if id(b) not in self._staged:   # (NVMe streams its chunks in through publish_chunk first)
             self.publish_chunk(b, 0, b.seg, b.adam.master)
-        shard = self._shards.pop(id(b), None)
-        if shard is None:  # the all-gather runs on the device (master may be on the host); no copy if it is one
-            shard = b.adam.master.to(device=b.slots[0].param.device, dtype=self.dtype)
-        if self.published is not None:
+        self._staged.discard(id(b))
+        if self.published is not None:   # offload: the segment's copy from the host, in flight
             self.published.wait(b)
-        full = torch.empty(b.numel, dtype=self.dtype, device=shard.device)
-        return b, full, start_all_gather(full, shard, b.group)
+        return b, start_all_gather(b.param_flat, self._segment(b), b.group)
 
     def _finish_publish(self, pending: list[tuple]) -> None:
-        for b, full, work in pending:
+        for b, work in pending:
             wait_work(work, b.group, "all_gather")
-            for s in b.slots:
-                copy_rows_out(full, b.seg, b.nshard, s, s.param.data)
