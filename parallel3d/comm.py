@@ -55,10 +55,15 @@ class CommStats:
 class SimulatedProcessGroup:
     """Stands in for a process group in a dry run of one rank (the off-CPU step tests, the planner): no peer exists,
     so collectives move nothing. Output buffers keep their (correct) shapes and are filled as if every rank
-    held this rank's data; the bytes are recorded exactly as with a real group."""
+    held this rank's data; the bytes are recorded exactly as with a real group. `backend` is the one it
+    stands for: "gloo" (a plan of a CPU run) makes the collectives allocate and compute what comm runs on
+    gloo (the all-to-all reduce-scatter's receive buffer and its sum)."""
+
+    def __init__(self, backend: str = "nccl") -> None:
+        self.backend = backend
 
     def __repr__(self) -> str:
-        return "SimulatedProcessGroup()"
+        return f"SimulatedProcessGroup({self.backend!r})"
 
 
 @dataclass
@@ -220,8 +225,10 @@ def start_all_reduce(t: torch.Tensor, group: Group) -> Optional[object]:
 
 def on_gloo(group: Group) -> bool:
     """Whether the group's collectives run on gloo (parallel3d/gloo_collectives.py's reduce-scatter and
-    all-gather replace gloo's own)."""
-    return group.pg is not None and not group.simulated and dist.get_backend(group.pg) == "gloo"
+    all-gather replace gloo's own), or stand in for gloo's in a dry run."""
+    if group.simulated:
+        return group.pg.backend == "gloo"
+    return group.pg is not None and dist.get_backend(group.pg) == "gloo"
 
 
 def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
@@ -230,6 +237,9 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
         out.copy_(inp)
         return None
     group._record("reduce_scatter", _nbytes(inp))
+    if on_gloo(group) and group.simulated:
+        check_placement(group, "reduce_scatter", out, inp)
+        return gloo.simulate_reduce_scatter(out, inp, group.size, group.rank)
     if on_gloo(group):
         return _run(group, "reduce_scatter", lambda: gloo.start_reduce_scatter(out, inp, group.pg, group.size),
                     out, inp)
@@ -247,7 +257,7 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
             out.copy_(inp)
         return None
     group._record("all_gather", _nbytes(out))
-    if on_gloo(group):
+    if on_gloo(group) and not group.simulated:   # (direct sends need no memory the simulation lacks)
         return _run(group, "all_gather", lambda: gloo.start_all_gather(out, inp, group.pg, group.ranks, group.rank),
                     out, inp)
     work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),
@@ -269,7 +279,9 @@ def orders_on_device(group: Group) -> bool:
 
 def wait_work(work: Optional[object], group: Group, op: str) -> None:
     """Wait for a handle from a start_* call; a failure or timeout names the op and the group."""
-    if work is not None:
+    if work is not None and group.simulated:
+        work.wait()   # a dry run's stand-in for gloo's reduce-scatter: the sum runs on wait, as on gloo
+    elif work is not None:
         _run(group, op, work.wait)
 
 

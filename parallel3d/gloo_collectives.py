@@ -38,11 +38,12 @@ class SumOnWait:
         self.work, self.recv, self.out, self.size = work, recv, out, size
 
     def is_completed(self) -> bool:
-        return self.recv is None or self.work.is_completed()
+        return self.recv is None or self.work is None or self.work.is_completed()
 
     def wait(self) -> bool:
         if self.recv is not None:
-            self.work.wait()
+            if self.work is not None:   # (None: a dry run's, received already)
+                self.work.wait()
             torch.sum(self.recv.view(self.size, -1), dim=0, out=self.out)   # (N, S) -> (S,)
             self.recv = None
         return True
@@ -69,6 +70,15 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: object, size:
     recv = torch.empty_like(inp)                                  # (N*S,): every rank's copy of my segment
     work = dist.all_to_all_single(recv, inp, group=pg, async_op=True)
     return SumOnWait(work, recv, out, size)
+
+
+def simulate_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, size: int, rank: int) -> SumOnWait:
+    """A dry run's stand-in (comm.SimulatedProcessGroup of a CPU run): the same receive buffer and sum, as
+    if every rank held this rank's data (it receives its own segment k from each of them)."""
+    recv = torch.empty_like(inp)                                  # (N*S,)
+    mine = inp.view(size, -1)[rank]                               # (S,)
+    recv.view(size, -1).copy_(mine.unsqueeze(0).expand(size, -1))
+    return SumOnWait(None, recv, out, size)
 
 
 def start_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: object, ranks: Sequence[int], rank: int

@@ -103,17 +103,18 @@ class ParallelContext:
         return cls.create(MeshSpec(), 0, device)
 
     @classmethod
-    def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "meta") -> "ParallelContext":
+    def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "meta",
+                  backend: str = "nccl") -> "ParallelContext":
         """Rank `rank` of `spec` alone, its groups answered by comm's simulated backend (no processes): the
         off-CPU dry run of the real training step (tests/test_fake_device.py) runs through it. The default
         `meta` device is the stand-in for CUDA on CPU-only builds (shapes, devices and placement rules, no
-        values)."""
+        values); `backend` the one the groups stand for (gloo: a plan of a CPU run)."""
         from parallel3d.comm import SimulatedProcessGroup
 
         ctx = cls.create(spec, rank, device, "simulated")
         for group in ctx.groups().values():
             if group is not None and group.size > 1:
-                group.pg = SimulatedProcessGroup()
+                group.pg = SimulatedProcessGroup(backend)
         return ctx
 
     @classmethod

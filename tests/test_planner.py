@@ -83,6 +83,48 @@ def test_dry_run_memory_and_bytes_equal_the_real_step(worlds, name):
         assert abs(run.memory["activations"] - split["activations"]) <= 0.05 * peak, (rank, run.memory, split)
 
 
+def _comm_buffers(tracker) -> list[int]:
+    return sorted(a.nbytes for a in tracker.allocs if a.category == "comm_buffers")
+
+
+def _real_comm_buffers(w, overrides):
+    torch.set_num_threads(1)
+    cfg = make_config(overrides, w.world_size)
+    p = cfg.parallel
+    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, dp=p.dp, pp=p.pp)))
+    return _comm_buffers(tracked_step(trainer, "cpu")[1])
+
+
+@pytest.mark.parametrize("name", ["tp2-sp-zero1", "dp2-zero3"])
+def test_a_plan_of_a_cpu_run_allocates_what_gloo_collectives_allocate(worlds, name):
+    """On gloo a reduce-scatter receives every rank's copy of its segment (gloo_collectives.py): a buffer the
+    size of its input, per bucket and per sequence-parallel exit. A dry run standing for gloo (a plan of a
+    CPU run) allocates the same communication buffers as the real gloo step; one standing for NCCL does not."""
+    import dataclasses
+
+    from parallel3d.planner import dryrun
+
+    overrides = [*LAYOUTS[name], *SMALL]
+    real = worlds.run(2, _real_comm_buffers, overrides)
+    cfg = make_config(overrides, 2)
+    seen = {}
+    tracked = dryrun.tracked_step
+
+    def keep(trainer, device_type, signatures=False):
+        out, tracker = tracked(trainer, device_type, signatures)
+        seen["buffers"] = _comm_buffers(tracker)
+        return out, tracker
+    dryrun.tracked_step = keep
+    try:
+        for rank in range(2):
+            run_role(cfg, rank, _stage_builder, dataclasses.replace(H100, runs_cpu_kernels=True), 8)
+            assert seen["buffers"] == real[rank] and real[rank], (rank, seen["buffers"], real[rank])
+            run_role(cfg, rank, _stage_builder, H100, 8)
+            assert len(seen["buffers"]) < len(real[rank]), rank
+    finally:
+        dryrun.tracked_step = tracked
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dry_run_model_state_follows_the_zero_formulas(zero):
     """bf16 params, fp32 main grads (4 bytes), fp32 master + m + v, N = 4 DP ranks (docs/parallelism.md, the ZeRO table)."""

@@ -102,10 +102,10 @@ class RoleRun:
     grad_sync_parts: list = field(default_factory=list)
 
 
-def _context(cfg: ExperimentConfig, rank: int, device: str) -> ParallelContext:
+def _context(cfg: ExperimentConfig, rank: int, device: str, backend: str) -> ParallelContext:
     p = cfg.parallel
     spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
-    return ParallelContext.simulated(spec, rank, device)
+    return ParallelContext.simulated(spec, rank, device, backend)
 
 
 def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
@@ -115,7 +115,7 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
 
     cfg = copy.deepcopy(cfg)
     cfg.train.steps = 1
-    ctx = _context(cfg, rank, device)
+    ctx = _context(cfg, rank, device, "gloo" if gpu.runs_cpu_kernels else "nccl")   # what the run's comm runs
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     groups = {g.name: g for g in ctx.groups().values() if g is not None}
     events: list[tuple[float, str, str, float, int]] = []
