@@ -6,7 +6,10 @@ For each model (configs/tiny.yaml with 4 layers, configs/llama_100m.yaml at a CP
 layout of world 2 (dp2 ZeRO-0/1/2/3, tp2 with and without SP, pp2 1F1B and ZB-V, cp2 ring, MoE ep2), it
 plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) and then runs it through
 `launch/pretrain.py` under torchrun (2 gloo ranks, one thread each, log.timeline on), and prints:
-  - predicted and measured step time (median of the steps after the first) and their ratio;
+  - predicted and measured step time (median of the steps after the first) and their ratio; each model
+    runs for its own number of steps (`STEPS`): a tiny step is still warming up over its first five or so
+    (29.7, 33.9, 28.2, 25.0, 30.7 ms, then 24-28 ms in one dp2 run), which a median of five steps kept,
+    so tiny runs 24 steps and llama_100m, at seconds a step, 6;
   - the pipeline span and what follows it (gradient-sync tail, clipping, optimizer), planned and
     measured (from the run's timeline JSON), so a gross error can be put on a component;
   - predicted peak memory (the plan's worst rank plus the process's resident memory before the model,
@@ -17,7 +20,7 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     whether the planner's best layout is the measured best or within 10% of it.
 The header records the load average (os.getloadavg) before and after, the commit and the profile used:
 timings on a shared machine are noisy. `--json`: the last line is one JSON list of the rows.
-`--quick`: tiny only, 3 steps (a smoke test).
+`--quick`: tiny only, 3 steps (a smoke test). `--steps N` sets every model's steps.
 
 `--gpu`: the same on one CUDA GPU instead (world 1, NCCL): a ~1B Llama in bf16 at seq 2048 with no, selective
 and full recomputation, four microbatches, and the optimizer offloaded to the host; planned for the GPU
@@ -88,6 +91,7 @@ GPU_MODELS = {
         "model.ffn_hidden_size=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.precision=bf16",
         "train.micro_batch_size=8", "train.global_batch_size=8", "parallel.tp=1", "parallel.zero=0"]),
 }
+STEPS = {"tiny": 24, "llama_100m": 6}   # per model (module docstring); --steps overrides
 HOST_PROBE = ["model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256"]
 COMMON = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_dir=null", "log.interval=1",
           "train.warmup_steps=1", "parallel.dp=0"]
@@ -180,7 +184,8 @@ def ranking(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny only, 3 steps (smoke test)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6; --quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: STEPS per model, 6 on "
+                                                             "the GPU; --quick 3)")
     ap.add_argument("--layouts", default=None, help=f"comma-separated subset of {', '.join(LAYOUTS)}")
     ap.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
     ap.add_argument("--cached-profile", action="store_true",
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
                     help="--gpu: keep the GPU table's host rates instead of measuring this host's first")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    steps = args.steps or (3 if args.quick else 6)
+    steps = args.steps or (3 if args.quick else None)
     all_models, all_layouts = (GPU_MODELS, GPU_LAYOUTS) if args.gpu else (MODELS, LAYOUTS)
     models = args.models.split(",") if args.models else (["tiny"] if args.quick else list(all_models))
     layouts = args.layouts.split(",") if args.layouts else list(all_layouts)
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.gpu and not args.table_host:
-            gpu = measure_host(gpu, steps, Path(tmp))
+            gpu = measure_host(gpu, steps or 6, Path(tmp))
         for model in models:
             config, extra = all_models[model]
             for name in layouts:
@@ -222,7 +227,8 @@ def main(argv=None) -> int:
                 row = {"model": model, "layout": name, "overrides": overrides}
                 try:
                     row.update(predict(config, overrides, gpu, world))
-                    row.update(measure(config, overrides, steps, Path(tmp), f"{model}-{name}", world))
+                    row.update(measure(config, overrides, steps or STEPS.get(model, 6), Path(tmp),
+                                       f"{model}-{name}", world))
                 except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
                     print(f"{model} {name}: FAILED: {e}", flush=True)
                     continue
