@@ -159,6 +159,27 @@ def test_cost_model_arithmetic():
     assert collective_time("all_reduce", 1e9, 1, alpha, beta) == 0.0
 
 
+def test_a_collective_after_compute_pays_the_measured_wake_extra():
+    """gloo on a shared CPU: a blocking collective costs its (alpha, beta) plus the profile's extra after a
+    long stretch of compute, in proportion to the rank's modeled compute since its last blocking collective
+    (cost.wake_seconds); grad-sync reductions beside backward pay nothing; a GPU (nothing measured) nothing."""
+    import dataclasses
+
+    from parallel3d.planner.cost import wake_seconds
+
+    cpu = dataclasses.replace(H100, comm_wake_s={"all_reduce": 2e-3, "send": 1e-3}, comm_wake_gap_s=4e-3)
+    assert wake_seconds("all_reduce", 1e-3, cpu) == pytest.approx(0.5e-3)
+    assert wake_seconds("all_reduce", 9e-3, cpu) == pytest.approx(2e-3)     # saturates at the probe's gap
+    assert wake_seconds("recv", 8e-3, cpu) == pytest.approx(1e-3)           # a receive is priced as a send
+    assert wake_seconds("all_to_all", 8e-3, cpu) == 0.0 and wake_seconds("all_reduce", 1.0, H100) == 0.0
+    # the dry run: every blocking TP all-reduce of a tp2 step is preceded by more than a nanosecond of compute
+    cfg = make_config(["parallel.tp=2", "parallel.sp=false", "parallel.zero=0", *SMALL], 2)
+    tiny_gap = dataclasses.replace(cpu, comm_wake_gap_s=1e-12)
+    base, woken = (run_role(cfg, 0, _stage_builder, g, 8).comm_s for g in (H100, tiny_gap))
+    calls = (woken["tp.all_reduce"] - base["tp.all_reduce"]) / 2e-3
+    assert calls == pytest.approx(round(calls)) and round(calls) >= 4 * 2 * 2   # layers x (attn, mlp) x (F, B)
+
+
 def test_plan_reports_every_pipeline_stage():
     cfg = make_config(["parallel.pp=2", "parallel.tp=1", "parallel.zero=1", *SMALL], 4)
     result = plan(cfg, _stage_builder, H100, 8)

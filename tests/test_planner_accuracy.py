@@ -231,6 +231,9 @@ def test_contention_probe_runs_on_spawned_ranks():
     """measure_gloo's probe: one slowdown per kind, never below 1 (a run cannot be faster than alone)."""
     found = profile.measure_gloo(2)
     assert set(found["slowdown"]) == {"matmul", "op", "memory"} and min(found["slowdown"].values()) >= 1.0
+    # and each collective's extra after a long stretch of compute, which cpu_device hands to the planner
+    assert set(found["wake"]) == set(profile_gloo.COLLECTIVES) and min(found["wake"].values()) >= 0.0
+    assert found["wake_gap_s"] == profile_gloo.WAKE_GAP_S
 
 
 def test_collectives_are_priced_at_what_a_step_pays_on_average():

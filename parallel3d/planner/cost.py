@@ -88,6 +88,16 @@ def collective_seconds(op: str, nbytes: float, ranks: Sequence[int], gpus_per_no
     return collective_time(op, nbytes, len(ranks), alpha, beta)
 
 
+def wake_seconds(op: str, compute_since_s: float, gpu: GPU) -> float:
+    """The extra a blocking collective costs a rank that arrives from `compute_since_s` seconds of compute
+    since its last blocking collective: the measured extra after a long stretch (gpu.comm_wake_s, gloo on
+    this machine), in proportion below it. Nothing where it was not measured (NCCL: a GPU's)."""
+    if not gpu.comm_wake_s or gpu.comm_wake_gap_s <= 0:
+        return 0.0
+    extra = gpu.comm_wake_s.get("send" if op == "recv" else op, 0.0)
+    return extra * min(1.0, compute_since_s / gpu.comm_wake_gap_s)
+
+
 def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
     return len({r // gpus_per_node for r in ranks}) > 1
 

@@ -29,7 +29,7 @@ from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.planner import op_replay
-from parallel3d.planner.cost import collective_seconds, exposed, op_time, queue_seconds
+from parallel3d.planner.cost import collective_seconds, exposed, op_time, queue_seconds, wake_seconds
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
 from parallel3d.planner.tracker import CATEGORIES, StepTracker
@@ -201,6 +201,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     # a measured machine: each op at its replayed time plus the host's own per-op cost (op_replay.py)
     measured = op_replay.measure(tracker.signatures, gpu.op_times) if gpu.op_times is not None else {}
     queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
+    walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
     for op in tracker.ops:
         c = slot(op.wall)
         factor = 1.0
@@ -217,6 +218,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         c.compute_s += seconds
         c.flops += op.flops
         queued[id(c)].append(seconds)
+        walls.append(op.wall)
+        done.append(done[-1] + seconds)
         tally = op_seconds.setdefault(op.name, [0, 0.0])  # per op: what a profile of the real step is set beside
         tally[0] += 1
         tally[1] += seconds
@@ -230,19 +233,25 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
     grad_sync_parts: list = []
+    last_block = float("-inf")   # the wall of this rank's last blocking collective (cost.wake_seconds)
     for wall, group, op, seconds, nbytes in events:
-        comm_s[f"{group}.{op}"] += seconds
         c = slot(wall)
-        if c is outside:
-            c.blocking_comm_s += seconds
-        elif is_grad_sync(group, op) and not per_microbatch:
+        grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
+        overlapped = c is not outside and base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm
+        if not (grad_sync or overlapped):   # the rank waits in it: arriving from compute costs it more
+            since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_block)]
+            seconds += wake_seconds(op, since, gpu)
+            last_block = wall
+        comm_s[f"{group}.{op}"] += seconds
+        if grad_sync:
             grad_sync_parts.append(seconds)   # once per step, not per microbatch: estimate.plan overlaps it
-        else:
+            continue
+        if c is not outside:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
-            if base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm:
-                c.overlapped_comm_s += seconds
-            else:
-                c.blocking_comm_s += seconds
+        if overlapped:
+            c.overlapped_comm_s += seconds
+        else:
+            c.blocking_comm_s += seconds
     per_action: dict = defaultdict(list)
     p2p: dict = defaultdict(list)
     for row, c in zip(mine, costs):

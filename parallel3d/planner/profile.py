@@ -27,7 +27,8 @@ divides the threads by the local world size), so every rate is measured on one t
   - gloo: each collective as parallel3d.comm runs it (all-reduce, reduce-scatter, all-gather, all-to-all,
     batched send/recv), at 1 KiB and 4 MiB, each after a short matmul and averaged over calls as a step
     pays them (profile_gloo.py), on `world` spawned processes of one thread each, solved for the
-    (alpha, beta) of cost.collective_time's formula;
+    (alpha, beta) of cost.collective_time's formula; and at 1 KiB after 3 ms of matmul, whose extra
+    (cost.wake_seconds) a blocking collective pays in proportion to the compute since the rank's last one;
   - the process's resident memory before any model exists (Python, torch, gloo): the CPU's analogue of the
     CUDA context, added to the planned peak so it compares with the run's peak RSS.
 Ranks sharing the machine are priced as they run: with the gloo figures, `world` processes time a small
@@ -60,8 +61,9 @@ from parallel3d.planner.profile_gloo import best, measure_gloo
 
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # 2: the per-op overhead is the host's time around the ops, their replayed kernels taken out (op_replay.py), and
-# the memory hierarchy behind replayed ops (memory_hierarchy); 3: collectives timed as a step calls them
-VERSION = 3
+# the memory hierarchy behind replayed ops (memory_hierarchy); 3: collectives timed as a step calls them;
+# 4: and after a long stretch of compute (profile_gloo.WAKE_GAP_S)
+VERSION = 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -257,7 +259,7 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                matmul_efficiency=1.0, memory_efficiency=1.0, nvlink_efficiency=1.0, network_efficiency=1.0,
                nvlink_latency_s=alpha, network_latency_s=alpha, reserved_bytes=gloo["base_rss_bytes"],
                matmul_curves=curves, op_overhead_s=c["op_overhead_s"] * per_op, host_op_s=0.0, host_step_op_s=0.0,
-               collectives=links,
+               collectives=links, comm_wake_s=gloo.get("wake"), comm_wake_gap_s=gloo.get("wake_gap_s", 0.0),
                op_times=ops, op_time_scale=mm, cache_bytes=c["cache_bytes"] / max(world, 1),  # a shared cache
                cold_s_per_byte=max(0.0, 1 / c["memory_bytes_per_s_cold"] - 1 / c["hot_bytes_per_s"]) * memory,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,

@@ -21,6 +21,11 @@ import torch
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
+# A collective costs more when the ranks arrive from a longer stretch of compute: on this 2-core VM a
+# 1 KiB all-reduce averaged 0.56 ms after 0-0.25 ms of matmul, 0.95 after 1 ms, 1.4-1.6 after 3-10 ms
+# (most calls take 0.3 ms; more of them then wait about 4 ms, a scheduler tick, for a thread to run).
+# The wake probe times each collective after this much compute, as a transformer layer's TP exit meets it.
+WAKE_GAP_S = 3e-3
 
 
 def best(fn, repeats: int) -> float:
@@ -92,7 +97,7 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
     dist.barrier()
     together = _contention_probe()   # every rank at once, as the ranks of a run compute
     work = torch.randn(256, 256)     # a quarter of a millisecond of matmul before each timed collective
-    result = {}
+    result, wake = {}, {}
     for op in COLLECTIVES:
         times = []
         for nbytes in (SMALL, LARGE):
@@ -121,12 +126,30 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
                 run()
                 seconds.append(time.perf_counter() - t0)
             times.append(typical(seconds))
+            if nbytes == SMALL:   # the same calls after a long stretch of compute (WAKE_GAP_S); means of both
+                short = sum(seconds) / len(seconds)
+                wake[op] = max(0.0, _after_compute(run, WAKE_GAP_S, 30) - short)
         result[op] = times
     if rank == 0:
         Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss,
-                                              "together": together}))
+                                              "together": together, "wake": wake}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _after_compute(run, gap_s: float, calls: int) -> float:
+    """Mean seconds of `run()` called after `gap_s` of matmul each time (every call kept: the slow ones are
+    what a step pays)."""
+    a = torch.randn(128, 128)
+    seconds = []
+    for _ in range(calls):
+        end = time.perf_counter() + gap_s
+        while time.perf_counter() < end:
+            a @ a
+        t0 = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - t0)
+    return sum(seconds) / len(seconds)
 
 
 def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, float]:
@@ -155,4 +178,5 @@ def measure_gloo(world: int) -> dict:
         found = json.loads(Path(out).read_text())
     links = {op: list(_solve(op, world, *t)) for op, t in found["times"].items()}
     slowdown = {k: max(1.0, found["together"][k] / alone[k]) for k in alone}
-    return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"], "slowdown": slowdown}
+    return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"], "slowdown": slowdown,
+            "wake": found["wake"], "wake_gap_s": WAKE_GAP_S}
