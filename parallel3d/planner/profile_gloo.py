@@ -25,7 +25,7 @@ SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
 # 1 KiB all-reduce averaged 0.56 ms after 0-0.25 ms of matmul, 0.95 after 1 ms, 1.4-1.6 after 3-10 ms
 # (most calls take 0.3 ms; more of them then wait about 4 ms, a scheduler tick, for a thread to run).
 # The wake probe times each collective after this much compute, as a transformer layer's TP exit meets it.
-WAKE_GAP_S = 3e-3
+WAKE_GAP_S, SHORT_GAP_S = 3e-3, 2.5e-4
 
 
 def best(fn, repeats: int) -> float:
@@ -126,9 +126,8 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
                 run()
                 seconds.append(time.perf_counter() - t0)
             times.append(typical(seconds))
-            if nbytes == SMALL:   # the same calls after a long stretch of compute (WAKE_GAP_S); means of both
-                short = sum(seconds) / len(seconds)
-                wake[op] = max(0.0, _after_compute(run, WAKE_GAP_S, 30) - short)
+            if nbytes == SMALL:   # the same calls after a long stretch of compute (WAKE_GAP_S)
+                wake[op] = _wake(run, 200)
         result[op] = times
     if rank == 0:
         Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss,
@@ -137,19 +136,23 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _after_compute(run, gap_s: float, calls: int) -> float:
-    """Mean seconds of `run()` called after `gap_s` of matmul each time (every call kept: the slow ones are
-    what a step pays)."""
+def _wake(run, calls: int, block: int = 10) -> float:
+    """Mean seconds `run()` takes more after WAKE_GAP_S of matmul than after a quarter millisecond of it:
+    `calls` calls after each, in alternating blocks of `block` (the effect needs a run of long stretches:
+    alternating every call, it vanished; the blocks let a drift of the machine meet both alike), every
+    call kept (the slow ones are what a step pays)."""
     a = torch.randn(128, 128)
-    seconds = []
-    for _ in range(calls):
-        end = time.perf_counter() + gap_s
-        while time.perf_counter() < end:
-            a @ a
-        t0 = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - t0)
-    return sum(seconds) / len(seconds)
+    total = {SHORT_GAP_S: 0.0, WAKE_GAP_S: 0.0}
+    for _ in range(calls // block):
+        for gap in total:
+            for _ in range(block):
+                end = time.perf_counter() + gap
+                while time.perf_counter() < end:
+                    a @ a
+                t0 = time.perf_counter()
+                run()
+                total[gap] += time.perf_counter() - t0
+    return max(0.0, (total[WAKE_GAP_S] - total[SHORT_GAP_S]) / (calls // block * block))
 
 
 def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, float]:
