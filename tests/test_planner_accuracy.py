@@ -85,12 +85,18 @@ def test_ranks_sharing_cores_are_priced_as_they_run(tmp_path):
 
 
 def test_real_profile_measures_this_machine(tmp_path):
-    """The microbenchmarks themselves run (seconds) and give positive rates and both gloo timings."""
+    """The microbenchmarks themselves run (seconds) and give positive rates and both gloo timings; the
+    contention probe on the spawned ranks one slowdown per kind, never below 1 (a run cannot be faster than
+    alone); and each collective's extra after a long stretch of compute, which the planner is handed."""
     g = profile.cpu_device(2, path=tmp_path / "hw.json")
     assert g.peak_flops["fp32"] > 0 and g.hbm_bytes_per_s > 0 and g.op_overhead_s > 0
     assert g.host_adam_params_per_s > 0 and g.reserved_bytes > 0
     assert set(profile_gloo.COLLECTIVES) <= set(g.collectives)
     assert all(a > 0 and b > 0 for a, b in g.collectives.values())
+    found = json.loads((tmp_path / "hw.json").read_text())["gloo"]["2"]
+    assert set(found["slowdown"]) == {"matmul", "op", "memory"} and min(found["slowdown"].values()) >= 1.0
+    assert set(found["wake"]) == set(profile_gloo.COLLECTIVES) and min(found["wake"].values()) >= 0.0
+    assert g.comm_wake_s == found["wake"] and g.comm_wake_gap_s == profile_gloo.WAKE_GAP_S
 
 
 def test_per_op_overhead_of_the_real_step_is_measured():
@@ -225,15 +231,6 @@ def test_ranks_computing_at_once_are_priced_with_their_measured_slowdown(tmp_pat
     assert b.hbm_bytes_per_s == pytest.approx(a.hbm_bytes_per_s / 1.5)
     for key in ("fp32", "flash_attention_fwd"):
         assert [s for _, s in b.matmul_curves[key]] == pytest.approx([1.5 * s for _, s in a.matmul_curves[key]])
-
-
-def test_contention_probe_runs_on_spawned_ranks():
-    """measure_gloo's probe: one slowdown per kind, never below 1 (a run cannot be faster than alone)."""
-    found = profile.measure_gloo(2)
-    assert set(found["slowdown"]) == {"matmul", "op", "memory"} and min(found["slowdown"].values()) >= 1.0
-    # and each collective's extra after a long stretch of compute, which cpu_device hands to the planner
-    assert set(found["wake"]) == set(profile_gloo.COLLECTIVES) and min(found["wake"].values()) >= 0.0
-    assert found["wake_gap_s"] == profile_gloo.WAKE_GAP_S
 
 
 def test_collectives_are_priced_at_what_a_step_pays_on_average():
