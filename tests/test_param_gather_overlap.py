@@ -122,3 +122,18 @@ def test_overlapped_gathers_under_sequence_parallel_small_buckets(worlds):
     layout = ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1", "parallel.bucket_size=1000",
               "train.global_batch_size=4", "parallel.overlap_param_gather=true"]
     check(worlds.run(4, trainer_run, layout, 3), trainer_run(None, ["train.global_batch_size=4"], 3), "fp32")
+
+
+def test_a_segment_is_rewritten_only_after_its_overlapped_gather():
+    """overlap_param_gather: a gather lands in place from this rank's segment of the parameter buffer, so
+    a bucket no forward waited for (its parameters unused) must finish its gather before the next step
+    writes that segment: publishing waits for it first."""
+    cfg = make_config(["parallel.zero=1", "parallel.bucket_size=2000", "parallel.overlap_param_gather=true"], 1)
+    trainer = build_trainer(cfg, context_for(cfg))
+    trainer.train_step()
+    publisher = trainer.optimizer.publisher
+    pending = [b for b in trainer.optimizer.buckets if id(b) in publisher._gathers]
+    assert pending   # the step left its gathers to the next forward
+    b = pending[0]
+    publisher.publish_chunk(b, 0, b.seg, b.adam.master)
+    assert id(b) not in publisher._gathers

@@ -103,6 +103,7 @@ class ParamPublisher:
         if self.zero in (0, 3):
             dst = b.param_flat[a:e]
         else:  # the all-gather runs on the device (master may be on the host)
+            self._wait_gather(b)   # overlap: last step's gather of b, if no forward waited for it, still sends
             self._staged.add(id(b))
             dst = self._segment(b)[a:e]
         if self.published is None:
@@ -142,7 +143,6 @@ class ParamPublisher:
         """ZeRO-1/2: the updated master into this rank's segment of the parameter buffer, then the
         all-gather of the buffer in place (`updated` calls it right after the bucket's AdamW, so the gather
         travels while the next buckets update)."""
-        self._wait_gather(b)   # overlap: last step's gather of b, if no forward waited for it, still sends
         if id(b) not in self._staged:   # (NVMe streams its chunks in through publish_chunk first)
             self.publish_chunk(b, 0, b.seg, b.adam.master)
         self._staged.discard(id(b))
