@@ -237,10 +237,10 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
         out.copy_(inp)
         return None
     group._record("reduce_scatter", _nbytes(inp))
-    if on_gloo(group) and group.simulated:
-        check_placement(group, "reduce_scatter", out, inp)
-        return gloo.simulate_reduce_scatter(out, inp, group.size, group.rank)
-    if on_gloo(group):
+    if on_gloo(group):   # an all-to-all and a sum on wait (gloo_collectives.py), real or simulated
+        if group.simulated:
+            check_placement(group, "reduce_scatter", out, inp)
+            return gloo.simulate_reduce_scatter(out, inp, group.size, group.rank)
         return _run(group, "reduce_scatter", lambda: gloo.start_reduce_scatter(out, inp, group.pg, group.size),
                     out, inp)
     work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,

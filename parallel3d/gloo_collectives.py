@@ -1,11 +1,12 @@
 """Reduce-scatter and all-gather on gloo, built from gloo's faster primitives.
 
 gloo's own reduce-scatter and all-gather are slower than the all-to-all and point-to-point transfers that
-move the same bytes (2 ranks on this machine, benchmarks/RESULTS.md "gloo's collectives"): a 32 MiB
-reduce-scatter took 50 ms against 24 ms as an all-to-all plus a local sum, and gloo's all-gather 33 ms
-against 15 ms as direct sends, with the same ordering from 2 KiB up. ZeRO-1/2 pay one of each per bucket
-and step (DDP one all-reduce), sequence parallelism one of each per layer, so `parallel3d.comm` runs these
-on every gloo group. NCCL and the simulated dry run keep the native collectives.
+move the same bytes (2 ranks on this machine, `benchmarks/gloo_collectives.py`, RESULTS.md "ZeRO-1/2 above
+DDP"): from 2 KiB to 32 MiB gloo's reduce-scatter took 1.2-1.8x as long as an all-to-all plus a local sum
+(8 MiB: 7.6 against 5.0 ms), and its all-gather 1.1-2.3x as long as direct sends (32 MiB: 32.6 against
+14.4 ms). ZeRO-1/2 pay one of each per bucket and step (DDP one all-reduce), sequence parallelism one of
+each per layer, so `parallel3d.comm` runs these on every gloo group. NCCL keeps its native collectives; a
+dry run standing for gloo (a plan of a CPU run) runs `simulate_reduce_scatter`, the same buffer and sum.
 
     reduce-scatter, N ranks, input (N*S,) in N segments; rank k keeps segment k of the sum:
         all-to-all: rank k receives every rank's segment k   (N, S)   -- (N-1)/N of the input, as a ring
@@ -87,10 +88,9 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: object, ranks: Se
     n, blocks = inp.numel(), out.view(len(ranks), -1)              # (N, S)
     ops = []
     for step in range(1, len(ranks)):                               # peers in ring order: no pair waits
-        peer = (rank + step) % len(ranks)
-        ops.append(dist.P2POp(dist.isend, inp, ranks[peer], group=pg, tag=GATHER_TAG))
-        ops.append(dist.P2POp(dist.irecv, blocks[(rank - step) % len(ranks)], ranks[(rank - step) % len(ranks)],
-                              group=pg, tag=GATHER_TAG))
+        dst, src = (rank + step) % len(ranks), (rank - step) % len(ranks)
+        ops.append(dist.P2POp(dist.isend, inp, ranks[dst], group=pg, tag=GATHER_TAG))
+        ops.append(dist.P2POp(dist.irecv, blocks[src], ranks[src], group=pg, tag=GATHER_TAG))
     works = dist.batch_isend_irecv(ops)
     if not torch._C._is_alias_of(inp, out):                         # in place: inp already is its block
         blocks[rank].copy_(inp.view(n))
