@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = """
+MEASURED_STEPS = 5
+PROGRAM = """
 import os, resource, sys
 sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.join({root!r}, "launch"))
 import torch
@@ -32,29 +33,36 @@ torch.set_num_threads(1)
 trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
 for _ in range(2):
     trainer.train_step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(2):
+per_step = []
+for _ in range({steps}):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     trainer.train_step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    per_step.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sorted(per_step)[{steps} // 2])
 """
 
 
 def _faults(mode: str) -> int:
+    """The median page faults of one training step after two warm-up steps."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", STEPS.format(root=str(ROOT)), mode], capture_output=True, text=True,
-                         timeout=300, env=env)
+    program = PROGRAM.format(root=str(ROOT), steps=MEASURED_STEPS)
+    out = subprocess.run([sys.executable, "-c", program, mode], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return int(out.stdout.split()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_in_again():
-    """Two training steps of a small Llama: tens of thousands of page faults without (glibc trims and
-    unmaps the freed activations), a tenth or less of that through the launch scripts' context."""
+    """A training step of a small Llama: thousands of page faults without (glibc trims and unmaps the
+    freed activations), next to none through the launch scripts' context.
+
+    The median step, not a total: a step that grows the kept heap faults its new pages in once (about
+    2,000 faults here, now and then), and how many faults the bare step takes depends on the kernel
+    (30,000-50,000 a step on this VM with transparent huge pages on madvise, about 3,000 on a CI machine)."""
     bare, launched = _faults("bare"), _faults("launch")
-    assert bare > 10_000, bare
-    assert launched < bare // 10, (launched, bare)   # 0-2,000 against 60,000-130,000 here
+    assert bare > 1_000, bare
+    assert launched <= 50, (launched, bare)   # 0-2 here
