@@ -1,4 +1,5 @@
-"""train.fp8 (tensorwise / rowwise): float8 matmuls through torch._scaled_mm on this CPU.
+"""train.fp8 (tensorwise / rowwise): float8 matmuls, through torch._scaled_mm on a GPU and its fp32
+emulation on this CPU (fp8._mm; torch's own CPU _scaled_mm is 50-100x slower).
 
 Stated tolerances (relative Frobenius error against the fp64 product of the same bf16 operands; e4m3 keeps
 3 mantissa bits, e5m2 2): forward <= 6%, input and weight gradients <= 8% (tensorwise, e5m2 gradients) /
@@ -28,6 +29,28 @@ def test_scaled_mm_runs_on_this_cpu_with_e4m3():
     # Dequantised up to fp32 rounding: the two scales (inv and 1/448) are applied in an order that depends on
     # the CPU's kernel (exact on some processors, one ulp off on others), so allow two ulps.
     torch.testing.assert_close(y * 448, a8.float() * inv * 448, rtol=2 * 2 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("mkn", [(7, 16, 48), (33, 96, 16), (64, 208, 32)])
+def test_cpu_product_is_torchs_scaled_mm_to_the_summation_order(recipe, mkn):
+    """fp8._mm on a CPU against torch._scaled_mm of the same fp8 operands and inverse scales: equal but for
+    the rounding of the fp32 sums and of the scaling, so within one bf16 ulp of the result."""
+    from parallel3d.tensor_parallel.fp8 import _mm
+
+    torch.manual_seed(0)
+    m, k, n = mkn
+    a8 = torch.randn(m, k).clamp(-400, 400).to(E4M3)
+    b8 = torch.randn(n, k).clamp(-400, 400).to(E4M3).t()                        # (k, n), column-major
+    if recipe == "rowwise":
+        a_inv, b_inv = torch.rand(m, 1) + 0.5, torch.rand(1, n) + 0.5
+    else:
+        a_inv, b_inv = torch.tensor(0.37), torch.tensor(1.9)
+    got = _mm(a8, a_inv, b8, b_inv, torch.bfloat16)
+    want = torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+    assert got.shape == want.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)                   # one bf16 ulp
+    assert not torch.equal(got, torch.zeros_like(got))
 
 
 def _rel(a, b):
