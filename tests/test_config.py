@@ -185,3 +185,23 @@ def test_overlap_param_gather_needs_zero_1_or_2():
     for zero in (0, 3):
         with pytest.raises(ConfigError, match="overlap_param_gather=true needs parallel.zero=1 or 2"):
             resolve_and_validate(cfg(f"parallel.zero={zero}", "parallel.overlap_param_gather=true"), 2)
+
+
+def test_copied_config_equals_a_deep_copy_and_shares_nothing_mutable():
+    """training.config.copied (what resolve_and_validate copies with, for speed) against copy.deepcopy."""
+    import copy
+
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.training.config import copied, load_config
+
+    cfg = load_config("configs/tiny.yaml", ["parallel.layers_per_stage=[1,1]", "model.extra.tags=[1,2]"],
+                      ModelConfig)
+    got = copied(cfg)
+    assert got == copy.deepcopy(cfg) and type(got) is type(cfg)
+    assert got.parallel.layers_per_stage == [1, 1] and got.model.extra == {"tags": [1, 2]}
+    for a, b in ((got, cfg), (got.model, cfg.model), (got.parallel, cfg.parallel), (got.train, cfg.train),
+                 (got.parallel.layers_per_stage, cfg.parallel.layers_per_stage), (got.model.extra, cfg.model.extra),
+                 (got.model.extra["tags"], cfg.model.extra["tags"])):
+        assert a is not b
+    got.model.extra["tags"].append(3)
+    assert cfg.model.extra == {"tags": [1, 2]}

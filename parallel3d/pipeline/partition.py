@@ -13,6 +13,7 @@ so ``S`` can be at most ``num_layers + 2``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 
@@ -35,6 +36,12 @@ def _check_counts(counts: Sequence[int], num_layers: int, num_stages: int) -> li
 
 def balanced_counts(num_layers: int, num_stages: int, embedding_cost: float = 1.0,
                     head_cost: float = 1.0) -> list[int]:
+    """_balanced_counts' split, remembered: a layout search asks for the same few tens of thousands of times."""
+    return list(_balanced_counts(num_layers, num_stages, embedding_cost, head_cost))
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_counts(num_layers: int, num_stages: int, embedding_cost: float, head_cost: float) -> tuple[int, ...]:
     """Layers per stage minimising the most expensive stage (ties: fewer empty stages).
 
     Water-filling: every middle stage first gets the one layer it must hold, then each further
@@ -49,7 +56,7 @@ def balanced_counts(num_layers: int, num_stages: int, embedding_cost: float = 1.
     for _ in range(num_layers - sum(counts)):
         s = min(range(num_stages), key=lambda i: (extra[i] + counts[i], counts[i], i))
         counts[s] += 1
-    return counts
+    return tuple(counts)
 
 
 def partition_layers(num_layers: int, pp: int, v: int = 1,

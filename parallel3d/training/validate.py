@@ -5,7 +5,6 @@ optimizer); validation calls it through `_owned` and only adds the cross-field r
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 from typing import Any, Optional, Sequence
@@ -25,7 +24,7 @@ from parallel3d.pipeline.placement import check_schedule_config
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
-from parallel3d.training.config import ConfigError, ExperimentConfig
+from parallel3d.training.config import ConfigError, ExperimentConfig, copied
 from parallel3d.training.data_sources import resolve_documents
 from parallel3d.training.lr_schedule import LR_SCHEDULES
 
@@ -80,7 +79,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     Raises ConfigError with one message naming the first broken constraint. `cfg` itself is left
     untouched, so the unresolved config stays portable to other world sizes.
     """
-    cfg = copy.deepcopy(cfg)
+    cfg = copied(cfg)
     p, t, m = cfg.parallel, cfg.train, cfg.model
     try:
         m.validate()
