@@ -125,6 +125,31 @@ def test_tokenizer_and_synthetic():
     assert TokenDataset.from_array(a, 64, name="<synthetic>")[0].shape == (65,)
 
 
+@pytest.mark.parametrize("num_tokens,vocab_size,seed", [(1, 256, 0), (5000, 256, 1), (123_457, 100, 3),
+                                                        (400_000, 128_256, 7)])
+def test_synthetic_tokens_drawn_at_once_are_the_sentence_loops(num_tokens, vocab_size, seed):
+    """The demo data is the same bits whichever way its words are drawn (so `make demo` prints the same
+    losses), and where a draw of the loop would be redrawn, the bulk draw gives way to the loop."""
+    from parallel3d.training import data
+
+    loop = data._sentences_one_by_one(np.random.default_rng(seed), num_tokens)
+    assert np.array_equal(synthetic_tokens(num_tokens, vocab_size, seed), (loop.astype(np.int64) % vocab_size))
+
+    class Words:   # a generator whose 32-bit words are `words`: rng.integers(6) redraws u = 0 (0 * 6 mod 2^32 < 4)
+        def __init__(self, words):
+            self.words = words
+
+        def integers(self, low, high, size, dtype):
+            return self.words.reshape(size).astype(dtype)
+
+    words = np.random.default_rng(0).integers(1, 2 ** 31, size=(100, 3))
+    assert data._sentences_at_once(Words(words), 50, 100) is not None
+    words[-1, 0] = 0                    # a redraw past the sentences the 50 tokens need changes nothing
+    assert data._sentences_at_once(Words(words), 50, 100) is not None
+    words[0, 0] = 0
+    assert data._sentences_at_once(Words(words), 50, 100) is None
+
+
 def test_prepare_data_text_and_jsonl(tmp_path, capsys):
     txt = tmp_path / "a.txt"
     txt.write_text("hello world")

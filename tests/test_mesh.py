@@ -102,3 +102,18 @@ def test_init_slices_agree_with_the_global_tensor(monkeypatch):
             assert torch.equal(params.init_slice(3, "w", params.ParamMeta(shape, sl), 0.02), full[sl])
         other = params.global_init_tensor(3, "v", meta, 0.02)
         assert not torch.equal(full, other)  # the name is part of the seed
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp,ep,dp_shard,gpus_per_node", [
+    (1, 1, 1, 1, 1, 0, 8), (2, 1, 4, 3, 2, 2, 4), (3, 2, 6, 2, 4, 2, 2), (2, 2, 4, 2, 2, 0, 8),
+    (1, 2, 6, 1, 3, 3, 1), (4, 1, 2, 2, 1, 1, 8)])
+def test_group_of_is_the_member_of_every_group_that_holds_the_rank(tp, cp, dp, pp, ep, dp_shard, gpus_per_node):
+    """MeshSpec.group_of looks only at the ranks sharing the pinned coordinates; it must give the group that
+    MeshSpec.groups (every group of the kind, the whole world walked) gives, for every kind and rank."""
+    from parallel3d.mesh_spec import ALL_DIMS
+
+    spec = MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, dp_shard=dp_shard, gpus_per_node=gpus_per_node)
+    for dim in ALL_DIMS:
+        groups = spec.groups(dim)
+        for rank in range(spec.world_size):
+            assert spec.group_of(dim, rank) == next((g for g in groups if rank in g), []), (dim, rank)
