@@ -18,9 +18,10 @@ def reference(tmp_path_factory):
     return log
 
 
-@pytest.mark.parametrize("layout", [
+@pytest.mark.parametrize("layout", [   # make sweep runs DualPipe-V here too (test_pipeline_vshape_trainer runs it in CI)
     ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=zb-v"],
-    ["parallel.tp=1", "parallel.dp=2", "parallel.pp=2", "parallel.schedule=dualpipe-v", "parallel.zero=1"],
+    pytest.param(["parallel.tp=1", "parallel.dp=2", "parallel.pp=2", "parallel.schedule=dualpipe-v",
+                  "parallel.zero=1"], marks=pytest.mark.sweep),
 ], ids=["zb-v", "dualpipe-v-dp2-zero1"])
 def test_v_schedules_from_the_command_line(tmp_path, reference, layout):
     from parallel3d.pipeline import build_schedule

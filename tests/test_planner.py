@@ -194,7 +194,17 @@ def _plan_cli(*args):
                           timeout=300)
 
 
-def test_plan_cli_json_and_errors():
+def _plan_main(capsys, *args) -> tuple[int, str]:
+    """launch/plan.py's main in this process: (exit code, stderr). The error paths end in common.fail before
+    any dry run, as they do under `python launch/plan.py` (the subprocess cases above and below)."""
+    from launch import plan as plan_cli
+
+    with pytest.raises(SystemExit) as end:
+        plan_cli.main(list(args))
+    return end.value.code, capsys.readouterr().err
+
+
+def test_plan_cli_json_and_errors(capsys):
     proc = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "8", "parallel.tp=2", "parallel.pp=2",
                      "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -204,14 +214,14 @@ def test_plan_cli_json_and_errors():
     assert out["fits"] is True and out["tokens_per_s"] > 0
     bad = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "6", "parallel.tp=4")
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
-    gpu_bad = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "4", "--gpu", "z80")
-    assert gpu_bad.returncode == 2 and "unknown GPU 'z80'" in gpu_bad.stderr
-    node_bad = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "4", "--gpus-per-node", "0")
-    assert node_bad.returncode == 2 and "gpus_per_node must be a positive integer" in node_bad.stderr
+    code, err = _plan_main(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--gpu", "z80")
+    assert code == 2 and "unknown GPU 'z80'" in err
+    code, err = _plan_main(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--gpus-per-node", "0")
+    assert code == 2 and "gpus_per_node must be a positive integer" in err
     # --search with a world no layout can take says why, instead of printing an empty list
-    none = _plan_cli("--config", "configs/tiny.yaml", "--world-size", "7", "--search")
-    assert none.returncode == 2 and "no valid layout for world size 7" in none.stderr
-    assert "the most common reason: " in none.stderr and "Traceback" not in none.stderr
+    code, err = _plan_main(capsys, "--config", "configs/tiny.yaml", "--world-size", "7", "--search")
+    assert code == 2 and "no valid layout for world size 7" in err
+    assert "the most common reason: " in err and "Traceback" not in err
 
 
 def test_search_picks_a_fitting_layout():

@@ -5,6 +5,8 @@ import re
 import shlex
 import subprocess
 
+import pytest
+
 from test_launch import ROOT, SMALL, _run
 
 SUMMARY = re.compile(r"^done: (\d+) steps \(step (\d+) to (\d+)\) \| loss ([\d.]+) -> ([\d.]+)"
@@ -56,11 +58,14 @@ def _demo_next():
     return [line.split() for line in out.stdout.splitlines() if "launch/pretrain.py" in line]
 
 
-def test_demo_next_commands_run_and_print_one_summary_from_four_ranks(tmp_path):
+# CI runs the first (pipeline, interleaved); make sweep the second too (ZeRO-3 with evaluation: test_hsdp's
+# command line runs ZeRO-3 from the command line, test_periodic_evaluation_on_held_out_file evaluation)
+@pytest.mark.parametrize("which", [0, pytest.param(1, marks=pytest.mark.sweep)])
+def test_demo_next_commands_run_and_print_one_summary_from_four_ranks(tmp_path, which):
     commands = _demo_next()
     assert len(commands) == 2
-    for cmd in commands:
-        assert cmd[:5] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-        out = _run([*cmd[5:], *SMALL, "train.steps=2", "train.eval_interval=2", "train.eval_steps=1"], nproc=4)
-        summaries = _summaries(out.stdout)
-        assert len(summaries) == 1 and summaries[0][0] == "2", shlex.join(cmd) + "\n" + out.stdout
+    cmd = commands[which]
+    assert cmd[:5] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    out = _run([*cmd[5:], *SMALL, "train.steps=2", "train.eval_interval=2", "train.eval_steps=1"], nproc=4)
+    summaries = _summaries(out.stdout)
+    assert len(summaries) == 1 and summaries[0][0] == "2", shlex.join(cmd) + "\n" + out.stdout
