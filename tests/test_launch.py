@@ -56,15 +56,15 @@ def single_rank_log(tmp_path_factory):
     return log
 
 
-# CI runs tp2+pp2+sp, cp2 and ZeRO-1 with overlapped gathers from the command line; the other three are
-# covered there by those (tp), by test_timeline_of_a_real_run (interleaved) and test_hsdp's CLI run (ZeRO-3),
-# and run in full under make sweep
+# CI runs tp2+pp2+sp and cp2 from the command line; the other four are covered there by those (tp), by
+# test_timeline_of_a_real_run (interleaved), test_hsdp's CLI run (ZeRO-3) and, for ZeRO-1 with overlapped
+# gathers, by test_param_gather_overlap through the Trainer (against world size 1), and run in full under make sweep
 _SWEEP = pytest.mark.sweep
 LAYOUTS = [pytest.param(["parallel.tp=2"], marks=_SWEEP), ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
            ["parallel.tp=1", "parallel.cp=2"],
            pytest.param(["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved",
                          "parallel.virtual_stages=2"], marks=_SWEEP),
-           ["parallel.tp=2", "parallel.zero=1", "parallel.overlap_param_gather=true"],
+           pytest.param(["parallel.tp=2", "parallel.zero=1", "parallel.overlap_param_gather=true"], marks=_SWEEP),
            pytest.param(["parallel.tp=1", "parallel.zero=3"], marks=_SWEEP)]
 
 

@@ -10,6 +10,9 @@ from test_launch import _losses, _run
 transformers = pytest.importorskip("transformers")
 
 
+# make sweep: the same command-line round trip runs in CI for DeepSeek-V3 (test_deepseek_hf), and Qwen3's
+# import, export and parity with transformers in test_qwen3_hf and test_qwen3_parity (11 s of CI)
+@pytest.mark.sweep
 def test_import_train_tp2_export_loads_in_transformers(tmp_path):
     from parallel3d.models.moe import MoETransformer
     from parallel3d.checkpoint.load import resolve_checkpoint_dir
