@@ -58,7 +58,7 @@ def single_rank_log(tmp_path_factory):
 
 # CI runs tp2+pp2+sp and cp2 from the command line; the other four are covered there by those (tp), by
 # test_timeline_of_a_real_run (interleaved), test_hsdp's CLI run (ZeRO-3) and, for ZeRO-1 with overlapped
-# gathers, by test_param_gather_overlap through the Trainer (against world size 1), and run in full under make sweep
+# gathers, by test_param_gather_overlap through the Trainer (against world size 1); make sweep runs all six
 _SWEEP = pytest.mark.sweep
 LAYOUTS = [pytest.param(["parallel.tp=2"], marks=_SWEEP), ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
            ["parallel.tp=1", "parallel.cp=2"],
