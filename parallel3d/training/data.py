@@ -148,7 +148,8 @@ def _sentence(s: int, v: int, o: int) -> bytes:
 def _sentences_one_by_one(rng: np.random.Generator, num_tokens: int) -> np.ndarray:
     out, total = [], 0
     while total < num_tokens:
-        ids = np.frombuffer(_sentence(rng.integers(6), rng.integers(7), rng.integers(6)), dtype=np.uint8)
+        words = (rng.integers(len(SUBJECTS)), rng.integers(len(VERBS)), rng.integers(len(OBJECTS)))
+        ids = np.frombuffer(_sentence(*words), dtype=np.uint8)
         out.append(ids)
         total += len(ids)
     return np.concatenate(out)[:num_tokens]
@@ -165,9 +166,10 @@ def _sentences_at_once(rng: np.random.Generator, num_tokens: int, sentences: int
     words = rng.integers(0, 2 ** 32, size=(sentences, 3), dtype=np.uint32).astype(np.uint64)
     scaled = words * bounds                                                       # (sentences, 3)
     picks = (scaled >> np.uint64(32)).astype(np.int64)
-    table = [_sentence(s, v, o) for s in range(6) for v in range(7) for o in range(6)]
+    table = [_sentence(s, v, o) for s in range(len(SUBJECTS)) for v in range(len(VERBS))
+             for o in range(len(OBJECTS))]                                        # in the order of `which`
     sizes = np.array([len(t) for t in table])
-    which = picks[:, 0] * 42 + picks[:, 1] * 6 + picks[:, 2]                      # (sentences,)
+    which = (picks[:, 0] * len(VERBS) + picks[:, 1]) * len(OBJECTS) + picks[:, 2]  # (sentences,)
     used = int(np.searchsorted(np.cumsum(sizes[which]), num_tokens)) + 1          # as many as the loop draws
     if (scaled[:used] & np.uint64(2 ** 32 - 1) < (2 ** 32 - bounds) % bounds).any():
         return None
