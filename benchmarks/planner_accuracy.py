@@ -6,10 +6,10 @@ For each model (configs/tiny.yaml with 4 layers, configs/llama_100m.yaml at a CP
 layout of world 2 (dp2 ZeRO-0/1/2/3, tp2 with and without SP, pp2 1F1B and ZB-V, cp2 ring, MoE ep2), it
 plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) and then runs it through
 `launch/pretrain.py` under torchrun (2 gloo ranks, one thread each, log.timeline on), and prints:
-  - predicted and measured step time (median of the steps after the first) and their ratio; each model
-    runs for its own number of steps (`STEPS`): a tiny step is still warming up over its first five or so
-    (29.7, 33.9, 28.2, 25.0, 30.7 ms, then 24-28 ms in one dp2 run), which a median of five steps kept,
-    so tiny runs 24 steps and llama_100m, at seconds a step, 6;
+  - predicted and measured step time (median of the later half of the steps: compare.steady_rows) and
+    their ratio; each model runs for its own number of steps (`STEPS`): a tiny step is still warming up
+    over its first five or so (29.7, 33.9, 28.2, 25.0, 30.7 ms, then 24-28 ms in one dp2 run), so tiny
+    runs 24 steps and llama_100m, at seconds a step, 6 (its MoE layout warms up over three or four);
   - the pipeline span and what follows it (gradient-sync tail, clipping, optimizer), planned and
     measured (from the run's timeline JSON), so a gross error can be put on a component;
   - predicted peak memory (the plan's worst rank plus the process's resident memory before the model,

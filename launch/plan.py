@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         fail(str(e))
     print(_table(result, gpu, args.world_size))
     if run is not None:
-        print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians after the first):")
+        print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians of the later half):")
         print(compare_table(result, run, gpu.reserved_bytes))
     if args.json:
         print(json.dumps(result.to_json()))

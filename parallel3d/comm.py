@@ -246,7 +246,7 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
     work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,
                                                                             async_op=True), out, inp)
     if group.simulated:
-        out.copy_(inp.narrow(0, group.rank * out.numel(), out.numel()))
+        _simulate_reduce_scatter(out, inp, group.rank)
     return work
 
 
@@ -323,6 +323,11 @@ def barrier(group: Group) -> None:
     _run(group, "barrier", lambda: dist.barrier(group=group.pg))
 
 
+def _simulate_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
+    """Every rank holds this rank's inp: the sum's segment is this rank's segment (up to the factor)."""
+    out.copy_(inp.narrow(0, rank * out.numel(), out.numel()))
+
+
 def _simulate_all_gather(out: torch.Tensor, t: torch.Tensor, size: int) -> None:
     """Every rank holds this rank's t; filled in place (no temporary, so a dry run's memory is the real one).
     An in-place gather (t is this rank's block of out, as ZeRO-1/2's) fills the other blocks only."""
@@ -342,6 +347,14 @@ def _simulate_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
     for start in range(0, n if rows else 0, max(rows, 1)):  # in place, a block of rows at a time
         take = min(rows, n - start)
         out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
+
+
+def transfer_stand_ins() -> tuple:
+    """The functions by which a dry run fills a collective's output in place of the network (the
+    simulated backend): their copies are the transfer's own work, which the collective's price covers, so
+    the planner's tracker does not price them as compute. Not among them: gloo's sum on wait (real
+    arithmetic, run as on gloo)."""
+    return (_simulate_reduce_scatter, _simulate_all_gather, _simulate_all_to_all, gloo.simulate_reduce_scatter)
 
 
 # ---- reading device values on the host: parallel3d.host_sync (read_float, read_list, read_tensor), counted

@@ -171,6 +171,21 @@ def test_compare_prints_the_plan_beside_a_real_cpu_run(cache_home, tmp_path, cap
     assert missing.value.code == 2 and "--compare" in err and "does not exist" in err
 
 
+def test_a_run_is_read_at_its_steady_state(tmp_path):
+    """`--compare` and the accuracy benchmark read the median of the later half of the steps: a run that
+    warms up over three steps (the MoE run's heap growing) is read at its steady 4 s, not 5."""
+    from parallel3d.planner.compare import read_run
+
+    jsonl = tmp_path / "run.jsonl"
+    steps = [8.4, 6.0, 5.0, 4.1, 4.0, 3.9]
+    jsonl.write_text("".join(json.dumps({"step": i, "step_time_s": t, "peak_mem_bytes": 10 + i}) + "\n"
+                             for i, t in enumerate(steps)) + json.dumps({"eval_loss": 1.0}) + "\n")
+    run = read_run(str(jsonl))
+    assert run["steps"] == 6 and run["step_time_s"] == 4.0 and run["peak_mem_bytes"] == 15
+    jsonl.write_text("".join(json.dumps({"step": i, "step_time_s": t}) + "\n" for i, t in enumerate([9.0, 2.0])))
+    assert read_run(str(jsonl))["step_time_s"] == 2.0   # two steps: the second
+
+
 def test_accuracy_benchmark_quick_smoke(cache_home):
     """Two layouts of the --quick benchmark: plans, runs through launch/pretrain.py under torchrun, and the
     JSON rows carry what the issue asks for, with the load average and the commit."""

@@ -124,3 +124,26 @@ def test_inputs_from_beyond_the_cache_cost_the_memory_they_come_from():
     op = OpCost(0.0, 0.0, 4000.0, torch.float32, False, reuse=((1000, -1), (1000, 20_000), (1000, 9_000)))
     assert _cold_seconds(op, dev) == pytest.approx(2000 * 1e-9)
     assert _cold_seconds(dataclasses.replace(op, nbytes=20_000.0), dev) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_the_fill_that_stands_for_the_network_is_not_priced_as_compute(backend):
+    """A dry run's collective fills its output in place of the network (comm.transfer_stand_ins); the
+    collective's own price covers those bytes, so the tracker prices none of the fill's copies. Its buffers
+    are still counted, and gloo's sum on wait, which a real rank computes, is still an op."""
+    from parallel3d import comm
+    from parallel3d.planner.tracker import StepTracker
+
+    ctx = ParallelContext.simulated(MeshSpec(dp=2), 0, "meta", backend)
+    with StepTracker(device_type="meta") as tracker:
+        x = torch.ones(4096, device="meta")                        # (4096,)
+        gathered = comm.all_gather(x, ctx.dp)                      # (8192,)
+        swapped = comm.all_to_all(x, ctx.dp)                       # (4096,)
+        shard = comm.reduce_scatter(x, ctx.dp)                     # (2048,)
+    names = Counter(op.name for op in tracker.ops)
+    assert names["copy_"] == 0, names
+    assert names["sum"] == (1 if backend == "gloo" else 0), names
+    assert gathered.shape == (8192,) and swapped.shape == (4096,) and shard.shape == (2048,)
+    comm_bytes = sum(a.nbytes for a in tracker.allocs if a.category == "comm_buffers")
+    # the gathered output, the all-to-all's output and the reduce-scatter's output (gloo: and its receive buffer)
+    assert comm_bytes == 4 * (8192 + 4096 + 2048 + (4096 if backend == "gloo" else 0))

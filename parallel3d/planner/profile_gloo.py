@@ -113,8 +113,8 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
             def run():
                 if op == "all_reduce":
                     comm.all_reduce(t, group)
-                elif op == "reduce_scatter":
-                    comm.start_reduce_scatter(out, t, group).wait()
+                elif op == "reduce_scatter":   # the transfer only: the sum on wait is an op the dry run
+                    comm.start_reduce_scatter(out, t, group).work.wait()   # prices at its real size
                 elif op == "all_gather":
                     comm.all_gather(t[: numel // world], group)
                 elif op == "all_to_all":

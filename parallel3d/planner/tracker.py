@@ -21,7 +21,8 @@ gets a category when it is born:
   - everything else allocated during the step is activations (saved tensors, temporaries, autograd's
     parameter gradients before the optimizer's hook takes them).
 
-Compute: every op gets its FLOPs (torch.utils.flop_counter's formulas, the ones FlopCounterMode uses),
+Compute: every op but the copies by which the simulated backend fills a collective's output
+(`comm.transfer_stand_ins`: the collective's own price covers moving those bytes) gets its FLOPs (torch.utils.flop_counter's formulas, the ones FlopCounterMode uses),
 its bytes read and written (tensor arguments and results, views cost nothing) and the wall time at which
 it ran, so the planner can attribute modeled time to the pipeline action that ran it; on request
 (`signatures`), the op's signature, by which a measured machine prices it (planner/op_replay.py), and
@@ -30,6 +31,7 @@ memory).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
@@ -78,6 +80,19 @@ class _Alloc:
     resizes: list = field(default_factory=list)  # (event counter, new nbytes): ZeRO-3 frees by resize_(0)
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _caller():
+    """The frame of the code that called the op being dispatched: the first one above the dispatch mode
+    (this file) and torch's own wrappers of it."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and (frame.f_code.co_filename == __file__
+                                        or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+        frame = frame.f_back
+    return frame
+
+
 @dataclass
 class StepTracker(TorchDispatchMode):
     """Use as a context manager around a step. `classify(storage) -> category or None` names the model-state
@@ -90,6 +105,7 @@ class StepTracker(TorchDispatchMode):
     _clock: int = 0
     _comm_files: tuple = ()
     _grad_code: object = None
+    _stand_ins: frozenset = frozenset()   # code of comm's transfer stand-ins: their copies are not compute
     _watched: list = field(default_factory=list)  # (weakref to storage, alloc index) polled for resizes
     syncs: Optional[HostSyncs] = None  # where blocking host-to-device copies onto the device are counted
     # signature -> replay spec of every distinct op (planner/op_replay.py), when the caller asks for them
@@ -104,6 +120,7 @@ class StepTracker(TorchDispatchMode):
         from parallel3d.data_parallel.sync import grad_buffer
         self._comm_files = (comm_module.__file__, gloo_module.__file__)
         self._grad_code = grad_buffer.__code__
+        self._stand_ins = frozenset(f.__code__ for f in comm_module.transfer_stand_ins())
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def __enter__(self):
@@ -184,7 +201,8 @@ class StepTracker(TorchDispatchMode):
             category = self._born_as()
             for s in fresh:
                 self._register(s, category)
-        self._cost(func, args, kwargs, out, outs)
+        if _caller().f_code not in self._stand_ins:   # a dry run's fill stands for the network
+            self._cost(func, args, kwargs, out, outs)
         return out
 
     def _cost(self, func, args, kwargs, out, outs) -> None:
