@@ -84,6 +84,47 @@ def test_ranks_sharing_cores_are_priced_as_they_run(tmp_path):
     assert matmul_seconds(2 * 33554432.0, CURVE) == pytest.approx(4e-4)
 
 
+def test_a_collective_beside_compute_hides_what_its_threads_leave_idle(tmp_path):
+    """Where the ranks fill the cores, a collective the code starts beside compute (ZeRO-2's per-microbatch
+    reduce-scatters, its gradient sync) takes a core for its busy share and hides only the rest; a GPU (or
+    a spare core) hides all of it, and an unmeasured busy share hides none. Planned on the real dry run of
+    tiny at dp2 with ZeRO-2 (per microbatch) and ZeRO-1 (once per step)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from common import stage_builder
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.planner.cost import hidden_share
+    from parallel3d.planner.dryrun import run_role
+    from parallel3d.planner.estimate import as_run_on_cpu
+    from parallel3d.training.config import load_config
+    from parallel3d.training.validate import resolve_and_validate
+
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(fake_profile(cores=2)))
+    serial = profile.cpu_device(2, path=path)
+    busy = dataclasses.replace(serial, comm_busy={op: 0.75 for op in profile_gloo.COLLECTIVES})
+    assert hidden_share("reduce_scatter", gpu("h100")) == 1.0 and hidden_share("recv", busy) == 0.25
+    assert hidden_share("all_gather", serial) == 0.0
+    for zero in (2, 1):
+        cfg = resolve_and_validate(load_config(str(ROOT / "configs/tiny.yaml"), [
+            "parallel.tp=1", f"parallel.zero={zero}", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "train.seq_len=32", "model.num_layers=2", "parallel.dp=0"], ModelConfig), 2)
+        cfg = as_run_on_cpu(cfg)
+        runs = {name: run_role(cfg, 1, stage_builder, device, 1) for name, device in (("serial", serial),
+                                                                                      ("busy", busy))}
+        reduced = runs["busy"].comm_s["dp_cp.reduce_scatter"]
+        assert reduced == pytest.approx(runs["serial"].comm_s["dp_cp.reduce_scatter"]) and reduced > 0
+        if zero == 2:   # inside each backward: a quarter hides behind its compute
+            back = {name: r.actions[("BACKWARD", 0)] for name, r in runs.items()}
+            assert back["serial"].overlapped_comm_s == 0.0
+            assert back["busy"].overlapped_comm_s == pytest.approx(back["serial"].blocking_comm_s * 0.25)
+            assert back["busy"].blocking_comm_s == pytest.approx(back["serial"].blocking_comm_s * 0.75)
+        else:           # the step's one gradient sync: a quarter of each bucket may hide behind the last backward
+            assert sum(runs["serial"].grad_sync_parts) == 0.0
+            assert sum(runs["busy"].grad_sync_parts) == pytest.approx(0.25 * reduced)
+            assert runs["busy"].outside.blocking_comm_s == pytest.approx(
+                runs["serial"].outside.blocking_comm_s - 0.25 * reduced)
+
+
 def test_real_profile_measures_this_machine(tmp_path):
     """The microbenchmarks themselves run (seconds) and give positive rates and both gloo timings; the
     contention probe on the spawned ranks one slowdown per kind, never below 1 (a run cannot be faster than
@@ -97,6 +138,9 @@ def test_real_profile_measures_this_machine(tmp_path):
     assert set(found["slowdown"]) == {"matmul", "op", "memory"} and min(found["slowdown"].values()) >= 1.0
     assert set(found["wake"]) == set(profile_gloo.COLLECTIVES) and min(found["wake"].values()) >= 0.0
     assert g.comm_wake_s == found["wake"] and g.comm_wake_gap_s == profile_gloo.WAKE_GAP_S
+    # the share of a 4 MiB call gloo's threads keep a core busy: measured for every collective
+    assert set(found["busy"]) == set(profile_gloo.COLLECTIVES) and g.comm_busy == found["busy"]
+    assert all(0.0 < b <= 1.0 for b in found["busy"].values())
 
 
 def test_per_op_overhead_of_the_real_step_is_measured():

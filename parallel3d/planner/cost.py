@@ -98,6 +98,17 @@ def wake_seconds(op: str, compute_since_s: float, gpu: GPU) -> float:
     return extra * min(1.0, compute_since_s / gpu.comm_wake_gap_s)
 
 
+def hidden_share(op: str, gpu: GPU) -> float:
+    """The share of a collective started beside compute that hides behind it: all of it where the
+    communication has resources of its own (a GPU's copy engines and NCCL's SMs; a CPU with a core to
+    spare), else what its threads leave idle (1 - gpu.comm_busy[op]: gloo's threads take a core from the
+    ranks' compute while they copy and sum), nothing where that was not measured."""
+    if gpu.overlaps_comm:
+        return 1.0
+    busy = (gpu.comm_busy or {}).get("send" if op == "recv" else op)
+    return 0.0 if busy is None else max(0.0, 1.0 - busy)
+
+
 def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
     return len({r // gpus_per_node for r in ranks}) > 1
 

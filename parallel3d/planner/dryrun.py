@@ -29,7 +29,8 @@ from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.planner import op_replay
-from parallel3d.planner.cost import collective_seconds, exposed, op_time, queue_seconds, wake_seconds
+from parallel3d.planner.cost import (collective_seconds, exposed, hidden_share, op_time, queue_seconds,
+                                     wake_seconds)
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
 from parallel3d.planner.tracker import CATEGORIES, StepTracker
@@ -67,8 +68,9 @@ class ActionCost:
     """Modeled seconds of one pipeline action (one microbatch of one chunk)."""
     compute_s: float = 0.0
     flops: float = 0.0
-    blocking_comm_s: float = 0.0     # TP / EP collectives: on the critical path
+    blocking_comm_s: float = 0.0     # TP / EP collectives, and what of the others a CPU's compute pays
     overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
+                                     # (on a CPU whose cores the ranks fill, their idle share: cost.hidden_share)
     host_stall_s: float = 0.0        # the part of compute_s the device waits for the host (cost.queue_seconds)
     ops: float = 0.0                 # ops the dry run counted in it
 
@@ -97,8 +99,9 @@ class RoleRun:
     peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
     grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
     op_seconds: dict = field(default_factory=dict)  # op name -> [count, modeled seconds] in the step
-    # DP gradient reductions, seconds per reduction in launch (bucket) order: once per step, hidden behind
-    # the last backward as their buckets become ready (cost.exposed_buckets)
+    # DP gradient reductions, the seconds of each that can hide (cost.hidden_share), in launch (bucket) order:
+    # once per step, behind the last backward as their buckets become ready (cost.exposed_buckets); the
+    # rest of them is in `outside`
     grad_sync_parts: list = field(default_factory=list)
 
 
@@ -237,21 +240,21 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     for wall, group, op, seconds, nbytes in events:
         c = slot(wall)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
-        overlapped = c is not outside and base_group(group) in OVERLAPPED_GROUPS and gpu.overlaps_comm
-        if not (grad_sync or overlapped):   # the rank waits in it: arriving from compute costs it more
+        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)  # started, not waited in
+        if not beside:   # the rank waits in it: arriving from compute costs it more
             since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_block)]
             seconds += wake_seconds(op, since, gpu)
             last_block = wall
         comm_s[f"{group}.{op}"] += seconds
-        if grad_sync:
-            grad_sync_parts.append(seconds)   # once per step, not per microbatch: estimate.plan overlaps it
+        hidden = seconds * hidden_share(op, gpu) if beside else 0.0   # the rest takes the ranks' cores
+        if grad_sync:   # once per step, not per microbatch: estimate.plan hides it behind the last backward
+            grad_sync_parts.append(hidden)
+            outside.blocking_comm_s += seconds - hidden
             continue
         if c is not outside:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
-        if overlapped:
-            c.overlapped_comm_s += seconds
-        else:
-            c.blocking_comm_s += seconds
+        c.overlapped_comm_s += hidden
+        c.blocking_comm_s += seconds - hidden
     per_action: dict = defaultdict(list)
     p2p: dict = defaultdict(list)
     for row, c in zip(mine, costs):

@@ -158,8 +158,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     def tail(run: RoleRun) -> float:  # what follows the pipeline: the gradient sync's exposed part, then
         last_backward = max((c.compute_s for (kind, _), c in run.actions.items()   # the optimizer
                              if kind in ("BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")), default=0.0)
-        return run.outside.time_s + exposed_buckets(run.grad_sync_parts,
-                                                    last_backward if gpu.overlaps_comm else 0.0)
+        return run.outside.time_s + exposed_buckets(run.grad_sync_parts, last_backward)
 
     outside = max(tail(run) for run in stage_run.values())
     offload: dict = {}

@@ -93,8 +93,11 @@ class GPU:
     cache_bytes: float = 0.0
     cold_s_per_byte: float = 0.0
     # whether communication can run beside compute (a GPU's copy engines and NCCL's SMs; on a CPU, only
-    # when a core is left over for gloo's threads: ranks >= cores serialise them with the compute)
+    # when a core is left over for gloo's threads: ranks >= cores share theirs with the compute)
     overlaps_comm: bool = True
+    # where it cannot: op -> the share of a collective's time its threads keep a core busy, which a
+    # collective started beside compute takes from it (the rest hides: cost.hidden_share; profile_gloo.py)
+    comm_busy: Optional[dict] = None
     # a CPU: the dry run takes the kernels `auto` picks there, not a GPU's (planner/host_kernels.py)
     runs_cpu_kernels: bool = False
 

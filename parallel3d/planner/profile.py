@@ -36,9 +36,10 @@ matmul, a per-op loop and a stream through memory all at once, and their slowdow
 alone (shared caches and memory bandwidth, vCPUs on one physical core) scales the matmul curves and the
 replayed op times, the per-op overhead, and the cost of a byte from memory; ranks outnumbering the
 cores also divide the rates by cores / world. The collectives are measured at that world size. gloo
-moves data on its own threads, which overlap with the compute only where a core is left for them (cores
-> world); otherwise the planner serialises the collectives it would hide on a GPU (CP ring, ZeRO-3
-prefetch, gradient reduction) with the compute.
+moves data on its own threads, which overlap with the compute freely only where a core is left for them
+(cores > world); otherwise a collective the code starts beside compute (CP ring, ZeRO-3 prefetch,
+gradient reduction) takes a core from it for the share of its time its threads are busy, which the
+profile measures at 4 MiB, and only the rest hides (cost.hidden_share).
 
 Cache: $XDG_CACHE_HOME/parallel3d (default ~/.cache/parallel3d)/hardware-<host>-<cores>c.json, with the
 gloo figures per world size, and the replayed op times beside it (ops-hardware-...); `--reprofile`
@@ -63,8 +64,9 @@ MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # 2: the per-op overhead is the host's time around the ops, their replayed kernels taken out (op_replay.py), and
 # the memory hierarchy behind replayed ops (memory_hierarchy); 3: collectives timed as a step calls them;
 # 4: and after a long stretch of compute (profile_gloo.WAKE_GAP_S); 5: every call but the slowest (profile_gloo.typical);
-# 6: gloo's reduce-scatter without its sum on wait, which the dry run prices as an op
-VERSION = 6
+# 6: gloo's reduce-scatter without its sum on wait, which the dry run prices as an op; 7: the collectives'
+# busy share (profile_gloo.BUSY_NOTE)
+VERSION = 7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -264,4 +266,4 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                op_times=ops, op_time_scale=mm, cache_bytes=c["cache_bytes"] / max(world, 1),  # a shared cache
                cold_s_per_byte=max(0.0, 1 / c["memory_bytes_per_s_cold"] - 1 / c["hot_bytes_per_s"]) * memory,
                host_adam_params_per_s=c["host_adam_params_per_s"] * share,
-               overlaps_comm=profile["cores"] > world, runs_cpu_kernels=True)
+               overlaps_comm=profile["cores"] > world, comm_busy=gloo.get("busy"), runs_cpu_kernels=True)

@@ -26,6 +26,12 @@ SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
 # (most calls take 0.3 ms; more of them then wait about 4 ms, a scheduler tick, for a thread to run).
 # The wake probe times each collective after this much compute, as a transformer layer's TP exit meets it.
 WAKE_GAP_S, SHORT_GAP_S = 3e-3, 2.5e-4
+# BUSY_NOTE: a collective started beside compute (a bucket's reduce-scatter, a ring-attention transfer) runs
+# on gloo's threads; where the ranks fill the cores, those threads take a core from the compute for the
+# share of the call they are busy (copying, summing, the socket's work: process CPU seconds over wall
+# seconds), and only the rest of the call hides (cost.hidden_share). Two ranks on this VM, 146 MiB: the
+# all-reduce 0.75-0.77 busy, the all-to-all of the reduce-scatter 0.55-0.73, the all-gather 0.72-0.76; a
+# ZeRO-2 step of llama_100m paid about 0.25 s for each microbatch's 0.34 s of reduce-scatters.
 
 
 def best(fn, repeats: int) -> float:
@@ -102,7 +108,7 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
     dist.barrier()
     together = _contention_probe()   # every rank at once, as the ranks of a run compute
     work = torch.randn(256, 256)     # a quarter of a millisecond of matmul before each timed collective
-    result, wake = {}, {}
+    result, wake, busy = {}, {}, {}
     for op in COLLECTIVES:
         times = []
         for nbytes in (SMALL, LARGE):
@@ -124,19 +130,22 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
                                     comm.P2P("recv", torch.empty_like(t), (rank - 1) % world)], group)
             run()   # a first call may set up (connections, buffers): not a timing
             dist.barrier()
-            seconds = []
+            seconds, cpu = [], 0.0
             for _ in range(60 if nbytes == SMALL else 12):   # gloo latency here moves 3x between short runs
                 work @ work   # as in a step: each rank arrives from its own compute, no barrier lines them up
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 run()
                 seconds.append(time.perf_counter() - t0)
+                cpu += time.process_time() - c0   # every thread of the process: gloo's and this one
             times.append(typical(seconds))
+            if nbytes == LARGE:   # the share of the call a core was busy moving and summing (BUSY_NOTE)
+                busy[op] = min(1.0, cpu / max(sum(seconds), 1e-9))
             if nbytes == SMALL:   # the same calls after a long stretch of compute (WAKE_GAP_S)
                 wake[op] = _wake(run, 200)
         result[op] = times
     if rank == 0:
         Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss,
-                                              "together": together, "wake": wake}))
+                                              "together": together, "wake": wake, "busy": busy}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -187,4 +196,4 @@ def measure_gloo(world: int) -> dict:
     links = {op: list(_solve(op, world, *t)) for op, t in found["times"].items()}
     slowdown = {k: max(1.0, found["together"][k] / alone[k]) for k in alone}
     return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"], "slowdown": slowdown,
-            "wake": found["wake"], "wake_gap_s": WAKE_GAP_S}
+            "wake": found["wake"], "wake_gap_s": WAKE_GAP_S, "busy": found["busy"]}
