@@ -57,16 +57,21 @@ def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
     ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
     _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: (1e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures}
-    cache = tmp_path / "ops.json"
-    cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
-    replayed = run_role(cfg, 0, _stage_builder, dataclasses.replace(base, op_times=cache, op_time_scale=1.5), 8)
-    count, seconds = replayed.op_seconds["mm"]
-    assert count == roofline.op_seconds["mm"][0] > 0
-    assert seconds == pytest.approx(count * (1e-3 * 1.5 + 3e-6))
-    for name, (n, s) in roofline.op_seconds.items():
-        if name != "mm":
-            assert tuple(replayed.op_seconds[name]) == (n, pytest.approx(s))
-    assert json.loads(cache.read_text())["ops"] == times   # nothing replayed: the cache had every op
+    gemms = [k for k, spec in tracker.signatures.items() if op_replay.is_gemm(spec)]
+    assert gemms and all(k.startswith(("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")) for k in gemms)
+    for extra in (0.0, 2e-4):   # a GEMM's output written to cold memory costs its replayed extra too
+        times.update({op_replay.COLD + k: extra for k in gemms})
+        cache = tmp_path / f"ops-{extra}.json"
+        cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
+        device = dataclasses.replace(base, op_times=cache, op_time_scale=1.5)
+        replayed = run_role(cfg, 0, _stage_builder, device, 8)
+        count, seconds = replayed.op_seconds["mm"]
+        assert count == roofline.op_seconds["mm"][0] > 0
+        assert seconds == pytest.approx(count * ((1e-3 + extra) * 1.5 + 3e-6))   # every mm allocates its output
+        for name, (n, s) in roofline.op_seconds.items():
+            if name not in ("mm", "addmm"):
+                assert tuple(replayed.op_seconds[name]) == (n, pytest.approx(s))
+        assert json.loads(cache.read_text())["ops"] == times   # nothing replayed: the cache had every op
 
 
 def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):
@@ -75,9 +80,12 @@ def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monke
     _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     cache = tmp_path / "ops.json"
     first = op_replay.measure(tracker.signatures, cache)
-    assert first.keys() == tracker.signatures.keys()
-    assert all(s is not None and s > 0 for s in first.values())   # every op of a Llama step replays on a CPU
+    gemms = {op_replay.COLD + k for k, spec in tracker.signatures.items() if op_replay.is_gemm(spec)}
+    assert gemms and first.keys() == tracker.signatures.keys() | gemms
+    assert all(first[k] is not None and first[k] > 0 for k in tracker.signatures)   # every op of a Llama step replays
+    assert all(first[k] is not None and first[k] >= 0 for k in gemms)               # and every GEMM's cold output
     monkeypatch.setattr(op_replay, "replay", lambda spec: pytest.fail("replayed an op the cache holds"))
+    monkeypatch.setattr(op_replay, "replay_cold_output", lambda spec: pytest.fail("replayed a cached GEMM"))
     assert op_replay.measure(tracker.signatures, cache) == first
     assert json.loads(cache.read_text())["version"] == op_replay.VERSION
 
@@ -124,6 +132,30 @@ def test_inputs_from_beyond_the_cache_cost_the_memory_they_come_from():
     op = OpCost(0.0, 0.0, 4000.0, torch.float32, False, reuse=((1000, -1), (1000, 20_000), (1000, 9_000)))
     assert _cold_seconds(op, dev) == pytest.approx(2000 * 1e-9)
     assert _cold_seconds(dataclasses.replace(op, nbytes=20_000.0), dev) == 0.0
+
+
+def test_a_gemm_writes_its_fresh_output_to_cold_memory():
+    """The tracker records the bytes of the output storages an op allocates; a GEMM that allocates its output
+    (replayed into the buffer its last call used) costs its replayed extra of writing into memory outside
+    the cache, as a step's allocator places it. An in-place GEMM allocates nothing; an add's fresh output is
+    not a GEMM's (the step measured 0.35 ns per output byte over replay for GEMMs, 0.1 for muls, none for
+    adds)."""
+    from parallel3d.planner.dryrun import _cold_seconds
+    from parallel3d.planner.tracker import StepTracker
+
+    a, w, acc = torch.ones(64, 32), torch.ones(32, 16), torch.zeros(64, 16)
+    with StepTracker(device_type="cpu", signatures={}) as tracker:
+        out = a @ w                          # (64, 16): a fresh 4 KiB output
+        acc.addmm_(a, w)                     # in place: nothing allocated
+        out + acc                            # a fresh output, not a GEMM's
+    assert [(op.name, op.fresh_bytes) for op in tracker.ops] == [("mm", 4096), ("addmm_", 0), ("add", 4096)]
+    dev = dataclasses.replace(gpu("h100"), cache_bytes=1 << 20, cold_s_per_byte=1e-9)
+    hot = [dataclasses.replace(op, reuse=()) for op in tracker.ops]   # inputs just touched: no input term
+    assert [_cold_seconds(op, dev, 5e-6) for op in hot[:2]] == [5e-6, 0.0]   # (the caller passes GEMMs' only)
+    mm = tracker.ops[0]
+    spec = tracker.signatures[mm.key]
+    assert op_replay.is_gemm(spec) and not op_replay.is_gemm(tracker.signatures[tracker.ops[2].key])
+    assert op_replay.replay_cold_output(spec) >= 0.0   # measured: the .out overload over cycled buffers
 
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])

@@ -179,14 +179,17 @@ def tracked_step(trainer, device_type: str, signatures: bool = False) -> tuple[d
     return out, tracker
 
 
-def _cold_seconds(op, gpu: GPU) -> float:
-    """What a replayed op (its inputs hot in cache) lacks in the step: the inputs the step last touched more
-    than the cache ago come from memory. An op whose own traffic exceeds the cache streamed from memory when
-    it was replayed too, and gets nothing."""
+def _cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
+    """What a replayed op (its inputs hot in cache, its output written where its last call's was) lacks in
+    the step: the inputs the step last touched more than the cache ago come from memory (an op whose own
+    traffic exceeds the cache streamed from memory when it was replayed too, and gets nothing for them),
+    and a GEMM that allocates its output writes it into memory the step last used long ago
+    (`cold_output_s`, its replayed extra: op_replay.replay_cold_output)."""
+    written = cold_output_s if op.fresh_bytes else 0.0
     if op.nbytes > gpu.cache_bytes:
-        return 0.0
+        return written
     cold = sum(n for n, distance in op.reuse if distance < 0 or distance > gpu.cache_bytes)
-    return cold * gpu.cold_s_per_byte
+    return cold * gpu.cold_s_per_byte + written
 
 
 def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per_microbatch: bool) -> RoleRun:
@@ -215,7 +218,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
         replayed = measured.get(op.key)
         if replayed is not None:
-            seconds = replayed * gpu.op_time_scale + _cold_seconds(op, gpu) + gpu.op_overhead_s
+            cold_output = (measured.get(op_replay.COLD + op.key) or 0.0) * gpu.op_time_scale
+            seconds = replayed * gpu.op_time_scale + _cold_seconds(op, gpu, cold_output) + gpu.op_overhead_s
         else:
             seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds

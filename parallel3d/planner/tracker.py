@@ -69,6 +69,7 @@ class OpCost:
     # with signatures: (bytes, reuse distance) of each tensor input, the distance being the bytes the step's
     # ops moved since its storage was last read or written (-1: not touched before in this step)
     reuse: tuple = ()
+    fresh_bytes: int = 0  # bytes of the output storages this op allocated (where a step's allocator put them)
 
 
 @dataclass
@@ -197,15 +198,18 @@ class StepTracker(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         fresh = [t.untyped_storage() for t in outs if t.device.type == self.device_type]
         fresh = [s for s in fresh if s not in self._index]
+        born = 0   # bytes of the storages this op allocated (not an input first seen here, written in place)
         if fresh:
             category = self._born_as()
             for s in fresh:
                 self._register(s, category)
+            ins = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            born = sum(s.nbytes() for s in fresh if s not in ins)
         if _caller().f_code not in self._stand_ins:   # a dry run's fill stands for the network
-            self._cost(func, args, kwargs, out, outs)
+            self._cost(func, args, kwargs, out, outs, born)
         return out
 
-    def _cost(self, func, args, kwargs, out, outs) -> None:
+    def _cost(self, func, args, kwargs, out, outs, fresh_bytes: int = 0) -> None:
         name = func._overloadpacket.__name__
         if func.is_view or name in _FREE_OPS:
             return
@@ -228,7 +232,7 @@ class StepTracker(TorchDispatchMode):
             self.signatures.setdefault(key, spec)
             reuse = self._reuse(ins, outs, nbytes)
         self.ops.append(OpCost(time.perf_counter(), flops, float(nbytes), dtype, backward, name, head_dim, causal,
-                               key, reuse))
+                               key, reuse, fresh_bytes))
 
     def _reuse(self, ins: list, outs: list, nbytes: int) -> tuple:
         """Each input's (bytes, reuse distance) (OpCost.reuse), then this op's own traffic on the clock."""
