@@ -15,9 +15,10 @@ tensors zeros (every index in range), booleans true. An op that fails on them (a
 zero, a shape that depends on values it did not get) is left to the roofline: `measure` returns no time
 for it.
 
-Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. A GEMM is also
+Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. An op is also
 timed writing its output into memory outside the cache (`replay_cold_output`), where a step's allocator
-puts a fresh output; the dry run adds that extra to the GEMMs that allocate theirs. Not measured
+puts a fresh output; the dry run adds that extra to the ops that allocate theirs. Replays run with the
+allocator a CPU run sets (parallel3d/host_memory.py), so a replayed op does not fault its output in. Not measured
 here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
 and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
 
@@ -34,11 +35,15 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-VERSION = 2            # 2: and each GEMM's output written to memory outside the cache (replay_cold_output)
+from parallel3d.host_memory import keep_freed_memory
+
+VERSION = 3            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
+                       # and replays under the run's allocator (host_memory.keep_freed_memory)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
-GEMMS = ("mm", "addmm", "bmm", "baddbmm")   # ops whose output a step writes where the cache is cold
-COLD = "cold-output|"  # the cache's key of a GEMM's cold-output extra: COLD + its signature's key
+COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
 COLD_SPAN = 64 << 20   # bytes of output buffers a cold-output replay cycles over: past the cache
+COLD_MIN_BYTES = 256 << 10   # smaller outputs come back hot from the allocator's recent frees (and cost little)
+COLD_CALLS = 32        # calls timed each way
 
 
 def signature(func, args: tuple, kwargs: dict) -> tuple[str, tuple]:
@@ -111,49 +116,50 @@ def replay(spec: tuple) -> Optional[float]:
         torch.set_num_threads(threads)
 
 
-def is_gemm(spec: tuple) -> bool:
-    return spec[0]._overloadpacket.__name__ in GEMMS
-
-
 def replay_cold_output(spec: tuple) -> Optional[float]:
-    """Seconds a GEMM takes more writing its output into memory outside the cache than into the buffer its
+    """Seconds an op takes more writing its output into memory outside the cache than into the buffer its
     last call wrote, which is where `replay` writes it (the allocator hands the freed block back). A step's
     allocator hands a fresh output a block it last used long ago: one llama_100m step at world 1 ran its
     GEMMs at 1.48x their replayed time, and a (256, 768) @ (768, 2048) bf16 GEMM here took 0.88 ms into a
-    hot buffer, 1.15 with its weight from memory, 1.50 with its output there too, 1.56 in the step.
-    Measured per signature, since the extra per byte moves with the shape and dtype (0.03-0.1 ns for small
-    fp32 GEMMs, 0.26-0.29 for bf16 ones of a llama_100m layer): the `.out` overload of the op, cycled over
-    buffers spanning COLD_SPAN, against the same call into one buffer. None where the op is no GEMM or
-    cannot be replayed."""
-    if not is_gemm(spec):
-        return None
+    hot buffer, 1.15 with its weight from memory, 1.50 with its output there too, 1.56 in the step; its
+    out-of-place muls ran at 2.1x. Measured per signature, since the extra per byte moves with the op, shape
+    and dtype (0.03-0.1 ns for small fp32 GEMMs, 0.26-0.29 for bf16 ones of a llama_100m layer): the op's
+    `.out` overload into buffers written COLD_SPAN ago, against the same call into one buffer. None where the op has no single output of COLD_MIN_BYTES or more, no `.out` overload, or cannot
+    be replayed."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         run, args, kwargs = _call(spec)
         out = run()
-        n = max(2, min(512, COLD_SPAN // max(out.untyped_storage().nbytes(), 1)))
-        buffers = [torch.zeros_like(out) for _ in range(n)]   # paged in: the step's heap is
+        if not isinstance(out, torch.Tensor) or out.untyped_storage().nbytes() < COLD_MIN_BYTES:
+            return None
+        n = max(2, COLD_SPAN // out.untyped_storage().nbytes())
+        calls = min(n, COLD_CALLS)
+        buffers = [torch.zeros_like(out) for _ in range(n)]   # paged in, as the step's heap is
         variant = spec[0]._overloadpacket.out
-        median = {}
-        for cycle in (1, n):
-            times = []
-            for i in range(2 * n):                            # the first round settles the cache
-                t0 = time.perf_counter()
-                variant(*args, **kwargs, out=buffers[i % cycle])
-                times.append(time.perf_counter() - t0)
-            median[cycle] = statistics.median(times[n:])
-        return max(0.0, median[n] - median[1])
-    except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, AttributeError):
+        variant(*args, **kwargs, out=buffers[-1])             # the last one, now hot
+        hot, cold = [], []
+        for i in range(calls):
+            t0 = time.perf_counter()
+            variant(*args, **kwargs, out=buffers[-1])
+            hot.append(time.perf_counter() - t0)
+        for i in range(calls):   # buffer i was last written COLD_SPAN of later buffers ago: out of the cache
+            t0 = time.perf_counter()
+            variant(*args, **kwargs, out=buffers[i])
+            cold.append(time.perf_counter() - t0)
+        return max(0.0, statistics.median(cold) - statistics.median(hot))
+    except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, AttributeError,
+            ZeroDivisionError):
         return None
     finally:
         torch.set_num_threads(threads)
 
 
 def measure(specs: dict, path: Optional[Path] = None) -> dict:
-    """signature -> seconds for every op of `specs` (signature -> replay spec), and COLD + signature -> the
-    cold-output extra of every GEMM among them (replay_cold_output), from the cache at `path` where it has
-    them, replayed (and cached) where not. Ops that cannot be replayed map to None."""
+    """signature -> seconds for every op of `specs` (signature -> replay spec), and COLD + signature -> its
+    cold-output extra (replay_cold_output), from the cache at `path` where it has them, replayed (and
+    cached) where not, with the allocator set as a CPU run sets it (host_memory.keep_freed_memory: a freed
+    block is reused, not handed back to be faulted in again). What cannot be replayed maps to None."""
     cached: dict = {}
     if path is not None and path.exists():
         try:
@@ -162,8 +168,10 @@ def measure(specs: dict, path: Optional[Path] = None) -> dict:
         except (ValueError, KeyError):
             cached = {}
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
-              **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items() if is_gemm(spec)}}
+              **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items()}}
     missing = [key for key in wanted if key not in cached]
+    if missing:
+        keep_freed_memory()
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
