@@ -183,7 +183,7 @@ def _cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
     """What a replayed op (its inputs hot in cache, its output written where its last call's was) lacks in
     the step: the inputs the step last touched more than the cache ago come from memory (an op whose own
     traffic exceeds the cache streamed from memory when it was replayed too, and gets nothing for them),
-    and a GEMM that allocates its output writes it into memory the step last used long ago
+    and an op that allocates its output writes it into memory the step last used long ago
     (`cold_output_s`, its replayed extra: op_replay.replay_cold_output)."""
     written = cold_output_s if op.fresh_bytes else 0.0
     if op.nbytes > gpu.cache_bytes:

@@ -21,6 +21,9 @@ import torch
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
+# calls timed at LARGE: with 12, the all-gather's bandwidth came out 1.4, 1.7 and 4.6 GB/s in three
+# profiles of one afternoon, and the reduce-scatter's busy share 0.30-0.65
+LARGE_CALLS = 40
 # A collective costs more when the ranks arrive from a longer stretch of compute: on this 2-core VM a
 # 1 KiB all-reduce averaged 0.56 ms after 0-0.25 ms of matmul, 0.95 after 1 ms, 1.4-1.6 after 3-10 ms
 # (most calls take 0.3 ms; more of them then wait about 4 ms, a scheduler tick, for a thread to run).
@@ -42,6 +45,18 @@ def best(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return max(best, 1e-9)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """The median seconds of `repeats` calls of `fn` after one: what a typical call costs, as a run's
+    logged step is the median of its steps (the fastest call, `best`, is what a quiet moment gave)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return max(sorted(times)[len(times) // 2], 1e-9)
 
 
 def typical(seconds: list) -> float:
@@ -131,7 +146,7 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
             run()   # a first call may set up (connections, buffers): not a timing
             dist.barrier()
             seconds, cpu = [], 0.0
-            for _ in range(60 if nbytes == SMALL else 12):   # gloo latency here moves 3x between short runs
+            for _ in range(60 if nbytes == SMALL else LARGE_CALLS):   # gloo latency moves 3x between short runs
                 work @ work   # as in a step: each rank arrives from its own compute, no barrier lines them up
                 c0, t0 = time.process_time(), time.perf_counter()
                 run()
