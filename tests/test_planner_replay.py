@@ -58,7 +58,8 @@ def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
     _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: (1e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures}
     for extra in (0.0, 2e-4):   # an output written to cold memory costs its replayed extra too
-        times.update({op_replay.COLD + k: (extra if k.startswith("aten.mm.") else None) for k in tracker.signatures})
+        times.update({op_replay.COLD + k: (extra if k.startswith("aten.mm.") else None)
+                      for k in tracker.signatures})
         cache = tmp_path / f"ops-{extra}.json"
         cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
         device = dataclasses.replace(base, op_times=cache, op_time_scale=1.5)
@@ -79,7 +80,7 @@ def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monke
     cache = tmp_path / "ops.json"
     first = op_replay.measure(tracker.signatures, cache)
     assert first.keys() == tracker.signatures.keys() | {op_replay.COLD + k for k in tracker.signatures}
-    assert all(first[k] is not None and first[k] > 0 for k in tracker.signatures)   # every op of a Llama step replays
+    assert all(first[k] is not None and first[k] > 0 for k in tracker.signatures)   # every op of a Llama step
     assert all(v is None or v >= 0 for k, v in first.items() if k.startswith(op_replay.COLD))
     monkeypatch.setattr(op_replay, "replay", lambda spec: pytest.fail("replayed an op the cache holds"))
     monkeypatch.setattr(op_replay, "replay_cold_output", lambda spec: pytest.fail("replayed a cached output"))

@@ -244,7 +244,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     for wall, group, op, seconds, nbytes in events:
         c = slot(wall)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
-        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)  # started, not waited in
+        # started beside compute, not waited in at once
+        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)
         if not beside:   # the rank waits in it: arriving from compute costs it more
             since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_block)]
             seconds += wake_seconds(op, since, gpu)

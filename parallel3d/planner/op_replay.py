@@ -18,8 +18,8 @@ for it.
 Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. An op is also
 timed writing its output into memory outside the cache (`replay_cold_output`), where a step's allocator
 puts a fresh output; the dry run adds that extra to the ops that allocate theirs. Replays run with the
-allocator a CPU run sets (parallel3d/host_memory.py), so a replayed op does not fault its output in. Not measured
-here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
+allocator a CPU run sets (parallel3d/host_memory.py), so a replayed op does not fault its output in. Not
+measured here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
 and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
 
 Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds.
@@ -41,7 +41,7 @@ VERSION = 3            # 2: a GEMM's output written to memory outside the cache;
                        # and replays under the run's allocator (host_memory.keep_freed_memory)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
 COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
-COLD_SPAN = 64 << 20   # bytes of output buffers a cold-output replay cycles over: past the cache
+COLD_SPAN = 64 << 20   # bytes of outputs a cold-output replay writes before timing the first: past the cache
 COLD_MIN_BYTES = 256 << 10   # smaller outputs come back hot from the allocator's recent frees (and cost little)
 COLD_CALLS = 32        # calls timed each way
 
@@ -81,7 +81,7 @@ def _tensor(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
     return base.as_strided(shape, stride)
 
 
-def _call(spec: tuple) -> Callable[[], object]:
+def _call(spec: tuple) -> tuple[Callable[[], object], tuple, dict]:
     func, tree, items = spec
     leaves = []
     for item in items:
@@ -124,8 +124,8 @@ def replay_cold_output(spec: tuple) -> Optional[float]:
     hot buffer, 1.15 with its weight from memory, 1.50 with its output there too, 1.56 in the step; its
     out-of-place muls ran at 2.1x. Measured per signature, since the extra per byte moves with the op, shape
     and dtype (0.03-0.1 ns for small fp32 GEMMs, 0.26-0.29 for bf16 ones of a llama_100m layer): the op's
-    `.out` overload into buffers written COLD_SPAN ago, against the same call into one buffer. None where the op has no single output of COLD_MIN_BYTES or more, no `.out` overload, or cannot
-    be replayed."""
+    `.out` overload into buffers written COLD_SPAN ago, against the same call into one buffer. None where
+    the op has no single output of COLD_MIN_BYTES or more, no `.out` overload, or cannot be replayed."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

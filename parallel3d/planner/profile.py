@@ -63,10 +63,10 @@ from parallel3d.planner.profile_gloo import best, measure_gloo, median_seconds
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # 2: the per-op overhead is the host's time around the ops, their replayed kernels taken out (op_replay.py), and
 # the memory hierarchy behind replayed ops (memory_hierarchy); 3: collectives timed as a step calls them;
-# 4: and after a long stretch of compute (profile_gloo.WAKE_GAP_S); 5: every call but the slowest (profile_gloo.typical);
-# 6: gloo's reduce-scatter without its sum on wait, which the dry run prices as an op; 7: the collectives'
-# busy share (profile_gloo.BUSY_NOTE); 8: the per-op overhead from the median step, not the fastest, and
-# 40 calls at 4 MiB (profile_gloo.LARGE_CALLS)
+# 4: and after a long stretch of compute (profile_gloo.WAKE_GAP_S); 5: every call but the slowest
+# (profile_gloo.typical); 6: gloo's reduce-scatter without its sum on wait, which the dry run prices as an
+# op; 7: the collectives' busy share (profile_gloo.BUSY_NOTE); 8: the per-op overhead from the median step,
+# not the fastest, and 40 calls at 4 MiB (profile_gloo.LARGE_CALLS)
 VERSION = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -22,9 +22,10 @@ gets a category when it is born:
     parameter gradients before the optimizer's hook takes them).
 
 Compute: every op but the copies by which the simulated backend fills a collective's output
-(`comm.transfer_stand_ins`: the collective's own price covers moving those bytes) gets its FLOPs (torch.utils.flop_counter's formulas, the ones FlopCounterMode uses),
-its bytes read and written (tensor arguments and results, views cost nothing) and the wall time at which
-it ran, so the planner can attribute modeled time to the pipeline action that ran it; on request
+(`comm.transfer_stand_ins`: the collective's own price covers moving those bytes) gets its FLOPs
+(torch.utils.flop_counter's formulas, the ones FlopCounterMode uses), its bytes read and written (tensor
+arguments and results, views cost nothing), the bytes of the outputs it allocated, and the wall time at
+which it ran, so the planner can attribute modeled time to the pipeline action that ran it; on request
 (`signatures`), the op's signature, by which a measured machine prices it (planner/op_replay.py), and
 each input's reuse distance (the bytes moved since it was last touched: past the cache, it comes from
 memory).
