@@ -199,22 +199,21 @@ class StepTracker(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         fresh = [t.untyped_storage() for t in outs if t.device.type == self.device_type]
         fresh = [s for s in fresh if s not in self._index]
-        born = 0   # bytes of the storages this op allocated (not an input first seen here, written in place)
+        flat, born = None, 0   # born: bytes of the storages this op allocated (not an input first seen here)
         if fresh:
             category = self._born_as()
             for s in fresh:
                 self._register(s, category)
-            ins = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            flat = tree_flatten((args, kwargs))
+            ins = {t.untyped_storage() for t in flat[0] if isinstance(t, torch.Tensor)}
             born = sum(s.nbytes() for s in fresh if s not in ins)
-        if _caller().f_code not in self._stand_ins:   # a dry run's fill stands for the network
-            self._cost(func, args, kwargs, out, outs, born)
-        return out
-
-    def _cost(self, func, args, kwargs, out, outs, fresh_bytes: int = 0) -> None:
         name = func._overloadpacket.__name__
-        if func.is_view or name in _FREE_OPS:
-            return
-        leaves, tree = tree_flatten((args, kwargs))
+        if not (func.is_view or name in _FREE_OPS) and _caller().f_code not in self._stand_ins:
+            self._cost(func, name, args, kwargs, out, outs, born, flat or tree_flatten((args, kwargs)))
+        return out   # (a dry run's fill stands for the network: comm.transfer_stand_ins)
+
+    def _cost(self, func, name: str, args, kwargs, out, outs, fresh_bytes: int, flat: tuple) -> None:
+        leaves, tree = flat
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
         flops = 0.0
