@@ -313,3 +313,31 @@ def test_gpu_of_a_driver_device_name():
     assert gpu_of_device("NVIDIA H100 80GB HBM3") is gpu("h100")
     with pytest.raises(ValueError, match="no planner GPU for device 'Tesla T4'"):
         gpu_of_device("Tesla T4")
+
+
+def test_the_dry_run_prices_the_clipping_pass():
+    """A run clips whenever the gradients' norm exceeds train.grad_clip, as every step of a short run does: the
+    dry run (no values, its nominal norm above any clip) takes that path, one scaling of each bucket's held
+    gradients, and grad_clip=0 takes none (the real dry run of tiny, dp2 ZeRO-1)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from common import stage_builder
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.planner.dryrun import run_role
+    from parallel3d.training.config import load_config
+    from parallel3d.training.validate import resolve_and_validate
+
+    runs = {}
+    for clip in (1.0, 0.0):
+        cfg = resolve_and_validate(load_config(str(ROOT / "configs/tiny.yaml"), [
+            "parallel.zero=1", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
+            "model.num_layers=2", "parallel.dp=0", "parallel.bucket_size=20000", f"train.grad_clip={clip}"],
+            ModelConfig), 2)
+        runs[clip] = run_role(cfg, 0, stage_builder, gpu("h100"), 8)
+    from parallel3d.planner.dryrun import _context
+    from parallel3d.training.trainer import Trainer
+
+    ctx = _context(cfg, 0, "meta", "nccl")
+    buckets = len(Trainer(cfg, ctx, stage_builder(cfg, ctx)).optimizer.buckets)
+    assert buckets > 1
+    mul = {clip: r.op_seconds["mul_"][0] for clip, r in runs.items()}
+    assert mul[1.0] - mul[0.0] == buckets, mul

@@ -47,6 +47,9 @@ def held(b: Bucket, s: Slot) -> int:
     return s.h_real
 
 
+NOMINAL_NORM = 1e12  # a dry run's gradient norm (grad_stats)
+
+
 @torch.no_grad()
 def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale: float) -> tuple[float, bool]:
     """Unscale the held gradients in place; return (global L2 norm, any non-finite anywhere).
@@ -68,7 +71,9 @@ def grad_stats(buckets: list[Bucket], ctx: ParallelContext, zero: int, inv_scale
                                                                                     device=dev)
     stats = torch.stack([sumsq, found[0].double()]).to(ctx.device)
     comm.all_reduce(stats, ctx.world)
-    total, flag = read_list(stats, ctx.stats.syncs, "step", [0.0, 0.0])  # one host sync: norm and flag
+    # one host sync: norm and flag. A dry run has no values: its nominal norm exceeds any train.grad_clip, so
+    # it takes (and the planner prices) the clipping pass, as a run does whenever the norm is above the clip
+    total, flag = read_list(stats, ctx.stats.syncs, "step", [NOMINAL_NORM ** 2, 0.0])
     bad = flag > 0
     norm = math.sqrt(total) if math.isfinite(total) else float("nan")
     return norm, bad or not math.isfinite(norm)
