@@ -16,6 +16,9 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     measured by the profile) and measured (rank 0's peak RSS, what a CPU run logs as peak_mem_bytes);
   - the share of a core each rank got during its run (children's CPU seconds over wall seconds x ranks):
     1 on a quiet machine; under load the measured times stretch by about its inverse (a diagnostic only);
+  - the MoE layout's routing load (compare.routing_load: its busiest EP rank's share of the routed slots over
+    the balanced share, 1.3-1.4 in these short dropless runs from a random router), which the plan assumes
+    balanced, and the plan again at that load (`--moe-load`), so the routing is told from the rest;
   - per model, whether the ranking of layouts by predicted time matches the measured ranking, and
     whether the planner's best layout is the measured best or within 10% of it.
 The header records the load average (os.getloadavg) before and after, the commit and the profile used:
@@ -105,19 +108,20 @@ def commit() -> str:
         return "unknown"
 
 
-def predict(config: str, overrides: list[str], gpu, world: int = WORLD) -> dict:
+def predict(config: str, overrides: list[str], gpu, world: int = WORLD, expert_load: float = 1.0) -> dict:
     cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), world)
     t0 = time.perf_counter()
-    result = plan(cfg, stage_builder, gpu, cfg.parallel.gpus_per_node)
+    result = plan(cfg, stage_builder, gpu, cfg.parallel.gpus_per_node, expert_load=expert_load)
     b = result.breakdown
     return {"predicted_s": result.step_time_s, "predicted_pipeline_s": b["pipeline_s"],
             "predicted_after_s": b["outside_actions_s"], "predicted_bubble": result.bubble,
             "predicted_peak_bytes": int(result.memory["peak"] + gpu.reserved_bytes),
             "predicted_tensor_peak_bytes": int(result.memory["peak"]),
-            "predicted_shares": b["shares"], "plan_s": time.perf_counter() - t0}
+            "predicted_shares": b["shares"], "plan_s": time.perf_counter() - t0, "ep": cfg.parallel.ep}
 
 
-def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str, world: int = WORLD) -> dict:
+def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str, world: int = WORLD,
+            ep: int = 1) -> dict:
     jsonl, timeline = tmp / f"{name}.jsonl", tmp / f"{name}.timeline.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "launch/pretrain.py"), "--config", str(ROOT / config), *overrides, f"train.steps={steps}",
@@ -129,11 +133,13 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if out.returncode != 0:
         raise RuntimeError(f"{name}: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    run = read_run(str(jsonl), str(timeline) if timeline.exists() else None)
+    run = read_run(str(jsonl), str(timeline) if timeline.exists() else None, ep)
     # the share of a core each rank got over the run (start-up included): 1 on a quiet machine with a core
     # per rank; under load the measured times are stretched by about its inverse (a diagnostic, not used)
     row = {"measured_s": run["step_time_s"], "measured_peak_bytes": run["peak_mem_bytes"],
            "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * world))}
+    if "moe_load" in run:
+        row["moe_load"] = run["moe_load"]
     if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
         last = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()][-1]
         row["measured_pipeline_s"] = run["pipeline_s"]
@@ -228,13 +234,19 @@ def main(argv=None) -> int:
                 try:
                     row.update(predict(config, overrides, gpu, world))
                     row.update(measure(config, overrides, steps or STEPS.get(model, 6), Path(tmp),
-                                       f"{model}-{name}", world))
+                                       f"{model}-{name}", world, row["ep"]))
+                    if row.get("moe_load", 1.0) > 1.0:   # the plan again at the routing load the run logged
+                        again = predict(config, overrides, gpu, world, min(row["moe_load"], row["ep"]))
+                        row.update({f"{k}_at_run_load": again[k] for k in
+                                    ("predicted_s", "predicted_pipeline_s", "predicted_after_s")})
                 except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
                     print(f"{model} {name}: FAILED: {e}", flush=True)
                     continue
                 if args.gpu:  # the CUDA context is outside max_memory_allocated: compare tensors with tensors
                     row["predicted_peak_bytes"] = row["predicted_tensor_peak_bytes"]
                 row["ratio"] = row["measured_s"] / row["predicted_s"]
+                if "predicted_s_at_run_load" in row:
+                    row["ratio_at_run_load"] = row["measured_s"] / row["predicted_s_at_run_load"]
                 row["load_average"] = os.getloadavg()[0]
                 rows.append(row)
                 _print_row(row)
@@ -268,6 +280,11 @@ def _print_row(r: dict) -> None:
           f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "
           f"| plan took {r['plan_s']:.1f} s | load {r['load_average']:.1f}, each rank got {r['cpu_share']:.0%} of a core "
           f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms)", flush=True)
+    if "ratio_at_run_load" in r:
+        print(f"{'':<10} {'':<10} the run routed its busiest EP rank {r['moe_load']:.2f}x the balanced share (the "
+              f"plan: 1.00x); planned at that load: {ms(r['predicted_s_at_run_load'])} ms, measured/predicted "
+              f"{r['ratio_at_run_load']:.2f} | pipeline {ms(r['predicted_pipeline_s_at_run_load'])} ms, after it "
+              f"{ms(r['predicted_after_s_at_run_load'])} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python launch/plan.py --config configs/llama3_70b.yaml --world-size 64 [--gpu h100|cpu] \\
         [--gpus-per-node 8] [key=value ...] [--json] [--search [--max-candidates N]] \\
-        [--compare run.jsonl [--timeline timeline.json]] [--reprofile]
+        [--compare run.jsonl [--timeline timeline.json]] [--moe-load F] [--reprofile]
 
 Builds and steps one rank of each role of the layout on the `meta` stand-in device (parallel3d/planner),
 then prints memory per rank (parameters, gradients, optimizer state, activations, communication buffers),
@@ -13,7 +13,9 @@ dry-run until `--max-candidates` (default 8) fit, best first (with `--json`: the
 `--gpu cpu`: this machine, measured by short microbenchmarks the first time and cached
 (parallel3d/planner/profile.py; `--reprofile` measures again).
 `--compare run.jsonl`: the plan beside a real run of the same config and overrides, per component
-(parallel3d/planner/compare.py); `--timeline` adds the run's log.timeline JSON.
+(parallel3d/planner/compare.py); `--timeline` adds the run's log.timeline JSON. Of a dropless MoE at EP > 1
+it also prints the run's routing load (the busiest EP rank's share of the routed slots over the balanced
+share); a plan assumes balanced routing unless `--moe-load F` plans that rank at F times its share.
 """
 from __future__ import annotations
 
@@ -83,6 +85,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timeline", metavar="TIMELINE_JSON", help="--compare: the run's log.timeline .json")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs per node (NVLink domain); default parallel.gpus_per_node (8)")
+    parser.add_argument("--moe-load", type=float, default=1.0, metavar="F",
+                        help="dropless MoE at EP > 1: plan the busiest EP rank, whose experts receive F times the "
+                             "balanced share of the routed rows (a run logs it: --compare); default 1 (balanced)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--search", action="store_true")
     parser.add_argument("--max-candidates", type=int, default=DEFAULT_MAX_CANDIDATES,
@@ -107,6 +112,8 @@ def main(argv=None) -> None:
             from parallel3d.planner.profile import cpu_device
             gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))
         args.gpus_per_node = cfg.parallel.gpus_per_node
+        if args.search and args.moe_load != 1.0:
+            raise ConfigError("--moe-load plans one layout's routing; --search compares layouts at balanced routing")
         if args.search:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
                              max_candidates=args.max_candidates, progress=sys.stderr)
@@ -118,14 +125,18 @@ def main(argv=None) -> None:
                 print(json.dumps([r.to_json() for r in results]))
             return
         cfg = resolve_and_validate(cfg, args.world_size)
-        result = plan(cfg, stage_builder, gpu, args.gpus_per_node)
-        run = read_run(args.compare, args.timeline) if args.compare else None
+        result = plan(cfg, stage_builder, gpu, args.gpus_per_node, expert_load=args.moe_load)
+        run = read_run(args.compare, args.timeline, cfg.parallel.ep) if args.compare else None
     except (ConfigError, ValueError, DryRunError) as e:
         fail(str(e))
     print(_table(result, gpu, args.world_size))
     if run is not None:
         print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians of the later half):")
         print(compare_table(result, run, gpu.reserved_bytes))
+        if abs(run.get("moe_load", result.expert_load) - result.expert_load) > 0.05:
+            print(f"the run routed its busiest EP rank {run['moe_load']:.2f}x the balanced share; the plan assumed "
+                  f"{result.expert_load:.2f}x: plan again with --moe-load {run['moe_load']:.2f} to put the rest of "
+                  f"the gap on other components")
     if args.json:
         print(json.dumps(result.to_json()))
 

@@ -57,13 +57,21 @@ class SimulatedProcessGroup:
     so collectives move nothing. Output buffers keep their (correct) shapes and are filled as if every rank
     held this rank's data; the bytes are recorded exactly as with a real group. `backend` is the one it
     stands for: "gloo" (a plan of a CPU run) makes the collectives allocate and compute what comm runs on
-    gloo (the all-to-all reduce-scatter's receive buffer and its sum)."""
+    gloo (the all-to-all reduce-scatter's receive buffer and its sum). `expert_load`: the routed rows an MoE
+    exchange over this group delivers to this rank's experts, as a multiple of the balanced share (its
+    absent peers route to it as unevenly as a real run's router did: expert_parallel/dispatch.py)."""
 
-    def __init__(self, backend: str = "nccl") -> None:
-        self.backend = backend
+    def __init__(self, backend: str = "nccl", expert_load: float = 1.0) -> None:
+        self.backend, self.expert_load = backend, expert_load
 
     def __repr__(self) -> str:
-        return f"SimulatedProcessGroup({self.backend!r})"
+        return f"SimulatedProcessGroup({self.backend!r}, expert_load={self.expert_load})"
+
+
+def simulated_expert_load(group: "Group") -> float:
+    """The routed load a dry run's peers deliver to this rank over `group` (SimulatedProcessGroup); 1.0 for a
+    real group, whose counts are real."""
+    return group.pg.expert_load if isinstance(group.pg, SimulatedProcessGroup) else 1.0
 
 
 @dataclass

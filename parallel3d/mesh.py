@@ -104,17 +104,18 @@ class ParallelContext:
 
     @classmethod
     def simulated(cls, spec: MeshSpec, rank: int, device: str | torch.device = "meta",
-                  backend: str = "nccl") -> "ParallelContext":
+                  backend: str = "nccl", expert_load: float = 1.0) -> "ParallelContext":
         """Rank `rank` of `spec` alone, its groups answered by comm's simulated backend (no processes): the
         off-CPU dry run of the real training step (tests/test_fake_device.py) runs through it. The default
         `meta` device is the stand-in for CUDA on CPU-only builds (shapes, devices and placement rules, no
-        values); `backend` the one the groups stand for (gloo: a plan of a CPU run)."""
+        values); `backend` the one the groups stand for (gloo: a plan of a CPU run); `expert_load` the routed
+        rows MoE exchanges deliver to this rank, as a multiple of the balanced share (comm.SimulatedProcessGroup)."""
         from parallel3d.comm import SimulatedProcessGroup
 
         ctx = cls.create(spec, rank, device, "simulated")
         for group in ctx.groups().values():
             if group is not None and group.size > 1:
-                group.pg = SimulatedProcessGroup(backend)
+                group.pg = SimulatedProcessGroup(backend, expert_load)
         return ctx
 
     @classmethod

@@ -80,6 +80,28 @@ def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> t
     return (slots * weights.unsqueeze(-1)).sum(1).to(rows.dtype)  # (T, h)
 
 
+def rank_load(tokens_per_expert: list, ep: int) -> float:
+    """How unevenly one MoE layer's routed slots (per expert, summed over a step) fell on the EP ranks: the
+    busiest rank's share over the mean share (expert e lives on rank e // (E / ep)). 1.0 is balanced; the
+    planner's `--moe-load` routes the planned rank this multiple of the balanced share."""
+    local = len(tokens_per_expert) // ep
+    per_rank = [sum(tokens_per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+    total = sum(per_rank)
+    return max(per_rank) * ep / total if total else 1.0
+
+
+def check_expert_load(load: float, ep: int, capacity_factor: float) -> None:
+    """A planned routing load (`--moe-load`): between balanced (1) and every slot on one rank (ep), and with a
+    capacity no more than it lets an expert take (capacity_factor times the balanced share)."""
+    if ep < 2 and load != 1.0:
+        raise ValueError(f"--moe-load {load}: routing load across EP ranks needs an MoE layout with parallel.ep > 1")
+    most = max(1.0, min(ep, capacity_factor) if capacity_factor > 0 else ep)
+    if not 1.0 <= load <= most:
+        cap = f", nor model.capacity_factor={capacity_factor:g} (what an expert may take)" if capacity_factor > 0 else ""
+        raise ValueError(f"--moe-load {load} must be in [1, {most:g}]: 1 is balanced routing, and the busiest rank "
+                         f"takes no more than parallel.ep={ep} times its share (every slot){cap}")
+
+
 def _inverse(p: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(p)
     inv[p] = torch.arange(p.numel(), device=p.device)
@@ -93,7 +115,8 @@ class ExpertExchange:
     source rank `src` sends to this rank's local expert e. That fixes the uneven splits of both directions.
     The all-to-all with uneven splits needs them on the host: one read of the sent and received counts
     together (host-sync category "moe_splits"). `num_rows` is the number of slots this rank routes (the dry
-    run assumes no drops and spreads them evenly over the experts).
+    run assumes no drops and spreads them evenly over the experts; its absent peers send this rank's experts
+    `comm.simulated_expert_load` times their balanced share: the planner's `--moe-load`).
 
     `tp` (sequence parallelism, sp_dispatch.py): every TP rank routes its own tokens, and the rows it
     receives are later gathered over TP, so the counts of all TP ranks are all-gathered before the read and
@@ -116,7 +139,9 @@ class ExpertExchange:
             device, nominal_host = counts, nominal  # (E,) sent
         else:
             recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
-            mine = nominal[group.rank * self.local_experts:(group.rank + 1) * self.local_experts]
+            load = comm.simulated_expert_load(group)
+            mine = [round(n * load) for n in nominal[group.rank * self.local_experts:(group.rank + 1) *
+                                                     self.local_experts]]
             device, nominal_host = torch.cat([counts, recv.flatten()]), nominal + mine * ep  # (2E,)
         ranks, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
         if ranks > 1 and known is None:

@@ -4,7 +4,10 @@ model is off, per component, from what a real run logs.
 From the run's JSONL (`log.jsonl`, one row per step) it takes the median step time over the later half of
 the steps (`steady_rows`: a run warms up over its first steps), the comm bytes per "<group>.<op>" of the last step
 and the largest `peak_mem_bytes`; from the timeline JSON (`log.timeline=PATH.json`) the mean measured
-duration of each pipeline action kind, the span of the pipeline and its bubble. The plan gives the same
+duration of each pipeline action kind, the span of the pipeline and its bubble; of an MoE run at EP > 1, its
+routing load (`moe_tokens_per_expert.*`: the busiest EP rank's share of each layer's routed slots over the
+balanced share, the mean over layers, the median over the steady steps), which a plan assumes (1.0, balanced,
+unless planned with `--moe-load`) and the step waits on at every exchange. The plan gives the same
 quantities (estimate.Plan). Rows: step time; pipeline span and what follows it (gradient-sync tail,
 clipping, optimizer); compute per microbatch by action kind; bubble; communication bytes and modeled
 seconds per group and op; peak memory (the plan's peak plus the device's reserved bytes: the CUDA context,
@@ -18,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+from parallel3d.expert_parallel.dispatch import rank_load
 from parallel3d.planner.estimate import Plan
 
 
@@ -29,8 +33,17 @@ def steady_rows(rows: list) -> list:
     return rows[max(1, len(rows) // 2):] if len(rows) > 1 else list(rows)
 
 
-def read_run(jsonl: str, timeline: Optional[str] = None) -> dict:
-    """The run's figures (module docstring). Raises ValueError naming the file when it has no step rows."""
+def routing_load(row: dict, ep: int) -> Optional[float]:
+    """One step's MoE routing load at `ep` (module docstring); None without MoE telemetry or below EP 2."""
+    layers = [v for k, v in row.items() if k.startswith("moe_tokens_per_expert.")]
+    if ep < 2 or not layers:
+        return None
+    return statistics.mean(rank_load(tokens, ep) for tokens in layers)
+
+
+def read_run(jsonl: str, timeline: Optional[str] = None, ep: int = 1) -> dict:
+    """The run's figures (module docstring); `ep`: the run's parallel.ep, for its routing load. Raises
+    ValueError naming the file when it has no step rows."""
     rows = []
     for line in Path(jsonl).read_text().splitlines():
         line = line.strip()
@@ -45,6 +58,9 @@ def read_run(jsonl: str, timeline: Optional[str] = None) -> dict:
            "tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady),
            "comm_bytes": dict(rows[-1].get("comm_bytes") or {}),
            "peak_mem_bytes": max(int(r.get("peak_mem_bytes", 0)) for r in rows)}
+    loads = [x for x in (routing_load(r, ep) for r in steady) if x is not None]
+    if loads:
+        run["moe_load"] = statistics.median(loads)
     if timeline:
         data = json.loads(Path(timeline).read_text())
         spent: dict = defaultdict(list)
@@ -85,6 +101,8 @@ def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, s
         if kind in per_kind or kind in run.get("action_s", {}):
             add(f"one {kind.lower()} action (a microbatch of a chunk)", per_kind.get(kind), run.get("action_s", {}).get(kind))
     add("pipeline bubble", plan.bubble, run.get("bubble"), "{:.1%}")
+    if "moe_load" in run:
+        add("MoE routing load (busiest EP rank / balanced)", plan.expert_load, run["moe_load"], "{:.2f}")
     comm_s = b.get("comm_s", {})
     for key in sorted(set(plan.comm_bytes) | set(run["comm_bytes"])):
         add(f"comm {key} bytes", plan.comm_bytes.get(key), run["comm_bytes"].get(key), "{:,.0f}")

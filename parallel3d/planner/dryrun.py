@@ -105,20 +105,22 @@ class RoleRun:
     grad_sync_parts: list = field(default_factory=list)
 
 
-def _context(cfg: ExperimentConfig, rank: int, device: str, backend: str) -> ParallelContext:
+def _context(cfg: ExperimentConfig, rank: int, device: str, backend: str,
+             expert_load: float = 1.0) -> ParallelContext:
     p = cfg.parallel
     spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
-    return ParallelContext.simulated(spec, rank, device, backend)
+    return ParallelContext.simulated(spec, rank, device, backend, expert_load)
 
 
 def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
-             device: str = "meta") -> RoleRun:
-    """Build and step rank `rank` of resolved config `cfg` on the stand-in device, tracked."""
+             device: str = "meta", expert_load: float = 1.0) -> RoleRun:
+    """Build and step rank `rank` of resolved config `cfg` on the stand-in device, tracked. `expert_load`: the
+    routed rows its MoE layers receive, as a multiple of the balanced share (comm.SimulatedProcessGroup)."""
     from parallel3d.training.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
     cfg.train.steps = 1
-    ctx = _context(cfg, rank, device, "gloo" if gpu.runs_cpu_kernels else "nccl")   # what the run's comm runs
+    ctx = _context(cfg, rank, device, "gloo" if gpu.runs_cpu_kernels else "nccl", expert_load)  # the run's comm
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     groups = {g.name: g for g in ctx.groups().values() if g is not None}
     events: list[tuple[float, str, str, float, int]] = []

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from parallel3d.expert_parallel.dispatch import check_expert_load
 from parallel3d.host_sync import PER_LAYER
 from parallel3d.mesh import MeshSpec
 from parallel3d.pipeline.partition import partition_layers
@@ -51,12 +52,13 @@ class Plan:
     roles: list = field(default_factory=list)       # per role: rank, stage, memory
     bubble: float = 0.0
     host_syncs: dict = field(default_factory=dict)  # category -> host syncs per step, the most of any role
+    expert_load: float = 1.0         # the MoE routing load it was planned at (plan's `expert_load`)
 
     def to_json(self) -> dict:
         return {"fits": self.fits, "layout": self.layout, "memory": self.memory,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "comm_bytes": self.comm_bytes, "breakdown": self.breakdown, "bubble": self.bubble,
-                "roles": self.roles, "host_syncs": self.host_syncs}
+                "roles": self.roles, "host_syncs": self.host_syncs, "expert_load": self.expert_load}
 
 
 def layout_of(cfg: ExperimentConfig) -> dict:
@@ -114,21 +116,24 @@ def _reduced(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_node: int,
-         device: str = "meta", cache: Optional[dict] = None) -> Plan:
+         device: str = "meta", cache: Optional[dict] = None, expert_load: float = 1.0) -> Plan:
     """Dry-run the roles of resolved config `cfg` and estimate its step on `gpu` nodes. `cache`: a dict
     kept across calls, so plans whose dry runs are the same (layouts differing only in offload, which
-    the stand-in runs without) share them."""
+    the stand-in runs without) share them. `expert_load` (`--moe-load`): the routing imbalance of a
+    dropless MoE: each planned rank's experts receive this multiple of the balanced share of the routed
+    rows, as the busiest EP rank does (the step waits for it at every exchange); 1.0 is balanced."""
+    check_expert_load(expert_load, cfg.parallel.ep, cfg.model.capacity_factor)
     p, t = cfg.parallel, cfg.train
     run_cfg = _reduced(without_offload(cfg))  # the stand-in cannot copy to the host: offload.py
     if gpu.runs_cpu_kernels:   # planning a CPU run: the stand-in takes the CPU's kernels (host_kernels.py)
         run_cfg = as_run_on_cpu(run_cfg)
 
     def role(rank: int) -> RoleRun:
-        key = (repr(run_cfg), rank, repr(gpu), gpus_per_node, device)
+        key = (repr(run_cfg), rank, repr(gpu), gpus_per_node, device, expert_load)
         if cache is None:
-            return run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+            return run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device, expert_load)
         if key not in cache:
-            cache[key] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device)
+            cache[key] = run_role(run_cfg, rank, stage_builder, gpu, gpus_per_node, device, expert_load)
         return cache[key]
 
     by_pp = role_ranks(cfg)
@@ -206,7 +211,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,
                 step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * peak_for(gpu, t.precision)),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
-                bubble=float(timeline.bubble_fraction), host_syncs=_scale_syncs(stage_run.values(), m, m_run))
+                bubble=float(timeline.bubble_fraction), host_syncs=_scale_syncs(stage_run.values(), m, m_run),
+                expert_load=expert_load)
 
 
 def _scale_syncs(runs, m: int, m_run: int) -> dict:
