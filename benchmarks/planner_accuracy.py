@@ -16,6 +16,8 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     measured by the profile) and measured (rank 0's peak RSS, what a CPU run logs as peak_mem_bytes);
   - the share of a core each rank got during its run (children's CPU seconds over wall seconds x ranks):
     1 on a quiet machine; under load the measured times stretch by about its inverse (a diagnostic only);
+  - how far the machine's speed moved: a fixed piece of work timed before and after each run, over its time
+    right after the profile (`reference_s`; a diagnostic only, the ratio is never corrected by it);
   - the MoE layout's routing load (compare.routing_load: its busiest EP rank's share of the routed slots over
     the balanced share, 1.3-1.4 in these short dropless runs from a random router), which the plan assumes
     balanced, and the plan again at that load (`--moe-load`), so the routing is told from the rest;
@@ -59,6 +61,7 @@ from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
 from parallel3d.planner.profile import cache_path, cpu_device, host_adam_rate  # noqa: E402
+from parallel3d.planner.profile_gloo import median_seconds  # noqa: E402
 from parallel3d.training.config import load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 
@@ -147,6 +150,28 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
     return row
 
 
+def reference_s() -> float:
+    """This machine's speed now: a fixed piece of work (a bf16 and an fp32 GEMM of llama_100m's sizes and an
+    element-wise pass over 64 MiB, on one thread), the median of 5 calls. A VM's speed drifts between and
+    within runs (10-30% over minutes here); a run's reference over the one taken after the profile says
+    how far the machine moved under the plan: a diagnostic printed beside the ratio, never a correction."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a16, b16 = torch.randn(256, 768).bfloat16(), torch.randn(768, 2048).bfloat16()
+    a32, b32 = torch.randn(256, 768), torch.randn(768, 768)
+    stream = torch.randn(16 << 20)
+
+    def work():
+        for _ in range(4):
+            a16 @ b16
+            a32 @ b32
+        stream.mul_(1.0)
+    try:
+        return median_seconds(work, 5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure_host(gpu, steps: int, tmp: Path):
     """`gpu` with this machine's host rates (see the module docstring): the issue time per dry-run op inside
     the pipeline's actions and outside them, from the probe's timeline, and the host AdamW rate."""
@@ -219,9 +244,10 @@ def main(argv=None) -> int:
     else:
         world, profile = WORLD, cache_path()
         gpu = cpu_device(WORLD, reprofile=not args.cached_profile, builder=(stage_builder, ModelConfig()))
-    load_before = os.getloadavg()
+    load_before, reference = os.getloadavg(), reference_s()
     print(f"planner accuracy, world {world}, commit {commit()}, {gpu.name}, profile {profile}, "
-          f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min)", flush=True)
+          f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min), reference "
+          f"work {reference * 1e3:.1f} ms (reference_s)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.gpu and not args.table_host:
@@ -233,8 +259,10 @@ def main(argv=None) -> int:
                 row = {"model": model, "layout": name, "overrides": overrides}
                 try:
                     row.update(predict(config, overrides, gpu, world))
+                    before = reference_s()
                     row.update(measure(config, overrides, steps or STEPS.get(model, 6), Path(tmp),
                                        f"{model}-{name}", world, row["ep"]))
+                    row["drift"] = (before + reference_s()) / 2 / reference  # before and after the run
                     if row.get("moe_load", 1.0) > 1.0:   # the plan again at the routing load the run logged
                         again = predict(config, overrides, gpu, world, min(row["moe_load"], row["ep"]))
                         row.update({f"{k}_at_run_load": again[k] for k in
@@ -279,7 +307,8 @@ def _print_row(r: dict) -> None:
           f"{ms(r.get('measured_after_s'))} ms | peak {r['predicted_peak_bytes'] / 2**20:.0f} / "
           f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "
           f"| plan took {r['plan_s']:.1f} s | load {r['load_average']:.1f}, each rank got {r['cpu_share']:.0%} of a core "
-          f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms)", flush=True)
+          f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms) | the reference work took "
+          f"{r['drift']:.2f}x its time after the profile", flush=True)
     if "ratio_at_run_load" in r:
         print(f"{'':<10} {'':<10} the run routed its busiest EP rank {r['moe_load']:.2f}x the balanced share (the "
               f"plan: 1.00x); planned at that load: {ms(r['predicted_s_at_run_load'])} ms, measured/predicted "
