@@ -68,8 +68,9 @@ MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # (profile_gloo.typical); 6: gloo's reduce-scatter without its sum on wait, which the dry run prices as an
 # op; 7: the collectives' busy share (profile_gloo.BUSY_NOTE); 8: the per-op overhead from the median step,
 # not the fastest, and 40 calls at 4 MiB (profile_gloo.LARGE_CALLS); 9: the memory hierarchy the median
-# of three samples (measure_compute)
-VERSION = 9
+# of three samples (measure_compute); 10: each collective timed in rounds over all of them, the median of the
+# rounds (profile_gloo.ROUNDS), 80 calls a round at 1 KiB
+VERSION = 10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

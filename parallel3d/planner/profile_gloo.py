@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +24,11 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send
 SMALL, LARGE = 1024, 4 * 2 ** 20   # bytes of the two gloo message sizes
 # calls timed at LARGE: with 12, the all-gather's bandwidth came out 1.4, 1.7 and 4.6 GB/s in three
 # profiles of one afternoon, and the reduce-scatter's busy share 0.30-0.65
-LARGE_CALLS = 40
+LARGE_CALLS, SMALL_CALLS = 40, 80   # per round
+# Every op is timed in ROUNDS rounds over all of them, each figure the median of its rounds' (`typical`): timed
+# in one go, an op took whatever moment the VM was having, and two profiles 12 minutes apart gave the
+# all-reduce 1.06 and 0.43 ms of latency, the all-to-all 0.60 and 1.33 (tiny's TP and CP moved 0.66-1.58x).
+ROUNDS = 3
 # A collective costs more when the ranks arrive from a longer stretch of compute: on this 2-core VM a
 # 1 KiB all-reduce averaged 0.56 ms after 0-0.25 ms of matmul, 0.95 after 1 ms, 1.4-1.6 after 3-10 ms
 # (most calls take 0.3 ms; more of them then wait about 4 ms, a scheduler tick, for a thread to run).
@@ -123,46 +128,55 @@ def _gloo_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
     dist.barrier()
     together = _contention_probe()   # every rank at once, as the ranks of a run compute
     work = torch.randn(256, 256)     # a quarter of a millisecond of matmul before each timed collective
-    result, wake, busy = {}, {}, {}
-    for op in COLLECTIVES:
-        times = []
-        for nbytes in (SMALL, LARGE):
-            numel = nbytes // 4
-            t = torch.ones(numel)
-            out = torch.empty(numel // world)
-
-            def run():
-                if op == "all_reduce":
-                    comm.all_reduce(t, group)
-                elif op == "reduce_scatter":   # the transfer only: the sum on wait is an op the dry run
-                    comm.start_reduce_scatter(out, t, group).work.wait()   # prices at its real size
-                elif op == "all_gather":
-                    comm.all_gather(t[: numel // world], group)
-                elif op == "all_to_all":
-                    comm.all_to_all(t, group)
-                else:  # a pipeline message: every rank sends to the next and receives from the previous
-                    comm.batch_p2p([comm.P2P("send", t, (rank + 1) % world),
-                                    comm.P2P("recv", torch.empty_like(t), (rank - 1) % world)], group)
-            run()   # a first call may set up (connections, buffers): not a timing
+    calls = {(op, nbytes): _collective_call(op, nbytes, group, rank, world) for op in COLLECTIVES
+             for nbytes in (SMALL, LARGE)}
+    for run in calls.values():
+        run()   # a first call may set up (connections, buffers): not a timing
+    rounds: dict = {key: [] for key in calls}
+    wall, cpu = dict.fromkeys(calls, 0.0), dict.fromkeys(calls, 0.0)
+    for _ in range(ROUNDS):
+        for (op, nbytes), run in calls.items():
             dist.barrier()
-            seconds, cpu = [], 0.0
-            for _ in range(60 if nbytes == SMALL else LARGE_CALLS):   # gloo latency moves 3x between short runs
+            seconds = []
+            for _ in range(SMALL_CALLS if nbytes == SMALL else LARGE_CALLS):
                 work @ work   # as in a step: each rank arrives from its own compute, no barrier lines them up
                 c0, t0 = time.process_time(), time.perf_counter()
                 run()
                 seconds.append(time.perf_counter() - t0)
-                cpu += time.process_time() - c0   # every thread of the process: gloo's and this one
-            times.append(typical(seconds))
-            if nbytes == LARGE:   # the share of the call a core was busy moving and summing (BUSY_NOTE)
-                busy[op] = min(1.0, cpu / max(sum(seconds), 1e-9))
-            if nbytes == SMALL:   # the same calls after a long stretch of compute (WAKE_GAP_S)
-                wake[op] = _wake(run, 200)
-        result[op] = times
+                cpu[op, nbytes] += time.process_time() - c0   # every thread of the process: gloo's and this one
+            wall[op, nbytes] += sum(seconds)
+            rounds[op, nbytes].append(typical(seconds))
+    result = {op: [statistics.median(rounds[op, nbytes]) for nbytes in (SMALL, LARGE)] for op in COLLECTIVES}
+    # the share of a LARGE call a core was busy moving and summing (BUSY_NOTE)
+    busy = {op: min(1.0, cpu[op, LARGE] / max(wall[op, LARGE], 1e-9)) for op in COLLECTIVES}
+    wake = {op: _wake(calls[op, SMALL], 200) for op in COLLECTIVES}   # the SMALL calls after long compute
     if rank == 0:
         Path(out_path).write_text(json.dumps({"times": result, "base_rss_bytes": base_rss,
                                               "together": together, "wake": wake, "busy": busy}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collective_call(op: str, nbytes: int, group, rank: int, world: int):
+    """One call of collective `op` of `nbytes` over `group`, through comm's own functions, as a closure."""
+    from parallel3d import comm
+
+    numel = nbytes // 4
+    t, out = torch.ones(numel), torch.empty(numel // world)
+
+    def run():
+        if op == "all_reduce":
+            comm.all_reduce(t, group)
+        elif op == "reduce_scatter":   # the transfer only: the sum on wait is an op the dry run
+            comm.start_reduce_scatter(out, t, group).work.wait()   # prices at its real size
+        elif op == "all_gather":
+            comm.all_gather(t[: numel // world], group)
+        elif op == "all_to_all":
+            comm.all_to_all(t, group)
+        else:  # a pipeline message: every rank sends to the next and receives from the previous
+            comm.batch_p2p([comm.P2P("send", t, (rank + 1) % world),
+                            comm.P2P("recv", torch.empty_like(t), (rank - 1) % world)], group)
+    return run
 
 
 def _wake(run, calls: int, block: int = 10) -> float:
@@ -195,7 +209,7 @@ def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, 
 
 
 def measure_gloo(world: int) -> dict:
-    """(alpha, beta) per collective on `world` local gloo processes (a few seconds)."""
+    """(alpha, beta) per collective on `world` local gloo processes (about 15 s on this 2-core VM)."""
     import torch.multiprocessing as mp
 
     threads = torch.get_num_threads()
