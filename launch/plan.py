@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import fail, stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.expert_parallel.dispatch import check_expert_load  # noqa: E402
 from parallel3d.planner.dryrun import DryRunError  # noqa: E402
 from parallel3d.planner.compare import read_run, table as compare_table  # noqa: E402
 from parallel3d.planner.estimate import MEMORY_KEYS, Plan, plan  # noqa: E402
@@ -108,6 +109,7 @@ def main(argv=None) -> None:
         if args.gpus_per_node is not None:  # one owner: the mesh's node size (hpZ groups) is the planner's
             overrides.append(f"parallel.gpus_per_node={args.gpus_per_node}")
         cfg = load_config(args.config, overrides, ModelConfig)
+        check_expert_load(args.moe_load, cfg.parallel.ep, cfg.model.capacity_factor)  # before any profiling
         if gpu is None:  # this machine, measured once and cached (the config is checked first)
             from parallel3d.planner.profile import cpu_device
             gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))

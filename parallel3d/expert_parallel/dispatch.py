@@ -97,9 +97,10 @@ def check_expert_load(load: float, ep: int, capacity_factor: float) -> None:
         raise ValueError(f"--moe-load {load}: routing load across EP ranks needs an MoE layout with parallel.ep > 1")
     most = max(1.0, min(ep, capacity_factor) if capacity_factor > 0 else ep)
     if not 1.0 <= load <= most:
-        cap = f", nor model.capacity_factor={capacity_factor:g} (what an expert may take)" if capacity_factor > 0 else ""
-        raise ValueError(f"--moe-load {load} must be in [1, {most:g}]: 1 is balanced routing, and the busiest rank "
-                         f"takes no more than parallel.ep={ep} times its share (every slot){cap}")
+        cap = (f", nor model.capacity_factor={capacity_factor:g} (what an expert may take)"
+               if capacity_factor > 0 else "")
+        raise ValueError(f"--moe-load {load} must be in [1, {most:g}]: 1 is balanced routing, and the busiest "
+                         f"rank takes no more than parallel.ep={ep} times its share (every slot){cap}")
 
 
 def _inverse(p: torch.Tensor) -> torch.Tensor:
