@@ -57,6 +57,7 @@ def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
     ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
     _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: (1e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures}
+    times.update({op_replay.ORDER + k: None for k in tracker.signatures})   # no time in the step's order
     for extra in (0.0, 2e-4):   # an output written to cold memory costs its replayed extra too
         times.update({op_replay.COLD + k: (extra if k.startswith("aten.mm.") else None)
                       for k in tracker.signatures})
@@ -71,6 +72,44 @@ def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
             if name != "mm":
                 assert tuple(replayed.op_seconds[name]) == (n, pytest.approx(s))
         assert json.loads(cache.read_text())["ops"] == times   # nothing replayed: the cache had every op
+
+
+def test_a_small_op_is_priced_at_its_time_in_the_steps_order(tmp_path):
+    """Where the cache holds an op's time in the step's order (op_replay.replay_in_order), the dry run
+    prices the op at that time, not at its time alone."""
+    cfg = _cfg()
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    times = {k: 1e-3 for k in tracker.signatures}
+    times.update({op_replay.COLD + k: 0.0 for k in tracker.signatures})
+    times.update({op_replay.ORDER + k: (4e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures})
+    cache = tmp_path / "ops.json"
+    cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
+    device = dataclasses.replace(gpu("h100"), host_op_s=0.0, host_step_op_s=0.0, op_overhead_s=0.0,
+                                 op_times=cache, op_time_scale=1.0)
+    run = run_role(cfg, 0, _stage_builder, device, 8)
+    count, seconds = run.op_seconds["mm"]
+    assert seconds == pytest.approx(count * 4e-3)
+    n, s = run.op_seconds["add"]
+    assert s == pytest.approx(n * 1e-3)
+
+
+def test_small_ops_are_timed_in_the_steps_order_once_and_cached(tmp_path, monkeypatch):
+    """`measure(order=)` times the small ops of the step one after another in its order: each gets a time,
+    an op whose tensors exceed ORDER_MAX_BYTES none; a second plan reads them from the cache."""
+    cfg = _cfg()
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    order = [op.key for op in tracker.ops]
+    big, big_spec = op_replay.signature(torch.ops.aten.add.Tensor, (torch.ones(1 << 19, device="meta"),
+                                                                   torch.ones(1 << 19, device="meta")), {})
+    specs = {**tracker.signatures, big: big_spec}
+    cache = tmp_path / "ops.json"
+    first = op_replay.measure(specs, cache, order + [big])
+    assert first[op_replay.ORDER + big] is None and first[big] > 0   # 4 MiB of inputs: timed alone only
+    assert all(first[op_replay.ORDER + k] > 0 for k in tracker.signatures)   # this model's ops are all small
+    monkeypatch.setattr(op_replay, "replay_in_order", lambda *a: pytest.fail("timed a cached order again"))
+    assert op_replay.measure(specs, cache, order + [big]) == first
 
 
 def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):

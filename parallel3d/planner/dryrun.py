@@ -207,7 +207,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     derated: dict = {}
     op_seconds: dict = {}
     # a measured machine: each op at its replayed time plus the host's own per-op cost (op_replay.py)
-    measured = op_replay.measure(tracker.signatures, gpu.op_times) if gpu.op_times is not None else {}
+    measured = (op_replay.measure(tracker.signatures, gpu.op_times, [op.key for op in tracker.ops])
+                if gpu.op_times is not None else {})
     queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
     walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
     for op in tracker.ops:
@@ -218,7 +219,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             if found is not None:
                 factor, warps = found
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
-        replayed = measured.get(op.key)
+        replayed = measured.get(op_replay.ORDER + op.key) or measured.get(op.key)   # a small op: in the step's order
         if replayed is not None:
             cold_output = (measured.get(op_replay.COLD + op.key) or 0.0) * gpu.op_time_scale
             seconds = replayed * gpu.op_time_scale + _cold_seconds(op, gpu, cold_output) + gpu.op_overhead_s

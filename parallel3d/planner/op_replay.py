@@ -15,18 +15,22 @@ tensors zeros (every index in range), booleans true. An op that fails on them (a
 zero, a shape that depends on values it did not get) is left to the roofline: `measure` returns no time
 for it.
 
-Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. An op is also
+Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. A small op is also
+timed in the step's order (`replay_in_order`), each call after the ops the step runs before it, which is
+where the step runs it: after itself, its code and data sit in the core's own caches. An op is also
 timed writing its output into memory outside the cache (`replay_cold_output`), where a step's allocator
 puts a fresh output; the dry run adds that extra to the ops that allocate theirs. Replays run with the
 allocator a CPU run sets (parallel3d/host_memory.py), so a replayed op does not fault its output in. Not
 measured here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
 and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
 
-Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds.
+Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds (an op's
+time in order is its first step's: a signature keeps it across the steps that share it).
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -37,13 +41,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallel3d.host_memory import keep_freed_memory
 
-VERSION = 3            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
-                       # and replays under the run's allocator (host_memory.keep_freed_memory)
+VERSION = 4            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
+                       # and replays under the run's allocator (host_memory.keep_freed_memory); 4: small ops
+                       # timed in the step's order (replay_in_order)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
 COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
 COLD_SPAN = 64 << 20   # bytes of outputs a cold-output replay writes before timing the first: past the cache
 COLD_MIN_BYTES = 256 << 10   # smaller outputs come back hot from the allocator's recent frees (and cost little)
 COLD_CALLS = 32        # calls timed each way
+ORDER = "in-order|"    # the cache's key of an op's time in the step's order: ORDER + its signature's key
+ORDER_MAX_BYTES = 1 << 20   # ops whose tensors total more are timed alone only: their time is their bytes' and
+                            # FLOPs', which the cold-input and cold-output terms already place in memory
+ORDER_PASSES = 5       # passes over the step's small ops; each op's time is the median of its calls
 
 
 def signature(func, args: tuple, kwargs: dict) -> tuple[str, tuple]:
@@ -155,11 +164,52 @@ def replay_cold_output(spec: tuple) -> Optional[float]:
         torch.set_num_threads(threads)
 
 
-def measure(specs: dict, path: Optional[Path] = None) -> dict:
+def _tensor_bytes(spec: tuple) -> int:
+    return sum(math.prod(item[1]) * item[3].itemsize for item in spec[2] if item[0] == "T")
+
+
+def replay_in_order(specs: dict, order: list) -> dict:
+    """signature -> median seconds of its calls when the ops of `order` (the step's signatures, in its order)
+    run one after another, ORDER_PASSES times over, for the ops whose tensors total at most ORDER_MAX_BYTES.
+
+    Timed alone, an op runs after itself, its code and data in the core's own caches; in the step it runs
+    after other ops. tiny's step at world 1 (2,249 ops, 139 distinct) replayed to 30-33 ms alone and 44-49
+    ms in order, and ran 78.5 ms against a plan of 60.0; the minimal model behind the per-op overhead
+    (profile._step_overhead) 1.9 and 3.4 ms over its 686 ops, so the overhead holds about 2 us an op of it
+    and a model of larger small ops lacked the rest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    calls: dict = {}
+    try:
+        for key in dict.fromkeys(order):
+            spec = specs[key]
+            if _tensor_bytes(spec) > ORDER_MAX_BYTES:
+                continue
+            try:
+                run = _call(spec)[0]
+                run()
+            except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, ZeroDivisionError):
+                continue
+            calls[key] = run
+        seconds: dict = {key: [] for key in calls}
+        sequence = [key for key in order if key in calls]
+        for _ in range(ORDER_PASSES):
+            for key in sequence:
+                t0 = time.perf_counter()
+                calls[key]()
+                seconds[key].append(time.perf_counter() - t0)
+        return {key: statistics.median(v) for key, v in seconds.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = None) -> dict:
     """signature -> seconds for every op of `specs` (signature -> replay spec), and COLD + signature -> its
     cold-output extra (replay_cold_output), from the cache at `path` where it has them, replayed (and
     cached) where not, with the allocator set as a CPU run sets it (host_memory.keep_freed_memory: a freed
-    block is reused, not handed back to be faulted in again). What cannot be replayed maps to None."""
+    block is reused, not handed back to be faulted in again). What cannot be replayed maps to None.
+    `order` (the step's signatures in its order): also ORDER + signature -> the op's time in that order
+    (replay_in_order), for its small ops; the others map to None."""
     cached: dict = {}
     if path is not None and path.exists():
         try:
@@ -169,16 +219,23 @@ def measure(specs: dict, path: Optional[Path] = None) -> dict:
             cached = {}
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
               **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items()}}
+    in_order = [ORDER + key for key in dict.fromkeys(order or ())]
     missing = [key for key in wanted if key not in cached]
-    if missing:
+    unordered = [key for key in in_order if key not in cached]
+    if missing or unordered:
         keep_freed_memory()
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
             cached[key] = how(spec)
+        if unordered:   # the whole order, for the context; what a signature already has stays
+            timed = replay_in_order(specs, order)
+            for key in unordered:
+                cached[key] = timed.get(key[len(ORDER):])
+    missing += unordered
     if missing and path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": VERSION, "ops": cached}))
         tmp.replace(path)
-    return {key: cached[key] for key in wanted}
+    return {key: cached[key] for key in [*wanted, *in_order]}

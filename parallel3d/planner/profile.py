@@ -69,8 +69,9 @@ MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # op; 7: the collectives' busy share (profile_gloo.BUSY_NOTE); 8: the per-op overhead from the median step,
 # not the fastest, and 40 calls at 4 MiB (profile_gloo.LARGE_CALLS); 9: the memory hierarchy the median
 # of three samples (measure_compute); 10: each collective timed in rounds over all of them, the median of the
-# rounds (profile_gloo.ROUNDS), 80 calls a round at 1 KiB
-VERSION = 10
+# rounds (profile_gloo.ROUNDS), 80 calls a round at 1 KiB; 11: the per-op overhead net of the ops' times in
+# the step's order (op_replay.replay_in_order), as the dry run prices them
+VERSION = 11
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -194,8 +195,9 @@ def _step_overhead(stage_builder, model) -> float:
 def _host_per_op(step_s: float, tracker) -> float:
     """Seconds per tracked op of a step of `step_s` that the host spends around its ops: the step less
     the ops' replayed kernels (op_replay.py), over the op count."""
-    kernels = op_replay.measure(tracker.signatures)
-    replayed = sum(kernels.get(op.key) or 0.0 for op in tracker.ops)
+    kernels = op_replay.measure(tracker.signatures, order=[op.key for op in tracker.ops])
+    # as the dry run prices them: a small op at its time in the step's order (op_replay.replay_in_order)
+    replayed = sum(kernels.get(op_replay.ORDER + op.key) or kernels.get(op.key) or 0.0 for op in tracker.ops)
     return max(step_s - replayed, 0.0) / max(len(tracker.ops), 1)
 
 
