@@ -109,13 +109,13 @@ def main(argv=None) -> None:
         if args.gpus_per_node is not None:  # one owner: the mesh's node size (hpZ groups) is the planner's
             overrides.append(f"parallel.gpus_per_node={args.gpus_per_node}")
         cfg = load_config(args.config, overrides, ModelConfig)
-        check_expert_load(args.moe_load, cfg.parallel.ep, cfg.model.capacity_factor)  # before any profiling
+        if args.search and args.moe_load != 1.0:   # both before any profiling
+            raise ConfigError("--moe-load plans one layout's routing; --search compares layouts at balanced routing")
+        check_expert_load(args.moe_load, cfg.parallel.ep, cfg.model.capacity_factor)
         if gpu is None:  # this machine, measured once and cached (the config is checked first)
             from parallel3d.planner.profile import cpu_device
             gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))
         args.gpus_per_node = cfg.parallel.gpus_per_node
-        if args.search and args.moe_load != 1.0:
-            raise ConfigError("--moe-load plans one layout's routing; --search compares layouts at balanced routing")
         if args.search:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,
                              max_candidates=args.max_candidates, progress=sys.stderr)

@@ -67,13 +67,17 @@ def test_a_load_out_of_range_is_refused_before_any_dry_run(load, extra, message,
     assert refused.value.code != 0 and message in capsys.readouterr().err
 
 
-def test_a_dense_layout_has_no_routing_load(capsys):
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.tp=1", "model.num_layers=2"], "parallel.ep > 1"),   # a dense layout has no routing load
+    (["--search", *TINY_EP], "--search"),                           # a search compares balanced layouts
+])
+def test_a_load_without_one_moe_layout_is_refused(extra, message, capsys):
     from launch import plan as plan_cli
 
     with pytest.raises(SystemExit) as refused:
-        plan_cli.main(["--config", str(ROOT / "configs/tiny.yaml"), "--world-size", "2", "--moe-load", "1.3",
-                       "parallel.tp=1", "model.num_layers=2"])
-    assert refused.value.code != 0 and "parallel.ep > 1" in capsys.readouterr().err
+        plan_cli.main(["--config", str(ROOT / "configs/tiny.yaml"), "--world-size", "2", "--gpu", "cpu",
+                       "--moe-load", "1.3", *extra])
+    assert refused.value.code != 0 and message in capsys.readouterr().err
 
 
 def test_compare_reads_the_runs_routing_load_and_says_how_to_plan_it(tmp_path, capsys):

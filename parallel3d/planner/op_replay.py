@@ -33,6 +33,7 @@ import json
 import math
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,6 +54,8 @@ ORDER = "in-order|"    # the cache's key of an op's time in the step's order: OR
 ORDER_MAX_BYTES = 1 << 20   # ops whose tensors total more are timed alone only: their time is their bytes' and
                             # FLOPs', which the cold-input and cold-output terms already place in memory
 ORDER_PASSES = 5       # passes over the step's small ops; each op's time is the median of its calls
+# what an op raises on replay values (module docstring): it is left to the roofline
+REPLAY_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, ZeroDivisionError)
 
 
 def signature(func, args: tuple, kwargs: dict) -> tuple[str, tuple]:
@@ -104,25 +107,33 @@ def _call(spec: tuple) -> tuple[Callable[[], object], tuple, dict]:
     return lambda: func(*args, **kwargs), args, kwargs
 
 
-def replay(spec: tuple) -> Optional[float]:
-    """Seconds of one op on this CPU, one thread (module docstring); None where the op cannot be replayed."""
+@contextmanager
+def _one_thread():
+    """Replays run on one thread, as a torchrun rank does."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run = _call(spec)[0]
-        t0 = time.perf_counter()
-        run()                                     # warm-up: first-touch pages, lazy kernel setup
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(2 if first > SLOW_OP_S else 5):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, ZeroDivisionError):
-        return None
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def replay(spec: tuple) -> Optional[float]:
+    """Seconds of one op on this CPU, one thread (module docstring); None where the op cannot be replayed."""
+    try:
+        with _one_thread():
+            run = _call(spec)[0]
+            t0 = time.perf_counter()
+            run()                                     # warm-up: first-touch pages, lazy kernel setup
+            first = time.perf_counter() - t0
+            times = []
+            for _ in range(2 if first > SLOW_OP_S else 5):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+    except REPLAY_ERRORS:
+        return None
 
 
 def replay_cold_output(spec: tuple) -> Optional[float]:
@@ -135,33 +146,29 @@ def replay_cold_output(spec: tuple) -> Optional[float]:
     and dtype (0.03-0.1 ns for small fp32 GEMMs, 0.26-0.29 for bf16 ones of a llama_100m layer): the op's
     `.out` overload into buffers written COLD_SPAN ago, against the same call into one buffer. None where
     the op has no single output of COLD_MIN_BYTES or more, no `.out` overload, or cannot be replayed."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        run, args, kwargs = _call(spec)
-        out = run()
-        if not isinstance(out, torch.Tensor) or out.untyped_storage().nbytes() < COLD_MIN_BYTES:
-            return None
-        n = max(2, COLD_SPAN // out.untyped_storage().nbytes())
-        calls = min(n, COLD_CALLS)
-        buffers = [torch.zeros_like(out) for _ in range(n)]   # paged in, as the step's heap is
-        variant = spec[0]._overloadpacket.out
-        variant(*args, **kwargs, out=buffers[-1])             # the last one, now hot
-        hot, cold = [], []
-        for i in range(calls):
-            t0 = time.perf_counter()
-            variant(*args, **kwargs, out=buffers[-1])
-            hot.append(time.perf_counter() - t0)
-        for i in range(calls):   # buffer i was last written COLD_SPAN of later buffers ago: out of the cache
-            t0 = time.perf_counter()
-            variant(*args, **kwargs, out=buffers[i])
-            cold.append(time.perf_counter() - t0)
-        return max(0.0, statistics.median(cold) - statistics.median(hot))
-    except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, AttributeError,
-            ZeroDivisionError):
+        with _one_thread():
+            run, args, kwargs = _call(spec)
+            out = run()
+            if not isinstance(out, torch.Tensor) or out.untyped_storage().nbytes() < COLD_MIN_BYTES:
+                return None
+            n = max(2, COLD_SPAN // out.untyped_storage().nbytes())
+            calls = min(n, COLD_CALLS)
+            buffers = [torch.zeros_like(out) for _ in range(n)]   # paged in, as the step's heap is
+            variant = spec[0]._overloadpacket.out
+            variant(*args, **kwargs, out=buffers[-1])             # the last one, now hot
+            hot, cold = [], []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                variant(*args, **kwargs, out=buffers[-1])
+                hot.append(time.perf_counter() - t0)
+            for i in range(calls):   # buffer i was last written COLD_SPAN of later buffers ago: out of the cache
+                t0 = time.perf_counter()
+                variant(*args, **kwargs, out=buffers[i])
+                cold.append(time.perf_counter() - t0)
+            return max(0.0, statistics.median(cold) - statistics.median(hot))
+    except (*REPLAY_ERRORS, AttributeError):   # AttributeError: no `.out` overload
         return None
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _tensor_bytes(spec: tuple) -> int:
@@ -177,10 +184,8 @@ def replay_in_order(specs: dict, order: list) -> dict:
     ms in order, and ran 78.5 ms against a plan of 60.0; the minimal model behind the per-op overhead
     (profile._step_overhead) 1.9 and 3.4 ms over its 686 ops, so the overhead holds about 2 us an op of it
     and a model of larger small ops lacked the rest."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     calls: dict = {}
-    try:
+    with _one_thread():
         for key in dict.fromkeys(order):
             spec = specs[key]
             if _tensor_bytes(spec) > ORDER_MAX_BYTES:
@@ -188,7 +193,7 @@ def replay_in_order(specs: dict, order: list) -> dict:
             try:
                 run = _call(spec)[0]
                 run()
-            except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, ZeroDivisionError):
+            except REPLAY_ERRORS:
                 continue
             calls[key] = run
         seconds: dict = {key: [] for key in calls}
@@ -198,9 +203,7 @@ def replay_in_order(specs: dict, order: list) -> dict:
                 t0 = time.perf_counter()
                 calls[key]()
                 seconds[key].append(time.perf_counter() - t0)
-        return {key: statistics.median(v) for key, v in seconds.items()}
-    finally:
-        torch.set_num_threads(threads)
+    return {key: statistics.median(v) for key, v in seconds.items()}
 
 
 def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = None) -> dict:
