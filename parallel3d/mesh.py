@@ -97,6 +97,21 @@ class ParallelContext:
                     self._clones[dim] = Group(group.name, list(ranks), self.rank, pg, self.stats, self.device)
         return self._clones[dim]
 
+    def destroy(self) -> None:
+        """Destroy the process groups `build` and `clone` made, all but the default group. Local to this rank,
+        but every rank of a group should destroy it at the same point of its program, as it created it. The
+        context's groups are unusable after (their `pg` is None)."""
+        import torch.distributed as dist
+
+        groups = [g for g in (*self.groups().values(), *self._clones.values())
+                  if g is not None and g.pg is not None and not g.simulated]
+        self._clones.clear()
+        made = dict.fromkeys(g.pg for g in groups if g.pg is not dist.group.WORLD)  # aliases share one
+        for g in groups:
+            g.pg = None
+        for pg in made:
+            dist.destroy_process_group(pg)
+
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
         """World size 1: plain single-device PyTorch, torch.distributed untouched."""

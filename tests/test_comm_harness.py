@@ -149,3 +149,67 @@ def test_single_rank_groups_short_circuit():
     x = torch.ones(3)
     assert comm.all_reduce(x, ctx.tp) is x and comm.all_gather(x, ctx.dp) is x
     assert ctx.stats.summary() == {}
+
+
+_HELD: dict = {}   # on each rank: the process groups of the contexts a call built, for the next call to check
+
+
+def _build_three_contexts(w):
+    import torch.distributed as dist
+
+    from parallel3d.testing import CACHED_CONTEXTS
+
+    specs = [MeshSpec(dp=2, tp=2), MeshSpec(tp=4), MeshSpec(pp=2, dp=2)]
+    assert len(specs) > CACHED_CONTEXTS
+    for spec in specs:
+        ctx = w.context(spec)
+        ctx.clone("dp")
+        _HELD[spec] = [g.pg for g in (*ctx.groups().values(), *ctx._clones.values())
+                       if g is not None and g.pg not in (None, dist.group.WORLD)]
+    return len(_HELD[specs[0]])
+
+
+def _which_groups_live(w):
+    import torch.distributed as dist
+
+    def live(pg):
+        try:
+            dist.get_process_group_ranks(pg)
+            return True
+        except (ValueError, KeyError, RuntimeError):
+            return False
+
+    alive = {str(spec): [live(pg) for pg in pgs] for spec, pgs in _HELD.items()}
+    last = list(_HELD)[-1]
+    cached = w.context(last)
+    summed = comm.all_reduce(torch.ones(1), cached.dp)    # the kept context still works
+    _HELD.clear()
+    return alive, summed.item()
+
+
+def test_a_world_keeps_only_its_recent_contexts_between_calls(worlds):
+    """Each gloo process group keeps a thread polling its sockets every 10 ms: a world destroys the groups of
+    the contexts used least recently (ParallelContext.destroy) once more than CACHED_CONTEXTS are cached."""
+    from parallel3d.testing import CACHED_CONTEXTS
+
+    assert CACHED_CONTEXTS == 2 and all(n > 0 for n in worlds.run(4, _build_three_contexts))
+    for alive, summed in worlds.run(4, _which_groups_live):
+        first, *kept = alive.values()
+        assert not any(first), alive            # the oldest context's groups and its clone: destroyed
+        assert all(all(k) for k in kept), alive
+        assert summed == 2.0
+
+
+def _destroy_twice(w):
+    from parallel3d.mesh import ParallelContext
+
+    ctx = ParallelContext.build(MeshSpec(dp=2, cp=2))
+    ctx.clone("dp")
+    ctx.destroy()
+    ctx.destroy()    # nothing left to destroy
+    return [g.pg for g in ctx.groups().values() if g is not None], ctx._clones
+
+
+def test_destroy_leaves_no_process_group_behind(worlds):
+    for pgs, clones in worlds.run(4, _destroy_twice):
+        assert pgs and all(pg is None for pg in pgs) and clones == {}
