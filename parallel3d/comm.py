@@ -265,7 +265,11 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
             out.copy_(inp)
         return None
     group._record("all_gather", _nbytes(out))
-    if on_gloo(group) and not group.simulated:   # (direct sends need no memory the simulation lacks)
+    if on_gloo(group):   # (direct sends need no memory the simulation lacks)
+        if group.simulated:   # the local copy as on gloo, the peers' blocks filled by the stand-in
+            check_placement(group, "all_gather", out, inp)
+            _simulate_all_gather(out, gloo.own_block(out, inp, group.size, group.rank), group.size)
+            return None
         return _run(group, "all_gather", lambda: gloo.start_all_gather(out, inp, group.pg, group.ranks, group.rank),
                     out, inp)
     work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),

@@ -14,7 +14,7 @@ dry run standing for gloo (a plan of a CPU run) runs `simulate_reduce_scatter`, 
 
     all-gather, rank k's input (S,) -> out (N*S,):
         rank k sends its input to every peer and receives peer j's into out[j*S:(j+1)*S]; its own block is
-        a local copy                                                  -- (N-1)/N of out, as a ring
+        a local copy (own_block: compute, in a dry run too)          -- (N-1)/N of out, as a ring
 
 The all-gather may run in place (inp is this rank's block of out, as ZeRO-1/2's parameter buffer).
 Both return a handle with `wait()` and `is_completed()` (the gradient sync polls the latter on gloo).
@@ -85,13 +85,22 @@ def simulate_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, size: int, ran
 def start_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: object, ranks: Sequence[int], rank: int
                      ) -> Transfers:
     """out (N*S,) <- every rank's inp (S,), in group-rank order; `rank` is this rank's group rank."""
-    n, blocks = inp.numel(), out.view(len(ranks), -1)              # (N, S)
+    blocks = out.view(len(ranks), -1)                               # (N, S)
     ops = []
     for step in range(1, len(ranks)):                               # peers in ring order: no pair waits
         dst, src = (rank + step) % len(ranks), (rank - step) % len(ranks)
         ops.append(dist.P2POp(dist.isend, inp, ranks[dst], group=pg, tag=GATHER_TAG))
         ops.append(dist.P2POp(dist.irecv, blocks[src], ranks[src], group=pg, tag=GATHER_TAG))
     works = dist.batch_isend_irecv(ops)
-    if not torch._C._is_alias_of(inp, out):                         # in place: inp already is its block
-        blocks[rank].copy_(inp.view(n))
+    own_block(out, inp, len(ranks), rank)
     return Transfers(list(works), [inp, out])
+
+
+def own_block(out: torch.Tensor, inp: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """This rank's block of an all-gather's out (N*S,), holding inp (S,): a copy on the calling thread,
+    which a dry run prices as compute (the transfer's price covers only the peers' blocks), unless inp
+    already is that block (in place, as ZeRO-1/2's parameter buffer)."""
+    block = out.view(size, -1)[rank]                                # (S,)
+    if not torch._C._is_alias_of(inp, out):
+        block.copy_(inp.view(-1))
+    return block

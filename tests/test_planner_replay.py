@@ -199,7 +199,8 @@ def test_an_op_writes_its_fresh_output_to_cold_memory():
 def test_the_fill_that_stands_for_the_network_is_not_priced_as_compute(backend):
     """A dry run's collective fills its output in place of the network (comm.transfer_stand_ins); the
     collective's own price covers those bytes, so the tracker prices none of the fill's copies. Its buffers
-    are still counted, and gloo's sum on wait, which a real rank computes, is still an op."""
+    are still counted, and what a real gloo rank computes on its own thread is still an op: the sum on wait
+    of the reduce-scatter and the copy of its own block into the all-gather's output (none in place)."""
     from parallel3d import comm
     from parallel3d.planner.tracker import StepTracker
 
@@ -209,8 +210,13 @@ def test_the_fill_that_stands_for_the_network_is_not_priced_as_compute(backend):
         gathered = comm.all_gather(x, ctx.dp)                      # (8192,)
         swapped = comm.all_to_all(x, ctx.dp)                       # (4096,)
         shard = comm.reduce_scatter(x, ctx.dp)                     # (2048,)
+        buffer = torch.ones(8192, device="meta")                   # (8192,): rank 0's block is the first half
+        comm.wait_work(comm.start_all_gather(buffer, buffer[:4096], ctx.dp), ctx.dp, "all_gather")
     names = Counter(op.name for op in tracker.ops)
-    assert names["copy_"] == 0, names
+    assert names["copy_"] == (1 if backend == "gloo" else 0), names
+    if backend == "gloo":
+        copy = next(op for op in tracker.ops if op.name == "copy_")
+        assert copy.nbytes == 3 * 4 * 4096   # one block: as any op, its arguments (block, x) and its result
     assert names["sum"] == (1 if backend == "gloo" else 0), names
     assert gathered.shape == (8192,) and swapped.shape == (4096,) and shard.shape == (2048,)
     comm_bytes = sum(a.nbytes for a in tracker.allocs if a.category == "comm_buffers")
