@@ -57,7 +57,8 @@ def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
     ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
     _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: (1e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures}
-    times.update({op_replay.ORDER + k: None for k in tracker.signatures})   # no time in the step's order
+    order = [op.key for op in tracker.ops]                  # the dry run's step: the same ops in the same order
+    times.update({op_replay.in_order_key(order, k): None for k in tracker.signatures})   # no time in that order
     for extra in (0.0, 2e-4):   # an output written to cold memory costs its replayed extra too
         times.update({op_replay.COLD + k: (extra if k.startswith("aten.mm.") else None)
                       for k in tracker.signatures})
@@ -82,7 +83,9 @@ def test_a_small_op_is_priced_at_its_time_in_the_steps_order(tmp_path):
     _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: 1e-3 for k in tracker.signatures}
     times.update({op_replay.COLD + k: 0.0 for k in tracker.signatures})
-    times.update({op_replay.ORDER + k: (4e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures})
+    order = [op.key for op in tracker.ops]
+    times.update({op_replay.in_order_key(order, k): (4e-3 if k.startswith("aten.mm.") else None)
+                  for k in tracker.signatures})
     cache = tmp_path / "ops.json"
     cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
     device = dataclasses.replace(gpu("h100"), host_op_s=0.0, host_step_op_s=0.0, op_overhead_s=0.0,
@@ -110,6 +113,27 @@ def test_small_ops_are_timed_in_the_steps_order_once_and_cached(tmp_path, monkey
     assert all(first[op_replay.ORDER + k] > 0 for k in tracker.signatures)   # this model's ops are all small
     monkeypatch.setattr(op_replay, "replay_in_order", lambda *a: pytest.fail("timed a cached order again"))
     assert op_replay.measure(specs, cache, order + [big]) == first
+
+
+def test_an_ops_time_in_order_is_kept_per_step(tmp_path, monkeypatch):
+    """The same signature in another step's order is timed again in that order: its time depends on the ops
+    around it (op_replay.in_order_key), so a plan never reads one timed in another model's step."""
+    cfg = _cfg()
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    order = [op.key for op in tracker.ops]
+    cache = tmp_path / "ops.json"
+    orders = []
+    monkeypatch.setattr(op_replay, "replay_in_order",
+                        lambda specs, o: orders.append(list(o)) or {k: 1e-6 * len(orders) for k in o})
+    first = op_replay.measure(tracker.signatures, cache, order)
+    other = order[::-1]                                  # the same ops around one another differently
+    second = op_replay.measure(tracker.signatures, cache, other)
+    assert orders == [order, other]
+    assert op_replay.measure(tracker.signatures, cache, order) == first and len(orders) == 2   # each cached
+    key = op_replay.ORDER + order[0]
+    assert first[key] == pytest.approx(1e-6) and second[key] == pytest.approx(2e-6)
+    assert op_replay.in_order_key(order, order[0]) != op_replay.in_order_key(other, order[0])
 
 
 def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):

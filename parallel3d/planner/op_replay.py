@@ -29,6 +29,7 @@ time in order is its first step's: a signature keeps it across the steps that sh
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -42,15 +43,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallel3d.host_memory import keep_freed_memory
 
-VERSION = 4            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
+VERSION = 5            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
                        # and replays under the run's allocator (host_memory.keep_freed_memory); 4: small ops
-                       # timed in the step's order (replay_in_order)
+                       # timed in the step's order (replay_in_order); 5: cached per step order (in_order_key)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
 COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
 COLD_SPAN = 64 << 20   # bytes of outputs a cold-output replay writes before timing the first: past the cache
 COLD_MIN_BYTES = 256 << 10   # smaller outputs come back hot from the allocator's recent frees (and cost little)
 COLD_CALLS = 32        # calls timed each way
-ORDER = "in-order|"    # the cache's key of an op's time in the step's order: ORDER + its signature's key
+ORDER = "in-order|"    # an op's time in the step's order: ORDER + its signature's key (in the cache: in_order_key)
 ORDER_MAX_BYTES = 1 << 20   # ops whose tensors total more are timed alone only: their time is their bytes' and
                             # FLOPs', which the cold-input and cold-output terms already place in memory
 ORDER_PASSES = 5       # passes over the step's small ops; each op's time is the median of its calls
@@ -206,6 +207,16 @@ def replay_in_order(specs: dict, order: list) -> dict:
     return {key: statistics.median(v) for key, v in seconds.items()}
 
 
+def in_order_key(order: list, key: str) -> str:
+    """The cache's key of signature `key`'s time in the step whose signatures in order are `order`. An op's
+    time in order depends on the ops around it, so each step keeps its own: keyed by signature alone, the
+    first step that timed one lent it to every other. tiny's plan timed llama_100m's AdamW chunk ops
+    (131,072 fp32) at 77-88 us in tiny's order, and llama_100m's plan then read them there, against 38-40
+    us in its own order and 30-104 us timed in its real step: 150 ms too much on its optimizer."""
+    digest = hashlib.sha1("\n".join(order).encode()).hexdigest()[:16]
+    return f"{ORDER}{digest}|{key}"
+
+
 def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = None) -> dict:
     """signature -> seconds for every op of `specs` (signature -> replay spec), and COLD + signature -> its
     cold-output extra (replay_cold_output), from the cache at `path` where it has them, replayed (and
@@ -222,23 +233,24 @@ def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = No
             cached = {}
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
               **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items()}}
-    in_order = [ORDER + key for key in dict.fromkeys(order or ())]
+    step = in_order_key(order or [], "")     # (the order's part of the key, hashed once)
+    in_order = {ORDER + key: step + key for key in dict.fromkeys(order or ())}
     missing = [key for key in wanted if key not in cached]
-    unordered = [key for key in in_order if key not in cached]
+    unordered = [stored for stored in in_order.values() if stored not in cached]
     if missing or unordered:
         keep_freed_memory()
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
             cached[key] = how(spec)
-        if unordered:   # the whole order, for the context; what a signature already has stays
+        if unordered:   # the whole order, for the context
             timed = replay_in_order(specs, order)
-            for key in unordered:
-                cached[key] = timed.get(key[len(ORDER):])
+            for key, stored in in_order.items():
+                cached[stored] = timed.get(key[len(ORDER):])
     missing += unordered
     if missing and path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": VERSION, "ops": cached}))
         tmp.replace(path)
-    return {key: cached[key] for key in [*wanted, *in_order]}
+    return {**{key: cached[key] for key in wanted}, **{key: cached[stored] for key, stored in in_order.items()}}
