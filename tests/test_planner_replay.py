@@ -246,3 +246,19 @@ def test_the_fill_that_stands_for_the_network_is_not_priced_as_compute(backend):
     comm_bytes = sum(a.nbytes for a in tracker.allocs if a.category == "comm_buffers")
     # the gathered output, the all-to-all's output and the reduce-scatter's output (gloo: and its receive buffer)
     assert comm_bytes == 4 * (8192 + 4096 + 2048 + (4096 if backend == "gloo" else 0))
+
+
+def test_replays_flush_denormals_and_restore_the_thread():
+    """An in-place op replayed over the same values thousands of times (in the step's order) decays them into
+    the denormal range, 50x slower on x86, where a training step's data never go: replays flush them to
+    zero, and the thread is as it was afterwards."""
+    supported = torch.set_flush_denormal(True)
+    torch.set_flush_denormal(False)
+    if not supported:
+        pytest.skip("this CPU cannot flush denormals")
+    tiny = torch.tensor([1e-39])                       # a float32 denormal
+    threads = torch.get_num_threads()
+    with op_replay._one_thread():
+        assert torch.get_num_threads() == 1
+        assert (tiny * 1.0).item() == 0.0              # flushed
+    assert (tiny * 1.0).item() > 0.0 and torch.get_num_threads() == threads
