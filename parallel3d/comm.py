@@ -130,6 +130,9 @@ def _run(group: Group, op: str, fn: Callable[[], object], *tensors: torch.Tensor
     check_placement(group, op, *tensors)
     if group.simulated:
         return None
+    if group.pg is None:   # (torch.distributed would take None for the default group)
+        raise CollectiveError(f"{op} on {group.name} group (ranks {group.ranks}) on rank {group.global_rank}: "
+                              f"it has no process group (not built, or destroyed: ParallelContext.destroy)")
     try:
         return fn()
     except RuntimeError as e:

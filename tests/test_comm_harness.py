@@ -207,9 +207,15 @@ def _destroy_twice(w):
     ctx.clone("dp")
     ctx.destroy()
     ctx.destroy()    # nothing left to destroy
-    return [g.pg for g in ctx.groups().values() if g is not None], ctx._clones
+    try:             # a destroyed group refuses a collective instead of running it on the default group
+        comm.all_reduce(torch.ones(1), ctx.dp)
+        refused = ""
+    except comm.CollectiveError as e:
+        refused = str(e)
+    return [g.pg for g in ctx.groups().values() if g is not None], ctx._clones, refused
 
 
 def test_destroy_leaves_no_process_group_behind(worlds):
-    for pgs, clones in worlds.run(4, _destroy_twice):
+    for pgs, clones, refused in worlds.run(4, _destroy_twice):
         assert pgs and all(pg is None for pg in pgs) and clones == {}
+        assert "all_reduce on dp group" in refused and "destroyed" in refused, refused
