@@ -86,8 +86,9 @@ class Worker:
         return ctx
 
     def trim_contexts(self) -> None:
-        """Between calls: destroy the least recently used contexts beyond CACHED_CONTEXTS. Every rank runs
-        the same calls, so every rank destroys the same groups at the same point."""
+        """Before a call: destroy the least recently used contexts beyond CACHED_CONTEXTS. Every rank runs
+        the same calls, so every rank destroys the same groups at the same point, and the parent sends a call
+        only once every rank has finished the last, so no rank is still in one of them."""
         while len(self._contexts) > CACHED_CONTEXTS:
             self._contexts.pop(next(iter(self._contexts))).destroy()
 
@@ -157,13 +158,13 @@ def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resu
         if task is None:
             break
         fn, args, kwargs = pickle.loads(task)
+        worker.trim_contexts()   # here, not after the last call: every rank has finished that one
         worker.report("running (no collective yet)")
         try:
             out = fn(worker, *args, **kwargs)
             results.put((rank, True, pickle.dumps(out)))
         except BaseException:  # report everything, including assertion errors
             results.put((rank, False, traceback.format_exc()))
-        worker.trim_contexts()
         worker.report("idle")
     dist.destroy_process_group()
 

@@ -219,7 +219,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             if found is not None:
                 factor, warps = found
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
-        replayed = measured.get(op_replay.ORDER + op.key) or measured.get(op.key)   # a small op: in the step's order
+        replayed = op_replay.replayed_seconds(measured, op.key)
         if replayed is not None:
             cold_output = (measured.get(op_replay.COLD + op.key) or 0.0) * gpu.op_time_scale
             seconds = replayed * gpu.op_time_scale + _cold_seconds(op, gpu, cold_output) + gpu.op_overhead_s

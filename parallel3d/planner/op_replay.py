@@ -25,7 +25,7 @@ measured here: what the host adds around the op (Python modules, autograd, hooks
 and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
 
 Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds (an op's
-time in order is its first step's: a signature keeps it across the steps that share it).
+time in order per step and signature: in_order_key).
 """
 from __future__ import annotations
 
@@ -221,6 +221,12 @@ def in_order_key(order: list, key: str) -> str:
     us in its own order and 30-104 us timed in its real step: 150 ms too much on its optimizer."""
     digest = hashlib.sha1("\n".join(order).encode()).hexdigest()[:16]
     return f"{ORDER}{digest}|{key}"
+
+
+def replayed_seconds(measured: dict, key: str) -> Optional[float]:
+    """The time a plan prices an op at, from `measure`'s answer: its time in the step's order where it has
+    one (a small op), else its time alone; None where it could not be replayed."""
+    return measured.get(ORDER + key) or measured.get(key)
 
 
 def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = None) -> dict:

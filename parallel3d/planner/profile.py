@@ -197,8 +197,7 @@ def _host_per_op(step_s: float, tracker) -> float:
     """Seconds per tracked op of a step of `step_s` that the host spends around its ops: the step less
     the ops' replayed kernels (op_replay.py), over the op count."""
     kernels = op_replay.measure(tracker.signatures, order=[op.key for op in tracker.ops])
-    # as the dry run prices them: a small op at its time in the step's order (op_replay.replay_in_order)
-    replayed = sum(kernels.get(op_replay.ORDER + op.key) or kernels.get(op.key) or 0.0 for op in tracker.ops)
+    replayed = sum(op_replay.replayed_seconds(kernels, op.key) or 0.0 for op in tracker.ops)   # as a plan prices them
     return max(step_s - replayed, 0.0) / max(len(tracker.ops), 1)
 
 
