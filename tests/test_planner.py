@@ -423,3 +423,15 @@ def test_plan_prices_one_bucket_as_unhidden_and_small_buckets_as_hidden(monkeypa
             assert len(parts) == 1 and exposed == pytest.approx(sum(parts))
         else:
             assert len(parts) > 10 and 0 < exposed < 0.25 * sum(parts)
+
+
+def test_a_stage_runs_at_its_slowest_ranks_pace():
+    """ZeRO-0 over dp2: DP rank 0 norms the gradients every replica holds (data_parallel/clip.py), rank 1
+    does not, so rank 0's tail is longer. The plan's tail is the slower one's: it used to take the last
+    rank's alone for a single stage, and the step waited for rank 0 unpriced."""
+    cfg = make_config(["parallel.zero=0", "parallel.tp=1", *SMALL], 2)
+    cache: dict = {}
+    result = plan(cfg, _stage_builder, H100, 8, cache=cache)
+    tails = {run.rank: run.outside.time_s for run in cache.values()}
+    assert set(tails) == {0, 1} and tails[0] > tails[1]
+    assert result.breakdown["outside_actions_s"] >= tails[0]
