@@ -29,6 +29,10 @@ LARGE_CALLS, SMALL_CALLS = 40, 80   # per round
 # in one go, an op took whatever moment the VM was having, and two profiles 12 minutes apart gave the
 # all-reduce 1.06 and 0.43 ms of latency, the all-to-all 0.60 and 1.33 (tiny's TP and CP moved 0.66-1.58x).
 ROUNDS = 3
+# The processes are started GROUPS times and each figure is the median over the groups: a pair of processes
+# keeps its speed for its life, and three pairs in one minute on this VM measured the 1 KiB all-gather at
+# 1.95, 0.35 and 0.46 ms (the profile of the run before had 1.28 ms, and tiny's SP step paid 0.81 a call).
+GROUPS = 3
 # A collective costs more when the ranks arrive from a longer stretch of compute: on this 2-core VM a
 # 1 KiB all-reduce averaged 0.56 ms after 0-0.25 ms of matmul, 0.95 after 1 ms, 1.4-1.6 after 3-10 ms
 # (most calls take 0.3 ms; more of them then wait about 4 ms, a scheduler tick, for a thread to run).
@@ -199,6 +203,16 @@ def _wake(run, calls: int, block: int = 10) -> float:
     return max(0.0, (total[WAKE_GAP_S] - total[SHORT_GAP_S]) / (calls // block * block))
 
 
+def _median_of(found: list):
+    """Every number of the workers' reports (nested dicts and lists of one shape), the median over them."""
+    first = found[0]
+    if isinstance(first, dict):
+        return {k: _median_of([f[k] for f in found]) for k in first}
+    if isinstance(first, list):
+        return [_median_of([f[i] for f in found]) for i in range(len(first))]
+    return statistics.median(found)
+
+
 def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, float]:
     """(alpha, beta) such that cost.collective_time(op, bytes, world, alpha, beta) gives both timings."""
     n = world
@@ -210,7 +224,8 @@ def _solve(op: str, world: int, small_s: float, large_s: float) -> tuple[float, 
 
 
 def measure_gloo(world: int) -> dict:
-    """(alpha, beta) per collective on `world` local gloo processes (about 15 s on this 2-core VM)."""
+    """(alpha, beta) per collective on `world` local gloo processes, each figure the median over GROUPS
+    groups of fresh processes (about 15 s each on this 2-core VM)."""
     import torch.multiprocessing as mp
 
     threads = torch.get_num_threads()
@@ -218,11 +233,14 @@ def measure_gloo(world: int) -> dict:
         alone = _contention_probe()
     finally:
         torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.start_processes(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world,
-                           start_method="spawn")
-        found = json.loads(Path(out).read_text())
+    groups = []
+    for _ in range(GROUPS):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            mp.start_processes(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world,
+                               start_method="spawn")
+            groups.append(json.loads(Path(out).read_text()))
+    found = _median_of(groups)
     links = {op: list(_solve(op, world, *t)) for op, t in found["times"].items()}
     slowdown = {k: max(1.0, found["together"][k] / alone[k]) for k in alone}
     return {"collectives": links, "base_rss_bytes": found["base_rss_bytes"], "slowdown": slowdown,
