@@ -13,7 +13,7 @@ import torch
 from ckpt_helpers import make_config
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.planner import op_replay
-from parallel3d.planner.dryrun import run_role, tracked_step
+from parallel3d.planner.dryrun import in_order_stretches, run_role, tracked_step
 from parallel3d.planner.hardware import gpu
 from parallel3d.planner.host_kernels import as_run_on_cpu
 from parallel3d.training.trainer import Trainer
@@ -55,10 +55,10 @@ def test_a_replayed_op_is_priced_at_its_time_plus_the_host_overhead(tmp_path):
     base = dataclasses.replace(gpu("h100"), host_op_s=0.0, host_step_op_s=0.0, op_overhead_s=3e-6)
     roofline = run_role(cfg, 0, _stage_builder, base, 8)
     ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
-    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    out, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: (1e-3 if k.startswith("aten.mm.") else None) for k in tracker.signatures}
-    order = [op.key for op in tracker.ops]                  # the dry run's step: the same ops in the same order
-    times.update({op_replay.in_order_key(order, k): None for k in tracker.signatures})   # no time in that order
+    stretches, _ = in_order_stretches(out, tracker, 0)      # the dry run's step: the same ops in the same order
+    times.update({op_replay.in_order_key(s, k): None for s in stretches for k in s})   # no time in order
     for extra in (0.0, 2e-4):   # an output written to cold memory costs its replayed extra too
         times.update({op_replay.COLD + k: (extra if k.startswith("aten.mm.") else None)
                       for k in tracker.signatures})
@@ -80,12 +80,12 @@ def test_a_small_op_is_priced_at_its_time_in_the_steps_order(tmp_path):
     prices the op at that time, not at its time alone."""
     cfg = _cfg()
     ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
-    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    out, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
     times = {k: 1e-3 for k in tracker.signatures}
     times.update({op_replay.COLD + k: 0.0 for k in tracker.signatures})
-    order = [op.key for op in tracker.ops]
-    times.update({op_replay.in_order_key(order, k): (4e-3 if k.startswith("aten.mm.") else None)
-                  for k in tracker.signatures})
+    stretches, _ = in_order_stretches(out, tracker, 0)
+    times.update({op_replay.in_order_key(s, k): (4e-3 if k.startswith("aten.mm.") else None)
+                  for s in stretches for k in s})
     cache = tmp_path / "ops.json"
     cache.write_text(json.dumps({"version": op_replay.VERSION, "ops": times}))
     device = dataclasses.replace(gpu("h100"), host_op_s=0.0, host_step_op_s=0.0, op_overhead_s=0.0,
@@ -108,11 +108,12 @@ def test_small_ops_are_timed_in_the_steps_order_once_and_cached(tmp_path, monkey
                                                                    torch.ones(1 << 19, device="meta")), {})
     specs = {**tracker.signatures, big: big_spec}
     cache = tmp_path / "ops.json"
-    first = op_replay.measure(specs, cache, order + [big])
-    assert first[op_replay.ORDER + big] is None and first[big] > 0   # 4 MiB of inputs: timed alone only
-    assert all(first[op_replay.ORDER + k] > 0 for k in tracker.signatures)   # this model's ops are all small
+    stretch = order + [big]
+    first = op_replay.measure(specs, cache, [stretch])
+    assert first[op_replay.in_order_key(stretch, big)] is None and first[big] > 0   # 4 MiB of inputs: alone only
+    assert all(first[op_replay.in_order_key(stretch, k)] > 0 for k in tracker.signatures)   # all small here
     monkeypatch.setattr(op_replay, "replay_in_order", lambda *a: pytest.fail("timed a cached order again"))
-    assert op_replay.measure(specs, cache, order + [big]) == first
+    assert op_replay.measure(specs, cache, [stretch]) == first
 
 
 def test_an_ops_time_in_order_is_kept_per_step(tmp_path, monkeypatch):
@@ -126,14 +127,33 @@ def test_an_ops_time_in_order_is_kept_per_step(tmp_path, monkeypatch):
     orders = []
     monkeypatch.setattr(op_replay, "replay_in_order",
                         lambda specs, o: orders.append(list(o)) or {k: 1e-6 * len(orders) for k in o})
-    first = op_replay.measure(tracker.signatures, cache, order)
+    first = op_replay.measure(tracker.signatures, cache, [order])
     other = order[::-1]                                  # the same ops around one another differently
-    second = op_replay.measure(tracker.signatures, cache, other)
+    second = op_replay.measure(tracker.signatures, cache, [other])
     assert orders == [order, other]
-    assert op_replay.measure(tracker.signatures, cache, order) == first and len(orders) == 2   # each cached
-    key = op_replay.ORDER + order[0]
-    assert first[key] == pytest.approx(1e-6) and second[key] == pytest.approx(2e-6)
+    assert op_replay.measure(tracker.signatures, cache, [order]) == first and len(orders) == 2   # each cached
     assert op_replay.in_order_key(order, order[0]) != op_replay.in_order_key(other, order[0])
+    assert first[op_replay.in_order_key(order, order[0])] == pytest.approx(1e-6)
+    assert second[op_replay.in_order_key(other, order[0])] == pytest.approx(2e-6)
+
+
+def test_ops_are_timed_in_order_per_action_and_a_repeated_action_once(tmp_path, monkeypatch):
+    """The dry run cuts the step's ops by action (op_replay.segments): the two microbatches' forwards are
+    one stretch of ops, timed in order once, and every op of the step has the key of its own stretch."""
+    assert op_replay.segments(list("abcde"), [0, 0, 1, 1, 0]) == [["a", "b"], ["c", "d"], ["e"]]
+    cfg = _cfg()   # two microbatches
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    out, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    stretches, prefixes = in_order_stretches(out, tracker, 0)
+    assert [k for s in stretches for k in s] == [op.key for op in tracker.ops] and len(prefixes) == len(tracker.ops)
+    distinct = {op_replay.in_order_key(s, ""): s for s in stretches}
+    assert len(stretches) >= 5 and len(distinct) < len(stretches)   # fwd, bwd, fwd, bwd, the rest: fwd twice
+    timed = []
+    monkeypatch.setattr(op_replay, "replay_in_order", lambda specs, o: timed.append(list(o)) or {k: 1e-6 for k in o})
+    found = op_replay.measure(tracker.signatures, tmp_path / "ops.json", stretches)
+    assert sorted(map(tuple, timed)) == sorted(map(tuple, distinct.values()))
+    assert all(op_replay.replayed_seconds(found, op.key, p) == pytest.approx(1e-6)
+               for op, p in zip(tracker.ops, prefixes))
 
 
 def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):

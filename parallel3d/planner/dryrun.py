@@ -194,24 +194,44 @@ def _cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
     return cold * gpu.cold_s_per_byte + written
 
 
+def action_index(out: dict, pp_rank: int):
+    """(this stage's actions in run order, wall -> the index of the action running at that wall, -1 outside
+    them): actions run one after another, so bisect finds an op's or a collective's action."""
+    mine = sorted((r for r in out["actions"] if r[0] == pp_rank), key=lambda r: r[5])
+    starts = [r[5] for r in mine]
+
+    def index(wall: float) -> int:
+        i = bisect.bisect_right(starts, wall) - 1
+        return i if i >= 0 and wall <= mine[i][6] else -1
+    return mine, index
+
+
+def in_order_stretches(out: dict, tracker: StepTracker, pp_rank: int) -> tuple[list, list]:
+    """The step's op signatures cut by action (op_replay.segments), and each op's stretch key prefix
+    (op_replay.in_order_key), as a plan prices ops in order and the profile calibrates the per-op cost."""
+    _, index = action_index(out, pp_rank)
+    stretches = op_replay.segments([op.key for op in tracker.ops], [index(op.wall) for op in tracker.ops])
+    return stretches, [op_replay.in_order_key(s, "") for s in stretches for _ in s]
+
+
 def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per_microbatch: bool) -> RoleRun:
-    mine = sorted((r for r in out["actions"] if r[0] == ctx.coords.pp), key=lambda r: r[5])
-    starts = [r[5] for r in mine]             # actions run one after another: bisect finds an op's action
+    mine, index = action_index(out, ctx.coords.pp)
     costs = [ActionCost() for _ in mine]
     outside = ActionCost()
 
     def slot(wall: float) -> ActionCost:
-        i = bisect.bisect_right(starts, wall) - 1
-        return costs[i] if i >= 0 and wall <= mine[i][6] else outside
+        i = index(wall)
+        return costs[i] if i >= 0 else outside
 
     derated: dict = {}
     op_seconds: dict = {}
     # a measured machine: each op at its replayed time plus the host's own per-op cost (op_replay.py)
-    measured = (op_replay.measure(tracker.signatures, gpu.op_times, [op.key for op in tracker.ops])
+    stretches, prefixes = in_order_stretches(out, tracker, ctx.coords.pp)
+    measured = (op_replay.measure(tracker.signatures, gpu.op_times, stretches)
                 if gpu.op_times is not None else {})
     queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
     walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
-    for op in tracker.ops:
+    for op, in_order in zip(tracker.ops, prefixes):
         c = slot(op.wall)
         factor = 1.0
         if op.name in KERNELS_OF_OP:
@@ -219,7 +239,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             if found is not None:
                 factor, warps = found
                 derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
-        replayed = op_replay.replayed_seconds(measured, op.key)
+        replayed = op_replay.replayed_seconds(measured, op.key, in_order)
         if replayed is not None:
             cold_output = (measured.get(op_replay.COLD + op.key) or 0.0) * gpu.op_time_scale
             seconds = replayed * gpu.op_time_scale + _cold_seconds(op, gpu, cold_output) + gpu.op_overhead_s

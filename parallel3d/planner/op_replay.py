@@ -16,8 +16,8 @@ zero, a shape that depends on values it did not get) is left to the roofline: `m
 for it.
 
 Timing: one thread (a torchrun rank's), one warm-up call, then the median of a few calls. A small op is also
-timed in the step's order (`replay_in_order`), each call after the ops the step runs before it, which is
-where the step runs it: after itself, its code and data sit in the core's own caches. An op is also
+timed in its action's order (`replay_in_order` over a stretch of `segments`), each call after the ops the
+action runs before it, which is where the step runs it: after itself, its code and data sit in the core's own caches. An op is also
 timed writing its output into memory outside the cache (`replay_cold_output`), where a step's allocator
 puts a fresh output; the dry run adds that extra to the ops that allocate theirs. Replays run with the
 allocator a CPU run sets (parallel3d/host_memory.py), so a replayed op does not fault its output in. Not
@@ -25,7 +25,7 @@ measured here: what the host adds around the op (Python modules, autograd, hooks
 and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
 
 Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds (an op's
-time in order per step and signature: in_order_key).
+time in order per stretch and signature: in_order_key).
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallel3d.host_memory import keep_freed_memory
 
-VERSION = 6            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
+VERSION = 7            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
                        # and replays under the run's allocator (host_memory.keep_freed_memory); 4: small ops
                        # timed in the step's order (replay_in_order); 5: cached per step order (in_order_key); 6: denormals
-                       # flushed while replaying (_one_thread)
+                       # flushed while replaying (_one_thread); 7: in order per action (segments)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
 COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
 COLD_SPAN = 64 << 20   # bytes of outputs a cold-output replay writes before timing the first: past the cache
@@ -214,28 +214,47 @@ def replay_in_order(specs: dict, order: list) -> dict:
 
 
 def in_order_key(order: list, key: str) -> str:
-    """The cache's key of signature `key`'s time in the step whose signatures in order are `order`. An op's
-    time in order depends on the ops around it, so each step keeps its own: keyed by signature alone, the
-    first step that timed one lent it to every other. tiny's plan timed llama_100m's AdamW chunk ops
-    (131,072 fp32) at 77-88 us in tiny's order, and llama_100m's plan then read them there, against 38-40
-    us in its own order and 30-104 us timed in its real step: 150 ms too much on its optimizer."""
+    """The cache's key of signature `key`'s time in the stretch of ops whose signatures in order are `order`
+    (an action of the step: `segments`). An op's time in order depends on the ops around it, so each
+    stretch keeps its own: keyed by signature alone, the first step that timed one lent it to every other.
+    tiny's plan timed llama_100m's AdamW chunk ops (131,072 fp32) at 77-88 us in tiny's order, and
+    llama_100m's plan then read them there, against 38-40 us in its own order and 30-104 us timed in its
+    real step: 150 ms too much on its optimizer."""
     digest = hashlib.sha1("\n".join(order).encode()).hexdigest()[:16]
     return f"{ORDER}{digest}|{key}"
 
 
-def replayed_seconds(measured: dict, key: str) -> Optional[float]:
-    """The time a plan prices an op at, from `measure`'s answer: its time in the step's order where it has
-    one (a small op), else its time alone; None where it could not be replayed."""
-    return measured.get(ORDER + key) or measured.get(key)
+def segments(keys: list, labels: list) -> list:
+    """The step's op signatures `keys` cut where their `labels` (the action each op ran in) change: the
+    stretches of ops each action runs, in order. Stretches with the same ops in the same order (the same
+    action of two microbatches, or of two layouts: the forward of dp2 ZeRO-0 and ZeRO-1) are one stretch
+    to `measure`, timed once: timed as parts of two whole steps minutes apart, tiny's ZeRO-0 and ZeRO-1
+    pipelines were priced 44.7 and 64.9 ms on this VM for the same ops."""
+    out: list = []
+    last = object()
+    for key, label in zip(keys, labels):
+        if not out or label != last:
+            out.append([])
+            last = label
+        out[-1].append(key)
+    return out
 
 
-def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = None) -> dict:
+def replayed_seconds(measured: dict, key: str, in_order: str = "") -> Optional[float]:
+    """The time a plan prices an op at, from `measure`'s answer: its time in its stretch's order where it
+    has one (a small op; `in_order`: in_order_key(stretch, "")), else its time alone; None where it could not
+    be replayed."""
+    return (measured.get(in_order + key) if in_order else None) or measured.get(key)
+
+
+def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] = None) -> dict:
     """signature -> seconds for every op of `specs` (signature -> replay spec), and COLD + signature -> its
     cold-output extra (replay_cold_output), from the cache at `path` where it has them, replayed (and
     cached) where not, with the allocator set as a CPU run sets it (host_memory.keep_freed_memory: a freed
     block is reused, not handed back to be faulted in again). What cannot be replayed maps to None.
-    `order` (the step's signatures in its order): also ORDER + signature -> the op's time in that order
-    (replay_in_order), for its small ops; the others map to None."""
+    `stretches` (the step's signatures in order, cut by action: `segments`): also in_order_key(stretch,
+    signature) -> the op's time in its stretch's order (replay_in_order), for its small ops; the others map
+    to None."""
     cached: dict = {}
     if path is not None and path.exists():
         try:
@@ -245,24 +264,25 @@ def measure(specs: dict, path: Optional[Path] = None, order: Optional[list] = No
             cached = {}
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
               **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items()}}
-    step = in_order_key(order or [], "")     # (the order's part of the key, hashed once)
-    in_order = {ORDER + key: step + key for key in dict.fromkeys(order or ())}
+    in_order: dict = {}   # the stored key of each op's time in order -> (its stretch, its signature)
+    for stretch in stretches or ():
+        prefix = in_order_key(stretch, "")   # (the stretch's part of the key, hashed once)
+        in_order.update({prefix + key: (prefix, key) for key in stretch})
     missing = [key for key in wanted if key not in cached]
-    unordered = [stored for stored in in_order.values() if stored not in cached]
+    unordered = {prefix: stretch for stretch in stretches or () for prefix in [in_order_key(stretch, "")]
+                 if any(prefix + key not in cached for key in stretch)}
     if missing or unordered:
         keep_freed_memory()
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
             cached[key] = how(spec)
-        if unordered:   # the whole order, for the context
-            timed = replay_in_order(specs, order)
-            for key, stored in in_order.items():
-                cached[stored] = timed.get(key[len(ORDER):])
-    missing += unordered
-    if missing and path is not None:
+        for prefix, stretch in unordered.items():   # each stretch whole, for the context
+            timed = replay_in_order(specs, stretch)
+            cached.update({prefix + key: timed.get(key) for key in stretch})
+    if (missing or unordered) and path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": VERSION, "ops": cached}))
         tmp.replace(path)
-    return {**{key: cached[key] for key in wanted}, **{key: cached[stored] for key, stored in in_order.items()}}
+    return {**{key: cached[key] for key in wanted}, **{stored: cached[stored] for stored in in_order}}

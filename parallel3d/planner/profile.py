@@ -190,15 +190,18 @@ def _step_overhead(stage_builder, model) -> float:
     ctx = ParallelContext.build(MeshSpec())
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     step_s = median_seconds(trainer.train_step, 9)   # a typical step (the fastest of 8 gave 8.7-11.2 us per op)
-    _, tracker = tracked_step(trainer, "cpu", signatures=True)
-    return _host_per_op(step_s, tracker)
+    out, tracker = tracked_step(trainer, "cpu", signatures=True)
+    return _host_per_op(step_s, out, tracker)
 
 
-def _host_per_op(step_s: float, tracker) -> float:
+def _host_per_op(step_s: float, out: dict, tracker) -> float:
     """Seconds per tracked op of a step of `step_s` that the host spends around its ops: the step less
-    the ops' replayed kernels (op_replay.py), over the op count."""
-    kernels = op_replay.measure(tracker.signatures, order=[op.key for op in tracker.ops])
-    replayed = sum(op_replay.replayed_seconds(kernels, op.key) or 0.0 for op in tracker.ops)   # as a plan prices them
+    the ops' replayed kernels (op_replay.py, in order by action as a plan prices them), over the op count."""
+    from parallel3d.planner.dryrun import in_order_stretches
+
+    stretches, prefixes = in_order_stretches(out, tracker, 0)
+    kernels = op_replay.measure(tracker.signatures, stretches=stretches)
+    replayed = sum(op_replay.replayed_seconds(kernels, op.key, p) or 0.0 for op, p in zip(tracker.ops, prefixes))
     return max(step_s - replayed, 0.0) / max(len(tracker.ops), 1)
 
 
@@ -218,7 +221,7 @@ def _op_overhead() -> float:
     tracker = StepTracker(device_type="cpu", signatures={})
     with tracker:
         step()
-    return _host_per_op(median_seconds(step, 20), tracker)
+    return _host_per_op(median_seconds(step, 20), {"actions": []}, tracker)   # no actions: one stretch
 
 
 def load_profile(world: int, reprofile: bool = False, path: Optional[Path] = None,
