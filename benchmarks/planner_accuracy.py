@@ -7,9 +7,11 @@ layout of world 2 (dp2 ZeRO-0/1/2/3, tp2 with and without SP, pp2 1F1B and ZB-V,
 plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) and then runs it through
 `launch/pretrain.py` under torchrun (2 gloo ranks, one thread each, log.timeline on), and prints:
   - predicted and measured step time (median of the later half of the steps: compare.steady_rows) and
-    their ratio; each model runs for its own number of steps (`STEPS`): a tiny step is still warming up
-    over its first five or so (29.7, 33.9, 28.2, 25.0, 30.7 ms, then 24-28 ms in one dp2 run), so tiny
-    runs 24 steps and llama_100m, at seconds a step, 6 (its MoE layout warms up over three or four);
+    their ratio, and the middle half of those steps (their first and third quartiles); each model runs for
+    its own number of steps (`STEPS`): a tiny step is still warming up over its first five or so (29.7,
+    33.9, 28.2, 25.0, 30.7 ms, then 24-28 ms in one dp2 run), and a VM may run at two speeds for seconds
+    at a time (RESULTS.md, ninth session), so tiny runs 60 steps and llama_100m, at seconds a step, 6 (its
+    MoE layout warms up over three or four);
   - the pipeline span and what follows it (gradient-sync tail, clipping, optimizer), planned and
     measured (from the run's timeline JSON), so a gross error can be put on a component;
   - predicted peak memory (the plan's worst rank plus the process's resident memory before the model,
@@ -43,6 +45,7 @@ import dataclasses
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,7 +59,7 @@ sys.path.insert(0, str(ROOT / "launch"))
 import torch  # noqa: E402
 from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
-from parallel3d.planner.compare import read_run  # noqa: E402
+from parallel3d.planner.compare import read_run, steady_rows  # noqa: E402
 from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
@@ -97,7 +100,7 @@ GPU_MODELS = {
         "model.ffn_hidden_size=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.precision=bf16",
         "train.micro_batch_size=8", "train.global_batch_size=8", "parallel.tp=1", "parallel.zero=0"]),
 }
-STEPS = {"tiny": 24, "llama_100m": 6}   # per model (module docstring); --steps overrides
+STEPS = {"tiny": 60, "llama_100m": 6}   # per model (module docstring); --steps overrides
 HOST_PROBE = ["model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256"]
 COMMON = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_dir=null", "log.interval=1",
           "train.warmup_steps=1", "parallel.dp=0"]
@@ -143,10 +146,15 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
            "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * world))}
     if "moe_load" in run:
         row["moe_load"] = run["moe_load"]
+    steps = [r for r in (json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()) if "step_time_s" in r]
+    times = [r["step_time_s"] for r in steady_rows(steps)]
+    # the spread of the steps the median is taken over: this VM runs for seconds at a time at two speeds
+    # about 1.5x apart (RESULTS.md, ninth session), and a short step's median lands in either
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    row["measured_q1_s"], row["measured_q3_s"] = quartiles[0], quartiles[2]
     if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
-        last = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()][-1]
         row["measured_pipeline_s"] = run["pipeline_s"]
-        row["measured_after_s"] = max(0.0, last["step_time_s"] - run["pipeline_s"])
+        row["measured_after_s"] = max(0.0, steps[-1]["step_time_s"] - run["pipeline_s"])
     return row
 
 
@@ -302,7 +310,7 @@ def _print_row(r: dict) -> None:
     def ms(x):
         return "-" if x is None else f"{1000 * x:.1f}"
     print(f"{r['model']:<10} {r['layout']:<10} step predicted {ms(r['predicted_s'])} ms, measured "
-          f"{ms(r['measured_s'])} ms, measured/predicted {r['ratio']:.2f} | pipeline {ms(r['predicted_pipeline_s'])}"
+          f"{ms(r['measured_s'])} ms (middle half {ms(r['measured_q1_s'])}-{ms(r['measured_q3_s'])}), measured/predicted {r['ratio']:.2f} | pipeline {ms(r['predicted_pipeline_s'])}"
           f" / {ms(r.get('measured_pipeline_s'))} ms, after it {ms(r['predicted_after_s'])} / "
           f"{ms(r.get('measured_after_s'))} ms | peak {r['predicted_peak_bytes'] / 2**20:.0f} / "
           f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "

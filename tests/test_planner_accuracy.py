@@ -269,6 +269,7 @@ def test_accuracy_benchmark_quick_smoke(cache_home):
                     "load_average", "commit"):
             assert key in r, key
         assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["measured_peak_bytes"] > 0
+        assert r["measured_q1_s"] <= r["measured_s"] <= r["measured_q3_s"]   # the steps' middle half
     assert "load average" in out.stdout and "orders match" in out.stdout
 
 
