@@ -45,7 +45,6 @@ import dataclasses
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,7 @@ sys.path.insert(0, str(ROOT / "launch"))
 import torch  # noqa: E402
 from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
-from parallel3d.planner.compare import read_run, steady_rows  # noqa: E402
+from parallel3d.planner.compare import read_run  # noqa: E402
 from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
@@ -146,15 +145,10 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
            "measured_bubble": run.get("bubble"), "cpu_share": min(1.0, cpu / (wall * world))}
     if "moe_load" in run:
         row["moe_load"] = run["moe_load"]
-    steps = [r for r in (json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()) if "step_time_s" in r]
-    times = [r["step_time_s"] for r in steady_rows(steps)]
-    # the spread of the steps the median is taken over: this VM runs for seconds at a time at two speeds
-    # about 1.5x apart (RESULTS.md, ninth session), and a short step's median lands in either
-    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    row["measured_q1_s"], row["measured_q3_s"] = quartiles[0], quartiles[2]
+    row["measured_q1_s"], row["measured_q3_s"] = run["step_time_q1_s"], run["step_time_q3_s"]
     if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
         row["measured_pipeline_s"] = run["pipeline_s"]
-        row["measured_after_s"] = max(0.0, steps[-1]["step_time_s"] - run["pipeline_s"])
+        row["measured_after_s"] = max(0.0, run["last_step_time_s"] - run["pipeline_s"])
     return row
 
 

@@ -251,6 +251,8 @@ def test_a_run_is_read_at_its_steady_state(tmp_path):
                              for i, t in enumerate(steps)) + json.dumps({"eval_loss": 1.0}) + "\n")
     run = read_run(str(jsonl))
     assert run["steps"] == 6 and run["step_time_s"] == 4.0 and run["peak_mem_bytes"] == 15
+    assert run["step_time_q1_s"] == pytest.approx(3.9) and run["step_time_q3_s"] == pytest.approx(4.1)
+    assert run["last_step_time_s"] == 3.9   # the timeline's step: the pipeline's remainder is taken from it
     jsonl.write_text("".join(json.dumps({"step": i, "step_time_s": t}) + "\n" for i, t in enumerate([9.0, 2.0])))
     assert read_run(str(jsonl))["step_time_s"] == 2.0   # two steps: the second
 

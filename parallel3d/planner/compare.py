@@ -2,7 +2,7 @@
 model is off, per component, from what a real run logs.
 
 From the run's JSONL (`log.jsonl`, one row per step) it takes the median step time over the later half of
-the steps (`steady_rows`: a run warms up over its first steps), the comm bytes per "<group>.<op>" of the last step
+the steps (`steady_rows`: a run warms up over its first steps) with their quartiles, the comm bytes per "<group>.<op>" of the last step
 and the largest `peak_mem_bytes`; from the timeline JSON (`log.timeline=PATH.json`) the mean measured
 duration of each pipeline action kind, the span of the pipeline and its bubble; of an MoE run at EP > 1, its
 routing load (`moe_tokens_per_expert.*`: the busiest EP rank's share of each layer's routed slots over the
@@ -54,7 +54,12 @@ def read_run(jsonl: str, timeline: Optional[str] = None, ep: int = 1) -> dict:
     if not rows:
         raise ValueError(f"--compare {jsonl}: no step rows (log.jsonl rows with step_time_s) in the file")
     steady = steady_rows(rows)
-    run = {"steps": len(rows), "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+    times = [r["step_time_s"] for r in steady]
+    # the middle half of the steps the median is taken over: a VM may run at two speeds for seconds at a
+    # time (RESULTS.md, ninth session), and a short step's median lands in either
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
+    run = {"steps": len(rows), "step_time_s": statistics.median(times),
+           "step_time_q1_s": quartiles[0], "step_time_q3_s": quartiles[2], "last_step_time_s": rows[-1]["step_time_s"],
            "tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady),
            "comm_bytes": dict(rows[-1].get("comm_bytes") or {}),
            "peak_mem_bytes": max(int(r.get("peak_mem_bytes", 0)) for r in rows)}

@@ -52,7 +52,7 @@ COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + it
 COLD_SPAN = 64 << 20   # bytes of outputs a cold-output replay writes before timing the first: past the cache
 COLD_MIN_BYTES = 256 << 10   # smaller outputs come back hot from the allocator's recent frees (and cost little)
 COLD_CALLS = 32        # calls timed each way
-ORDER = "in-order|"    # an op's time in the step's order: ORDER + its signature's key (in the cache: in_order_key)
+ORDER = "in-order|"    # the prefix of the cache's keys of ops' times in order (in_order_key)
 ORDER_MAX_BYTES = 1 << 20   # ops whose tensors total more are timed alone only: their time is their bytes' and
                             # FLOPs', which the cold-input and cold-output terms already place in memory
 ORDER_PASSES = 5       # passes over the step's small ops; each op's time is the median of its calls
@@ -264,12 +264,10 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
             cached = {}
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
               **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items()}}
-    in_order: dict = {}   # the stored key of each op's time in order -> (its stretch, its signature)
-    for stretch in stretches or ():
-        prefix = in_order_key(stretch, "")   # (the stretch's part of the key, hashed once)
-        in_order.update({prefix + key: (prefix, key) for key in stretch})
+    by_prefix = {in_order_key(stretch, ""): stretch for stretch in stretches or ()}   # each distinct stretch once
+    in_order = [prefix + key for prefix, stretch in by_prefix.items() for key in dict.fromkeys(stretch)]
     missing = [key for key in wanted if key not in cached]
-    unordered = {prefix: stretch for stretch in stretches or () for prefix in [in_order_key(stretch, "")]
+    unordered = {prefix: stretch for prefix, stretch in by_prefix.items()
                  if any(prefix + key not in cached for key in stretch)}
     if missing or unordered:
         keep_freed_memory()
@@ -285,4 +283,4 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": VERSION, "ops": cached}))
         tmp.replace(path)
-    return {**{key: cached[key] for key in wanted}, **{stored: cached[stored] for stored in in_order}}
+    return {key: cached[key] for key in [*wanted, *in_order]}
