@@ -435,3 +435,16 @@ def test_a_stage_runs_at_its_slowest_ranks_pace():
     tails = {run.rank: run.outside.time_s for run in cache.values()}
     assert set(tails) == {0, 1} and tails[0] > tails[1]
     assert result.breakdown["outside_actions_s"] >= tails[0]
+
+
+def test_a_stages_memory_is_its_fullest_ranks():
+    """tp2 at world 2 with a vocabulary of 1001: rank 0 holds 501 real vocabulary columns, rank 1 500 and
+    a padding one (tensor_parallel/layers.py), so rank 0's loss keeps more and its peak is the larger. The
+    plan's peak is rank 0's: it used to take the last rank's alone for a single stage, so a layout could
+    be planned to fit while rank 0 ran out of memory."""
+    cfg = make_config(["parallel.tp=2", *SMALL, "model.vocab_size=1001"], 2)
+    cache: dict = {}
+    result = plan(cfg, _stage_builder, H100, 8, cache=cache)
+    peaks = {run.rank: run.memory["peak"] for run in cache.values()}
+    assert set(peaks) == {0, 1} and peaks[0] > peaks[1]
+    assert result.memory["peak"] == peaks[0] and result.roles[0]["rank"] == 0

@@ -172,7 +172,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     offload: dict = {}
     roles, worst = [], None
     for r in range(p.pp):
-        run = stage_run[r]
+        # the stage's memory is its fullest dry-run rank's (a stage's ranks may hold different shards)
+        run = max(ran_for[r], key=lambda x: (x.memory["peak"], x is stage_run[r]))
         full = peak_in_flight(schedule[r], until_weight=keeps_weights)
         # the run stands for stage r but ran as stage run.pp_rank: scale by what that stage kept in flight
         ran = peak_in_flight(run_schedule[run.pp_rank], until_weight=keeps_weights)
