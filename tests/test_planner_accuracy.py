@@ -223,7 +223,7 @@ def test_compare_prints_the_plan_beside_a_real_cpu_run(cache_home, tmp_path, cap
                          cwd=ROOT, env=_env(cache_home), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    for row in ("step time", "pipeline (all microbatches)", "after the pipeline", "one forward action",
+    for row in ("step time", "step time, middle half of the steps", "pipeline (all microbatches)", "after the pipeline", "one forward action",
                 "one backward action", "pipeline bubble", "peak memory (GiB)"):
         assert row in text, text
     logged = json.loads(jsonl.read_text().splitlines()[-1])["comm_bytes"]

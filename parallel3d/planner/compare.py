@@ -93,6 +93,9 @@ def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, s
 
     b = plan.breakdown
     add("step time", plan.step_time_s, run["step_time_s"])
+    q1, q3 = run["step_time_q1_s"], run["step_time_q3_s"]   # how far one run's median can move
+    out.append(("step time, middle half of the steps", "", f"{q1:.4f}-{q3:.4f} s",
+                f"{q1 / plan.step_time_s:.2f}-{q3 / plan.step_time_s:.2f}"))
     add("tokens/s", plan.tokens_per_s, run["tokens_per_s"], "{:,.0f}")
     measured_pipeline = run.get("pipeline_s")
     add("pipeline (all microbatches)", b["pipeline_s"], measured_pipeline)
