@@ -31,8 +31,9 @@ demo-next:
 config-doc:
 	$(PYTHON) launch/config_doc.py > docs/configuration.md
 
+# two pytest-xdist workers on CI's 2 cores, a test file at a time each (so a module's fixtures are built once)
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py

@@ -12,7 +12,7 @@ setup(
     # the entry point's name is the module's, so an explicit `-p parallel3d.testing` does not register it twice
     entry_points={"pytest11": ["parallel3d.testing = parallel3d.testing"]},
     extras_require={
-        "test": ["pytest>=8.0", "transformers>=4.45", "tokenizers>=0.19"],
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "transformers>=4.45", "tokenizers>=0.19"],
         "gpu": ["flash-attn>=2.6"],
         "tensorboard": ["tensorboard>=2.14"],
     },

@@ -31,7 +31,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -57,10 +56,25 @@ class WorldError(RuntimeError):
     """A rank raised, or the call timed out (message names the ranks and their last collective)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def hosted_store(world_size: int) -> Any:
+    """A rendezvous store served by this process on a port the OS picks as it binds it, for ranks this
+    process starts. A port picked free and bound later by a rank can be taken in between (a gloo socket's
+    ephemeral port, another pytest-xdist worker's world): the rank then fails with EADDRINUSE. The ranks
+    connect as clients: `dist.init_process_group(store=client_store(port, n))`, or, through env://,
+    with `agent_store_env(store)` (as under torchrun, whose agent serves the store)."""
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=600))
+
+
+def client_store(port: int, world_size: int) -> Any:
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=600))
+
+
+def agent_store_env(store: Any) -> dict:
+    """Environment for env:// ranks that join `store` (served by this process) instead of serving one."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 @dataclass
@@ -142,7 +156,7 @@ def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resu
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    dist.init_process_group(backend, store=client_store(port, size), rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=600))
     worker = Worker(rank, size, device, status)
     _watch_torch_distributed(worker)
@@ -178,7 +192,8 @@ class World:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(size)]
         self.status = [ctx.Array("c", _STATUS_LEN) for _ in range(size)]
-        port = _free_port()
+        self.store = hosted_store(size)   # served here for the world's life
+        port = self.store.port
         self.procs = [ctx.Process(target=_worker_main, daemon=True,
                                   args=(r, size, port, backend, self.tasks[r], self.results, self.status[r],
                                         list(sys.path)))
@@ -242,6 +257,7 @@ class World:
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
+        self.store = None
 
 
 class WorldPool:

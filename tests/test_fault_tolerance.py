@@ -125,11 +125,10 @@ def test_nan_stops_the_run(worlds):
         assert "step 1" in r["error"] and f"rank {rank}" in r["error"] and "nan_policy=stop" in r["error"]
 
 
-def _hang_worker(rank: int, port: int, results, release) -> None:
+def _hang_worker(rank: int, store_env: dict, results, release) -> None:
     """Start-up exactly as launch/pretrain.py does it (config -> build_context), with parallel.timeout_s=3."""
     sys.path.insert(0, str(ROOT / "launch"))
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", **store_env)
     from common import build_context, load_and_validate
 
     from parallel3d import comm
@@ -154,12 +153,13 @@ def _hang_worker(rank: int, port: int, results, release) -> None:
 def test_hung_collective_ends_within_parallel_timeout_s():
     """parallel.timeout_s (default 600 s) reaches the process groups: with 3 s, a peer that never joins an
     all-reduce ends it within seconds, with an error naming the operation and group."""
-    from parallel3d.testing import _free_port
+    from parallel3d.testing import agent_store_env, hosted_store
 
     ctx = mp.get_context("spawn")
     results, release = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_hang_worker, args=(r, port, results, release), daemon=True) for r in range(2)]
+    store = hosted_store(2)
+    procs = [ctx.Process(target=_hang_worker, args=(r, agent_store_env(store), results, release), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -3,12 +3,13 @@ freed blocks back to the kernel and every training step faults them in again."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from parallel3d.testing import agent_store_env, hosted_store
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED_STEPS = 5
@@ -44,11 +45,9 @@ print(sorted(per_step)[{steps} // 2])
 
 def _faults(mode: str) -> int:
     """The median page faults of one training step after two warm-up steps."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = hosted_store(1)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+           **agent_store_env(store), "OMP_NUM_THREADS": "1"}
     program = PROGRAM.format(root=str(ROOT), steps=MEASURED_STEPS)
     out = subprocess.run([sys.executable, "-c", program, mode], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
