@@ -61,9 +61,15 @@ def test_mla_layer_activations_scale_as_one_over_tp():
     assert ratio <= 1.2, f"tp=4: MLA activations per layer {ratio:.2f} x 1/tp of tp=1"
 
 
-@pytest.mark.parametrize("extra", [(), ("model.num_shared_experts=1", "model.capacity_factor=1.25")],
-                         ids=["routed", "shared-capacity"])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+SHARED_CAPACITY = ("model.num_shared_experts=1", "model.capacity_factor=1.25")
+
+
+# CI runs each recompute mode and each expert set once; make sweep the other two pairs
+@pytest.mark.parametrize("recompute, extra", [
+    pytest.param("none", (), id="none-routed"),
+    pytest.param("selective", SHARED_CAPACITY, id="selective-shared-capacity"),
+    pytest.param("none", SHARED_CAPACITY, id="none-shared-capacity", marks=pytest.mark.sweep),
+    pytest.param("selective", (), id="selective-routed", marks=pytest.mark.sweep)])
 def test_moe_layer_activations_scale_as_one_over_tp(recompute, extra):
     """The whole MoE layer under SP keeps 1/tp of its activations: the router and shared experts keep the
     shard (sp_entry.py, column_entry), and each TP rank dispatches only its own tokens, its expert gate/up
