@@ -12,6 +12,9 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     33.9, 28.2, 25.0, 30.7 ms, then 24-28 ms in one dp2 run), and a VM may run at two speeds for seconds
     at a time (RESULTS.md, ninth session), so tiny runs 60 steps and llama_100m, at seconds a step, 6 (its
     MoE layout warms up over three or four);
+  - each layout's rounds (`ROUNDS` per model, `--rounds`): the layouts run in turn that many times, and a
+    layout's row is its median round, whole (tiny's steps, 50-300 ms, move by about a quarter with the
+    VM's speed stretches, which last minutes; three rounds put a layout's runs minutes apart);
   - the pipeline span and what follows it (gradient-sync tail, clipping, optimizer), planned and
     measured (from the run's timeline JSON), so a gross error can be put on a component;
   - predicted peak memory (the plan's worst rank plus the process's resident memory before the model,
@@ -27,7 +30,8 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     whether the planner's best layout is the measured best or within 10% of it.
 The header records the load average (os.getloadavg) before and after, the commit and the profile used:
 timings on a shared machine are noisy. `--json`: the last line is one JSON list of the rows.
-`--quick`: tiny only, 3 steps (a smoke test). `--steps N` sets every model's steps.
+`--quick`: tiny only, 3 steps, one round (a smoke test). `--steps N` sets every model's steps, `--rounds N`
+every model's rounds.
 
 `--gpu`: the same on one CUDA GPU instead (world 1, NCCL): a ~1B Llama in bf16 at seq 2048 with no, selective
 and full recomputation, four microbatches, and the optimizer offloaded to the host; planned for the GPU
@@ -100,6 +104,7 @@ GPU_MODELS = {
         "train.micro_batch_size=8", "train.global_batch_size=8", "parallel.tp=1", "parallel.zero=0"]),
 }
 STEPS = {"tiny": 60, "llama_100m": 6}   # per model (module docstring); --steps overrides
+ROUNDS = {"tiny": 3, "llama_100m": 1}   # runs per layout, round-robin (module docstring); --rounds overrides
 HOST_PROBE = ["model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256"]
 COMMON = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_dir=null", "log.interval=1",
           "train.warmup_steps=1", "parallel.dp=0"]
@@ -204,6 +209,13 @@ def cuda_device():
     return gpu_of_device(torch.cuda.get_device_name())
 
 
+def median_round(runs: list[dict]) -> dict:
+    """The run whose step time is the median of a layout's rounds (the lower middle of an even number),
+    whole, so its components and peak stay those of one run; with every round's time beside it."""
+    ordered = sorted(runs, key=lambda r: r["measured_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "measured_rounds_s": [r["measured_s"] for r in runs]}
+
+
 def ranking(rows: list[dict]) -> dict:
     by_pred = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
     by_meas = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
@@ -219,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny only, 3 steps (smoke test)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: STEPS per model, 6 on "
                                                              "the GPU; --quick 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per layout, the layouts in turn (default: "
+                                                              "ROUNDS per model; --quick and --gpu 1)")
     ap.add_argument("--layouts", default=None, help=f"comma-separated subset of {', '.join(LAYOUTS)}")
     ap.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
     ap.add_argument("--cached-profile", action="store_true",
@@ -256,22 +270,41 @@ def main(argv=None) -> int:
             gpu = measure_host(gpu, steps or 6, Path(tmp))
         for model in models:
             config, extra = all_models[model]
+            rounds = args.rounds or (1 if args.quick or args.gpu else ROUNDS.get(model, 1))
+            plans: dict = {}
+            runs: dict = {name: [] for name in layouts}
+            # the layouts in turn, `rounds` times: a stretch of minutes at one speed of the VM falls on
+            # different layouts' rounds, and each layout's median round is its row
+            for turn in range(rounds):
+                for name in layouts:
+                    overrides = COMMON + extra + all_layouts[name]
+                    try:
+                        if name not in plans:
+                            if turn:
+                                continue   # its plan failed in the first round
+                            plans[name] = {"model": model, "layout": name, "overrides": overrides,
+                                           **predict(config, overrides, gpu, world)}
+                        before = reference_s()
+                        run = measure(config, overrides, steps or STEPS.get(model, 6), Path(tmp),
+                                      f"{model}-{name}-{turn}", world, plans[name]["ep"])
+                        run["drift"] = (before + reference_s()) / 2 / reference  # before and after the run
+                        runs[name].append(run)
+                        if rounds > 1:
+                            print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms",
+                                  flush=True)
+                    except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
+                        print(f"{model} {name}: FAILED: {e}", flush=True)
             for name in layouts:
-                overrides = COMMON + extra + all_layouts[name]
-                row = {"model": model, "layout": name, "overrides": overrides}
-                try:
-                    row.update(predict(config, overrides, gpu, world))
-                    before = reference_s()
-                    row.update(measure(config, overrides, steps or STEPS.get(model, 6), Path(tmp),
-                                       f"{model}-{name}", world, row["ep"]))
-                    row["drift"] = (before + reference_s()) / 2 / reference  # before and after the run
-                    if row.get("moe_load", 1.0) > 1.0:   # the plan again at the routing load the run logged
-                        again = predict(config, overrides, gpu, world, min(row["moe_load"], row["ep"]))
+                if not runs[name]:
+                    continue
+                row = {**plans[name], **median_round(runs[name])}
+                if row.get("moe_load", 1.0) > 1.0:   # the plan again at the routing load the run logged
+                    try:
+                        again = predict(config, row["overrides"], gpu, world, min(row["moe_load"], row["ep"]))
                         row.update({f"{k}_at_run_load": again[k] for k in
                                     ("predicted_s", "predicted_pipeline_s", "predicted_after_s")})
-                except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
-                    print(f"{model} {name}: FAILED: {e}", flush=True)
-                    continue
+                    except (RuntimeError, ValueError) as e:
+                        print(f"{model} {name}: the plan at the run's routing load FAILED: {e}", flush=True)
                 if args.gpu:  # the CUDA context is outside max_memory_allocated: compare tensors with tensors
                     row["predicted_peak_bytes"] = row["predicted_tensor_peak_bytes"]
                 row["ratio"] = row["measured_s"] / row["predicted_s"]
@@ -304,7 +337,8 @@ def _print_row(r: dict) -> None:
     def ms(x):
         return "-" if x is None else f"{1000 * x:.1f}"
     print(f"{r['model']:<10} {r['layout']:<10} step predicted {ms(r['predicted_s'])} ms, measured "
-          f"{ms(r['measured_s'])} ms (middle half {ms(r['measured_q1_s'])}-{ms(r['measured_q3_s'])}), measured/predicted {r['ratio']:.2f} | pipeline {ms(r['predicted_pipeline_s'])}"
+          f"{ms(r['measured_s'])} ms (middle half {ms(r['measured_q1_s'])}-{ms(r['measured_q3_s'])}; rounds "
+          f"{'/'.join(ms(x) for x in r['measured_rounds_s'])}), measured/predicted {r['ratio']:.2f} | pipeline {ms(r['predicted_pipeline_s'])}"
           f" / {ms(r.get('measured_pipeline_s'))} ms, after it {ms(r['predicted_after_s'])} / "
           f"{ms(r.get('measured_after_s'))} ms | peak {r['predicted_peak_bytes'] / 2**20:.0f} / "
           f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "

@@ -271,6 +271,7 @@ def test_accuracy_benchmark_quick_smoke(cache_home):
                     "load_average", "commit"):
             assert key in r, key
         assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["measured_peak_bytes"] > 0
+        assert r["measured_rounds_s"] == [r["measured_s"]]   # --quick: one round
         assert r["measured_q1_s"] <= r["measured_s"] <= r["measured_q3_s"]   # the steps' middle half
     assert "load average" in out.stdout and "orders match" in out.stdout
 
@@ -331,6 +332,21 @@ def test_collectives_are_priced_at_what_a_step_pays_on_average():
     ticks = [0.5] * 16 + [4.5] * 3 + [500.0]   # 15% of the calls wait a tick, one hiccup
     assert profile_gloo.typical(ticks) == pytest.approx((16 * 0.5 + 3 * 4.5) / 19)
     assert profile_gloo.typical([2.0]) == 2.0
+
+
+def test_a_layouts_row_is_its_median_round_whole():
+    """planner_accuracy runs the layouts in turn, ROUNDS times: a layout's row is the run whose step time is
+    the median of its rounds, with that run's own components (not a mix of runs), and every round's time."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from planner_accuracy import median_round
+
+    runs = [{"measured_s": 0.094, "measured_pipeline_s": 0.080}, {"measured_s": 0.056, "measured_pipeline_s": 0.046},
+            {"measured_s": 0.061, "measured_pipeline_s": 0.050}]
+    row = median_round(runs)
+    assert row["measured_s"] == 0.061 and row["measured_pipeline_s"] == 0.050
+    assert row["measured_rounds_s"] == [0.094, 0.056, 0.061]
+    assert median_round(runs[:2])["measured_s"] == 0.056   # even: the lower middle
+    assert median_round(runs[:1])["measured_rounds_s"] == [0.094]
 
 
 def test_gpu_of_a_driver_device_name():
