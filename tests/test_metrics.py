@@ -49,13 +49,16 @@ def test_peak_lookup_prefers_the_specific_name():
 
 
 def test_peak_memory_sees_a_large_allocation():
-    """On the CPU the reported peak is the process's max resident set: touching 256 MiB more than the
-    process holds now must show in it."""
+    """On the CPU the reported peak is the process's max resident set: with 256 MiB touched, it is at least
+    what the process holds now, block included. (Not "what it held before plus the block": the block may
+    reuse freed pages the allocator kept resident, parallel3d/host_memory.py, as it did after other tests
+    in one pytest-xdist worker.)"""
     import os
     import torch
-    resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     block = torch.ones(64 << 20)  # 256 MiB, every page written
-    assert peak_memory_bytes("cpu") >= resident + block.numel() * 4 * 0.9
+    resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert resident >= block.numel() * 4
+    assert peak_memory_bytes("cpu") >= 0.99 * resident   # the kernel's RSS counters lag by a few pages
 
 
 def test_logger_writes_every_field(tmp_path):
