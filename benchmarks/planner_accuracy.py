@@ -272,31 +272,31 @@ def main(argv=None) -> int:
             config, extra = all_models[model]
             rounds = args.rounds or (1 if args.quick or args.gpu else ROUNDS.get(model, 1))
             plans: dict = {}
-            runs: dict = {name: [] for name in layouts}
+            for name in layouts:
+                overrides = COMMON + extra + all_layouts[name]
+                try:
+                    plans[name] = {"model": model, "layout": name, "overrides": overrides,
+                                   **predict(config, overrides, gpu, world)}
+                except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
+                    print(f"{model} {name}: the plan FAILED: {e}", flush=True)
+            runs: dict = {name: [] for name in plans}
             # the layouts in turn, `rounds` times: a stretch of minutes at one speed of the VM falls on
             # different layouts' rounds, and each layout's median round is its row
             for turn in range(rounds):
-                for name in layouts:
-                    overrides = COMMON + extra + all_layouts[name]
+                for name, planned in plans.items():
                     try:
-                        if name not in plans:
-                            if turn:
-                                continue   # its plan failed in the first round
-                            plans[name] = {"model": model, "layout": name, "overrides": overrides,
-                                           **predict(config, overrides, gpu, world)}
                         before = reference_s()
-                        run = measure(config, overrides, steps or STEPS.get(model, 6), Path(tmp),
-                                      f"{model}-{name}-{turn}", world, plans[name]["ep"])
-                        run["drift"] = (before + reference_s()) / 2 / reference  # before and after the run
-                        runs[name].append(run)
-                        if rounds > 1:
-                            print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms",
-                                  flush=True)
-                    except (RuntimeError, ValueError) as e:  # one failing layout must not lose the others' rows
-                        print(f"{model} {name}: FAILED: {e}", flush=True)
-            for name in layouts:
-                if not runs[name]:
-                    continue
+                        run = measure(config, planned["overrides"], steps or STEPS.get(model, 6), Path(tmp),
+                                      f"{model}-{name}-{turn}", world, planned["ep"])
+                    except (RuntimeError, ValueError) as e:
+                        print(f"{model} {name}: the run FAILED: {e}", flush=True)
+                        continue
+                    run["drift"] = (before + reference_s()) / 2 / reference  # before and after the run
+                    runs[name].append(run)
+                    if rounds > 1:
+                        print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms",
+                              flush=True)
+            for name in (name for name in plans if runs[name]):
                 row = {**plans[name], **median_round(runs[name])}
                 if row.get("moe_load", 1.0) > 1.0:   # the plan again at the routing load the run logged
                     try:

@@ -56,6 +56,9 @@ class WorldError(RuntimeError):
     """A rank raised, or the call timed out (message names the ranks and their last collective)."""
 
 
+STORE_TIMEOUT = datetime.timedelta(seconds=600)   # rendezvous and the worlds' process groups
+
+
 def hosted_store(world_size: int) -> Any:
     """A rendezvous store served by this process on a port the OS picks as it binds it, for ranks this
     process starts. A port picked free and bound later by a rank can be taken in between (a gloo socket's
@@ -63,13 +66,13 @@ def hosted_store(world_size: int) -> Any:
     connect as clients: `dist.init_process_group(store=client_store(port, n))`, or, through env://,
     with `agent_store_env(store)` (as under torchrun, whose agent serves the store)."""
     from torch.distributed import TCPStore
-    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=600))
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
 
 
 def client_store(port: int, world_size: int) -> Any:
+    """A rank's connection to the store `hosted_store` serves on `port`."""
     from torch.distributed import TCPStore
-    return TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=600))
+    return TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=STORE_TIMEOUT)
 
 
 def agent_store_env(store: Any) -> dict:
@@ -157,7 +160,7 @@ def _worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resu
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     dist.init_process_group(backend, store=client_store(port, size), rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=600))
+                            timeout=STORE_TIMEOUT)
     worker = Worker(rank, size, device, status)
     _watch_torch_distributed(worker)
     worker.report("idle")  # ready: the parent's per-call timeout starts once every rank is here
