@@ -247,6 +247,9 @@ def main(argv=None) -> int:
     all_models, all_layouts = (GPU_MODELS, GPU_LAYOUTS) if args.gpu else (MODELS, LAYOUTS)
     models = args.models.split(",") if args.models else (["tiny"] if args.quick else list(all_models))
     layouts = args.layouts.split(",") if args.layouts else list(all_layouts)
+    for flag, value in (("--rounds", args.rounds), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
     for name in layouts:
         if name not in all_layouts:
             ap.error(f"--layouts: unknown layout {name!r}; known: {', '.join(all_layouts)}")

@@ -334,7 +334,7 @@ def test_collectives_are_priced_at_what_a_step_pays_on_average():
     assert profile_gloo.typical([2.0]) == 2.0
 
 
-def test_a_layouts_row_is_its_median_round_whole():
+def test_a_layouts_row_is_its_median_round_whole(capsys):
     """planner_accuracy runs the layouts in turn, ROUNDS times: a layout's row is the run whose step time is
     the median of its rounds, with that run's own components (not a mix of runs), and every round's time."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -347,6 +347,12 @@ def test_a_layouts_row_is_its_median_round_whole():
     assert row["measured_rounds_s"] == [0.094, 0.056, 0.061]
     assert median_round(runs[:2])["measured_s"] == 0.056   # even: the lower middle
     assert median_round(runs[:1])["measured_rounds_s"] == [0.094]
+    from planner_accuracy import main
+
+    for flag in ("--rounds", "--steps"):   # refused before any profile, plan or run
+        with pytest.raises(SystemExit) as bad:
+            main([flag, "0"])
+        assert bad.value.code == 2 and f"{flag} must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_gpu_of_a_driver_device_name():
