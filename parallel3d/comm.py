@@ -30,10 +30,13 @@ class CommStats:
     last_op: str = ""
     on_op: Optional[Callable[[str], None]] = None   # e.g. the test harness's hang reporter
     listener: Optional[Callable[[str, str, int], None]] = None  # (group, op, bytes) per call: the planner
+    on_wait: Optional[Callable[[int], None]] = None  # a dry run's rank waits for call `serial` (SimulatedWork)
     syncs: HostSyncs = field(default_factory=HostSyncs)  # host syncs of this rank (parallel3d.host_sync)
+    serial: int = 0                                       # calls recorded so far: the last call's number
 
     def record(self, group: "Group", op: str, nbytes: int) -> None:
         key = (group.name, op)
+        self.serial += 1
         self.calls[key] += 1
         self.bytes[key] += nbytes
         self.last_op = f"{op} on {group.name} group {group.ranks}"
@@ -66,6 +69,31 @@ class SimulatedProcessGroup:
 
     def __repr__(self) -> str:
         return f"SimulatedProcessGroup({self.backend!r}, expert_load={self.expert_load})"
+
+
+class SimulatedWork:
+    """A dry run's handle of a started collective (SimulatedProcessGroup): nothing travels, but waiting for
+    it tells the rank's stats which call (`serial`, CommStats.record's count) the rank blocked on, and when:
+    the planner hides a collective only behind the compute between its start and its wait. A handle the
+    caller polled complete first (`is_completed`, as the gradient sync follows its reductions up) is not
+    waited on: on a real backend the caller reaches its wait only once the transfer is done. `then`: the
+    stand-in's own work on wait (gloo's sum of a reduce-scatter)."""
+
+    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None) -> None:
+        self.stats, self.serial, self.then, self.polled = stats, serial, then, False
+
+    def is_completed(self) -> bool:
+        self.polled = True
+        return True
+
+    def wait(self) -> bool:
+        if self.then is not None:
+            self.then.wait()
+            self.then = None
+        if not self.polled and self.stats is not None and self.stats.on_wait is not None:
+            self.stats.on_wait(self.serial)
+        self.polled = True   # (a second wait is no stall)
+        return True
 
 
 def simulated_expert_load(group: "Group") -> float:
@@ -102,6 +130,10 @@ class Group:
     def _record(self, op: str, nbytes: int) -> None:
         if self.stats is not None:
             self.stats.record(self, op, nbytes)
+
+    def simulated_work(self, then: Optional[object] = None) -> SimulatedWork:
+        """The dry-run handle of the call just recorded (SimulatedWork)."""
+        return SimulatedWork(self.stats, self.stats.serial if self.stats is not None else 0, then)
 
 
 class CollectiveError(RuntimeError):
@@ -230,8 +262,9 @@ def start_all_reduce(t: torch.Tensor, group: Group) -> Optional[object]:
     if group.size == 1:
         return None
     group._record("all_reduce", _nbytes(t))
-    return _run(group, "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg,
+    work = _run(group, "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg,
                                                              async_op=True), t)
+    return group.simulated_work() if group.simulated else work
 
 
 def on_gloo(group: Group) -> bool:
@@ -251,13 +284,14 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
     if on_gloo(group):   # an all-to-all and a sum on wait (gloo_collectives.py), real or simulated
         if group.simulated:
             check_placement(group, "reduce_scatter", out, inp)
-            return gloo.simulate_reduce_scatter(out, inp, group.size, group.rank)
+            return group.simulated_work(gloo.simulate_reduce_scatter(out, inp, group.size, group.rank))
         return _run(group, "reduce_scatter", lambda: gloo.start_reduce_scatter(out, inp, group.pg, group.size),
                     out, inp)
     work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,
                                                                             async_op=True), out, inp)
     if group.simulated:
         _simulate_reduce_scatter(out, inp, group.rank)
+        return group.simulated_work()
     return work
 
 
@@ -272,13 +306,14 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
         if group.simulated:   # the local copy as on gloo, the peers' blocks filled by the stand-in
             check_placement(group, "all_gather", out, inp)
             _simulate_all_gather(out, gloo.own_block(out, inp, group.size, group.rank), group.size)
-            return None
+            return group.simulated_work()
         return _run(group, "all_gather", lambda: gloo.start_all_gather(out, inp, group.pg, group.ranks, group.rank),
                     out, inp)
     work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),
                 out, inp)
     if group.simulated:
         _simulate_all_gather(out, inp, group.size)
+        return group.simulated_work()
     return work
 
 
@@ -295,7 +330,7 @@ def orders_on_device(group: Group) -> bool:
 def wait_work(work: Optional[object], group: Group, op: str) -> None:
     """Wait for a handle from a start_* call; a failure or timeout names the op and the group."""
     if work is not None and group.simulated:
-        work.wait()   # a dry run's stand-in for gloo's reduce-scatter: the sum runs on wait, as on gloo
+        work.wait()   # SimulatedWork: the stand-in's sum on wait (as on gloo), and the planner's wait mark
     elif work is not None:
         _run(group, op, work.wait)
 
@@ -316,13 +351,16 @@ class PendingP2P:
 def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
     """Post sends and receives together (batch_isend_irecv) and return at once, so the caller can compute
     while they travel (ring attention overlaps the next K/V block's transfer with this block's math)."""
-    p2p_ops = []
+    p2p_ops, simulated = [], []
     for o in ops:
         group._record(o.op, _nbytes(o.tensor))
-        if not group.simulated:
+        if group.simulated:
+            simulated.append(group.simulated_work())
+        else:
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
     works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops), *(o.tensor for o in ops)) if ops else []
+    works = simulated if group.simulated else works
     return PendingP2P(group, list(works or []), [o.tensor for o in ops])
 
 

@@ -144,9 +144,40 @@ def collective_time(op: str, nbytes: float, n: int, alpha: float, beta: float) -
     return alpha + nbytes / beta
 
 
-def exposed(comm_s: float, overlap_with_s: float) -> float:
-    """What is left of `comm_s` seconds of communication hidden behind `overlap_with_s` of compute."""
-    return max(0.0, comm_s - overlap_with_s)
+def exposed_in_action(marks: Sequence[tuple], host_op_s: float = 0.0) -> float:
+    """Seconds an action waits for the collectives it started beside its compute. `marks`, in the order the
+    rank meets them: ("op", seconds), ("block", seconds) (what a collective holds the rank for at its call),
+    ("start", key, link, seconds) and ("wait", key). The action runs as a stream behind its host (ops issued
+    `host_op_s` apart: queue_seconds). A collective hides only behind what runs between its start and its
+    wait (ZeRO-3 waits at the next unit for the gather it started one unit earlier, ring attention at the
+    next block): it begins once the stream has reached it (NCCL's stream waits for the work queued before
+    it) and its link (group) has finished the transfer before, and ends `seconds` later; a wait before then
+    holds the stream. What no wait met (a reduction the code follows up once done) may run to the action's
+    end. The answer is the action's span with the waits less its span without them:
+
+        stream    ops =====|start k|====== the unit's ops ======|wait k|----|====
+        link k             [============= seconds ===================]
+    """
+    return _span(marks, host_op_s, True) - _span(marks, host_op_s, False)
+
+
+def _span(marks: Sequence[tuple], host_op_s: float, waits: bool) -> float:
+    host = stream = 0.0
+    free, ends = {}, {}
+    for mark in marks:
+        if mark[0] == "op":
+            host += host_op_s
+            stream = max(stream, host) + mark[1]
+        elif mark[0] == "block":
+            stream = max(stream, host) + mark[1]
+        elif not waits:
+            continue
+        elif mark[0] == "start":
+            _, key, link, seconds = mark
+            ends[key] = free[link] = max(stream, free.get(link, 0.0)) + seconds
+        elif mark[1] in ends:
+            stream = max(stream, ends.pop(mark[1]))
+    return max(stream, max(ends.values(), default=0.0))
 
 
 def exposed_buckets(parts: Sequence[float], backward_s: float) -> float:

@@ -19,7 +19,7 @@ import copy
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -29,7 +29,7 @@ from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.planner import op_replay
-from parallel3d.planner.cost import (collective_seconds, exposed, hidden_share, op_time, queue_seconds,
+from parallel3d.planner.cost import (collective_seconds, exposed_in_action, hidden_share, op_time, queue_seconds,
                                      wake_seconds)
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
@@ -69,14 +69,15 @@ class ActionCost:
     compute_s: float = 0.0
     flops: float = 0.0
     blocking_comm_s: float = 0.0     # TP / EP collectives, and what of the others a CPU's compute pays
-    overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: hidden behind compute
+    overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: run beside compute
                                      # (on a CPU whose cores the ranks fill, their idle share: cost.hidden_share)
     host_stall_s: float = 0.0        # the part of compute_s the device waits for the host (cost.queue_seconds)
     ops: float = 0.0                 # ops the dry run counted in it
+    exposed_comm_s: float = 0.0      # what the action waits for of overlapped_comm_s (cost.exposed_in_action)
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.blocking_comm_s + exposed(self.overlapped_comm_s, self.compute_s)
+        return self.compute_s + self.blocking_comm_s + self.exposed_comm_s
 
 
 @dataclass
@@ -123,24 +124,26 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     ctx = _context(cfg, rank, device, "gloo" if gpu.runs_cpu_kernels else "nccl", expert_load)  # the run's comm
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     groups = {g.name: g for g in ctx.groups().values() if g is not None}
-    events: list[tuple[float, str, str, float, int]] = []
+    events: list[tuple[float, str, str, float, int, int]] = []   # (wall, group, op, seconds, bytes, serial)
+    waits: dict[int, float] = {}   # serial -> the wall the rank waited for that call at (comm.SimulatedWork)
 
     def on_collective(group: str, op: str, nbytes: int) -> None:
         g = groups[base_group(group)]
         events.append((time.perf_counter(), group, op, collective_seconds(op, nbytes, g.ranks, gpus_per_node, gpu),
-                       nbytes))
+                       nbytes, ctx.stats.serial))
 
     ctx.stats.listener = on_collective
+    ctx.stats.on_wait = lambda serial: waits.setdefault(serial, time.perf_counter())
     try:
         out, tracker = tracked_step(trainer, torch.device(device).type, signatures=gpu.op_times is not None)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         raise DryRunError(f"dry run of rank {rank} ({ctx.coords}) failed in its training step "
                           f"(last collective: {ctx.stats.last_op or 'none'}): {type(e).__name__}: {e}") from e
     finally:
-        ctx.stats.listener = None
+        ctx.stats.listener = ctx.stats.on_wait = None
     peak, split = tracker.peak()
     live = tracker.live()
-    result = _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu,
+    result = _summarise(rank, ctx, out, tracker, events, waits, peak, split, live, gpu,
                         trainer.optimizer.per_microbatch)
     if trainer.optimizer.zero == 3:
         shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
@@ -194,6 +197,13 @@ def _cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
     return cold * gpu.cold_s_per_byte + written
 
 
+def _with_waits(events: list, waits: dict) -> list:
+    """The dry run's collectives and the rank's waits for them (as (wall, None, None, 0, 0, serial)), in
+    the order the rank met them."""
+    return sorted([*events, *((wall, None, None, 0.0, 0, serial) for serial, wall in waits.items())],
+                  key=lambda e: e[0])
+
+
 def action_index(out: dict, pp_rank: int):
     """(this stage's actions in run order, wall -> the index of the action running at that wall, -1 outside
     them): actions run one after another, so bisect finds an op's or a collective's action."""
@@ -214,7 +224,8 @@ def in_order_stretches(out: dict, tracker: StepTracker, pp_rank: int) -> tuple[l
     return stretches, [op_replay.in_order_key(s, "") for s in stretches for _ in s]
 
 
-def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per_microbatch: bool) -> RoleRun:
+def _summarise(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: GPU, per_microbatch: bool
+               ) -> RoleRun:
     mine, index = action_index(out, ctx.coords.pp)
     costs = [ActionCost() for _ in mine]
     outside = ActionCost()
@@ -231,6 +242,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
                 if gpu.op_times is not None else {})
     queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
     walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
+    marks: dict = defaultdict(list)   # action index -> (wall, mark): its ops and collectives (cost.exposed_in_action)
     for op, in_order in zip(tracker.ops, prefixes):
         c = slot(op.wall)
         factor = 1.0
@@ -246,6 +258,8 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
         else:
             seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds
+        if c is not outside:
+            marks[index(op.wall)].append((op.wall, ("op", seconds)))
         c.flops += op.flops
         queued[id(c)].append(seconds)
         walls.append(op.wall)
@@ -264,7 +278,12 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
     inside: dict = defaultdict(int)
     grad_sync_parts: list = []
     last_block = float("-inf")   # the wall of this rank's last blocking collective (cost.wake_seconds)
-    for wall, group, op, seconds, nbytes in events:
+    started: dict = {}   # serial -> the action index an overlapped collective started in
+    for wall, group, op, seconds, nbytes, serial in _with_waits(events, waits):
+        if group is None:   # the rank waits for call `serial`: a mark where it started in this action
+            if started.get(serial, -1) == index(wall) >= 0:
+                marks[started[serial]].append((wall, ("wait", serial)))
+            continue
         c = slot(wall)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
         # started beside compute, not waited in at once
@@ -281,8 +300,16 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             continue
         if c is not outside:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
+            i = index(wall)
+            marks[i].append((wall, ("block", seconds - hidden)))   # what the rank pays at the call, then
+            if hidden:                                             # the transfer beside its compute
+                marks[i].append((wall, ("start", serial, base_group(group), hidden)))
+                started[serial] = i
         c.overlapped_comm_s += hidden
         c.blocking_comm_s += seconds - hidden
+    for i, c in enumerate(costs):
+        timeline = [mark for _, mark in sorted(marks[i], key=lambda m: m[0])]   # (stable: a call's two marks)
+        c.exposed_comm_s = exposed_in_action(timeline, gpu.host_op_s or 0.0)
     per_action: dict = defaultdict(list)
     p2p: dict = defaultdict(list)
     for row, c in zip(mine, costs):
@@ -290,9 +317,7 @@ def _summarise(rank, ctx, out, tracker, events, peak, split, live, gpu: GPU, per
             per_action[(row[1], row[3])].append(c)
         else:
             p2p[row[1]].append(c.blocking_comm_s)
-    actions = {k: ActionCost(*(statistics.mean(getattr(c, f) for c in v) for f in
-                               ("compute_s", "flops", "blocking_comm_s", "overlapped_comm_s", "host_stall_s",
-                                "ops")))
+    actions = {k: ActionCost(**{f.name: statistics.mean(getattr(c, f.name) for c in v) for f in fields(ActionCost)})
                for k, v in per_action.items()}
     memory = {k: split[k] for k in CATEGORIES}
     memory["peak"] = peak

@@ -29,7 +29,7 @@ from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placemen
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
 from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
-from parallel3d.planner.cost import exposed, exposed_buckets
+from parallel3d.planner.cost import exposed_buckets
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
 from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
@@ -264,7 +264,7 @@ def _shares(stage_run: dict, schedule, timeline, outside: float, step: float) ->
         if c is not None:
             parts["compute"] += c.compute_s
             parts["blocking_comm"] += c.blocking_comm_s
-            parts["exposed_overlapped_comm"] += exposed(c.overlapped_comm_s, c.compute_s)
+            parts["exposed_overlapped_comm"] += c.exposed_comm_s
     parts["pipeline_bubble_and_p2p"] = max(0.0, timeline.makespan - sum(parts.values()))
     parts["after_pipeline"] = outside
     return {k: v / step for k, v in parts.items()}
