@@ -16,6 +16,8 @@ step's peak number of microbatches in flight on every rank (`run_microbatches`),
 from __future__ import annotations
 
 import copy
+import statistics
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,7 +30,7 @@ from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
-from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
+from parallel3d.planner.dryrun import ActionCost, RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed_buckets
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
@@ -155,10 +157,16 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     schedule = build_schedule(p.schedule, p.pp, m, v)
     keeps_weights = p.schedule in SPLIT_BACKWARD
 
+    def slowest(stage: int, key: tuple) -> Optional[ActionCost]:
+        """Stage `stage`'s action `key` as the plan prices it: its slowest dry-run rank's (they meet in the
+        action's collectives). Every time figure of the breakdown reads its actions through here."""
+        return max((run.actions[key] for run in ran_for[stage] if key in run.actions), key=lambda c: c.time_s,
+                   default=None)
+
     def cost(rank: int, action) -> float:
         if action.kind.is_compute:
-            key = (action.kind.name, action.chunk)
-            return max((run.actions[key].time_s for run in ran_for[rank] if key in run.actions), default=0.0)
+            c = slowest(rank, (action.kind.name, action.chunk))
+            return 0.0 if c is None else c.time_s
         return max(run.p2p_s.get(action.kind.name, 0.0) for run in ran_for[rank])
 
     timeline = simulate(schedule, costs=cost, lazy_sends=True)
@@ -204,14 +212,24 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     step = timeline.makespan + outside
     tokens = t.global_batch_size * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens
+    # Which rank each figure is: times are the priced actions' (`slowest`), of the busiest stage where one
+    # stage is meant (shares, per-microbatch sums) and averaged over the stages for one action (`action_s`,
+    # as a run's timeline averages its ranks'); memory, bytes and their modeled seconds are the fullest rank's.
+    busiest = max(range(p.pp), key=timeline.busy)
+    priced = [{k: slowest(r, k) for k in stage_run[r].actions} for r in range(p.pp)]
+    per_microbatch = priced[busiest].values()
+    action_s: dict = defaultdict(list)
+    for stage in priced:
+        for (kind, chunk), c in stage.items():
+            action_s[f"{kind}.{chunk}"].append(c.time_s)
     breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside, "offload": offload,
-                 "shares": _shares(stage_run, schedule, timeline, outside, step),
+                 "shares": _shares(priced[busiest], schedule[busiest], timeline, outside, step),
                  "bubble_fraction": float(timeline.bubble_fraction),
-                 "compute_per_microbatch_s": sum(c.compute_s for c in worst_run.actions.values()),
-                 "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in worst_run.actions.values()),
-                 "host_stall_per_microbatch_s": sum(c.host_stall_s for c in worst_run.actions.values()),
+                 "compute_per_microbatch_s": sum(c.compute_s for c in per_microbatch),
+                 "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in per_microbatch),
+                 "host_stall_per_microbatch_s": sum(c.host_stall_s for c in per_microbatch),
                  "comm_s": worst_run.comm_s, "derated_kernels": worst_run.derated_kernels,
-                 "action_s": {f"{kind}.{chunk}": c.time_s for (kind, chunk), c in worst_run.actions.items()}}
+                 "action_s": {k: statistics.mean(v) for k, v in action_s.items()}}
     return Plan(fits=memory["peak"] <= gpu.usable_bytes, layout=layout_of(cfg), memory=memory,
                 step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * peak_for(gpu, t.precision)),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
@@ -252,15 +270,14 @@ def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:
     return out
 
 
-def _shares(stage_run: dict, schedule, timeline, outside: float, step: float) -> dict:
-    """Where the step goes on the busiest pipeline rank: compute, TP/EP collectives on the critical path,
-    overlapped communication that compute could not hide, the pipeline bubble, and the tail after the
-    pipeline (gradient-sync remainder, clipping, optimizer step, ZeRO-1/2 parameter gathers)."""
-    busiest = max(range(len(schedule)), key=timeline.busy)
-    run = stage_run[busiest]
+def _shares(actions: dict, schedule: list, timeline, outside: float, step: float) -> dict:
+    """Where the step goes on the busiest pipeline rank (its priced `actions` and its `schedule`): compute,
+    TP/EP collectives on the critical path, overlapped communication that compute could not hide, the
+    pipeline bubble, and the tail after the pipeline (gradient-sync remainder, clipping, optimizer step,
+    ZeRO-1/2 parameter gathers)."""
     parts = {"compute": 0.0, "blocking_comm": 0.0, "exposed_overlapped_comm": 0.0}
-    for a in schedule[busiest]:
-        c = run.actions.get((a.kind.name, a.chunk)) if a.kind.is_compute else None
+    for a in schedule:
+        c = actions.get((a.kind.name, a.chunk)) if a.kind.is_compute else None
         if c is not None:
             parts["compute"] += c.compute_s
             parts["blocking_comm"] += c.blocking_comm_s
