@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import gloo_collectives as gloo
+from parallel3d.comm_simulated import (SimulatedProcessGroup, SimulatedWork, fill_all_gather,  # noqa: F401
+                                       fill_all_to_all, fill_reduce_scatter, simulated_expert_load)
 from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
 
 
@@ -53,53 +55,6 @@ class CommStats:
     def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
         """{(group, op): (calls, bytes)} for every op recorded since the last reset."""
         return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
-
-
-class SimulatedProcessGroup:
-    """Stands in for a process group in a dry run of one rank (the off-CPU step tests, the planner): no peer exists,
-    so collectives move nothing. Output buffers keep their (correct) shapes and are filled as if every rank
-    held this rank's data; the bytes are recorded exactly as with a real group. `backend` is the one it
-    stands for: "gloo" (a plan of a CPU run) makes the collectives allocate and compute what comm runs on
-    gloo (the all-to-all reduce-scatter's receive buffer and its sum). `expert_load`: the routed rows an MoE
-    exchange over this group delivers to this rank's experts, as a multiple of the balanced share (its
-    absent peers route to it as unevenly as a real run's router did: expert_parallel/dispatch.py)."""
-
-    def __init__(self, backend: str = "nccl", expert_load: float = 1.0) -> None:
-        self.backend, self.expert_load = backend, expert_load
-
-    def __repr__(self) -> str:
-        return f"SimulatedProcessGroup({self.backend!r}, expert_load={self.expert_load})"
-
-
-class SimulatedWork:
-    """A dry run's handle of a started collective (SimulatedProcessGroup): nothing travels, but waiting for
-    it tells the rank's stats which call (`serial`, CommStats.record's count) the rank blocked on, and when:
-    the planner hides a collective only behind the compute between its start and its wait. A handle the
-    caller polled complete first (`is_completed`, as the gradient sync follows its reductions up) is not
-    waited on: on a real backend the caller reaches its wait only once the transfer is done. `then`: the
-    stand-in's own work on wait (gloo's sum of a reduce-scatter)."""
-
-    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None) -> None:
-        self.stats, self.serial, self.then, self.polled = stats, serial, then, False
-
-    def is_completed(self) -> bool:
-        self.polled = True
-        return True
-
-    def wait(self) -> bool:
-        if self.then is not None:
-            self.then.wait()
-            self.then = None
-        if not self.polled and self.stats is not None and self.stats.on_wait is not None:
-            self.stats.on_wait(self.serial)
-        self.polled = True   # (a second wait is no stall)
-        return True
-
-
-def simulated_expert_load(group: "Group") -> float:
-    """The routed load a dry run's peers deliver to this rank over `group` (SimulatedProcessGroup); 1.0 for a
-    real group, whose counts are real."""
-    return group.pg.expert_load if isinstance(group.pg, SimulatedProcessGroup) else 1.0
 
 
 @dataclass
@@ -233,7 +188,7 @@ def all_to_all(t: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]
         out, t, None if out_splits is None else list(out_splits),
         None if in_splits is None else list(in_splits), group=group.pg), t)
     if group.simulated:
-        _simulate_all_to_all(out, t)
+        fill_all_to_all(out, t)
     return out
 
 
@@ -290,7 +245,7 @@ def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
     work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,
                                                                             async_op=True), out, inp)
     if group.simulated:
-        _simulate_reduce_scatter(out, inp, group.rank)
+        fill_reduce_scatter(out, inp, group.rank)
         return group.simulated_work()
     return work
 
@@ -305,14 +260,14 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Opti
     if on_gloo(group):   # (direct sends need no memory the simulation lacks)
         if group.simulated:   # the local copy as on gloo, the peers' blocks filled by the stand-in
             check_placement(group, "all_gather", out, inp)
-            _simulate_all_gather(out, gloo.own_block(out, inp, group.size, group.rank), group.size)
+            fill_all_gather(out, gloo.own_block(out, inp, group.size, group.rank), group.size)
             return group.simulated_work()
         return _run(group, "all_gather", lambda: gloo.start_all_gather(out, inp, group.pg, group.ranks, group.rank),
                     out, inp)
     work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),
                 out, inp)
     if group.simulated:
-        _simulate_all_gather(out, inp, group.size)
+        fill_all_gather(out, inp, group.size)
         return group.simulated_work()
     return work
 
@@ -376,38 +331,13 @@ def barrier(group: Group) -> None:
     _run(group, "barrier", lambda: dist.barrier(group=group.pg))
 
 
-def _simulate_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
-    """Every rank holds this rank's inp: the sum's segment is this rank's segment (up to the factor)."""
-    out.copy_(inp.narrow(0, rank * out.numel(), out.numel()))
-
-
-def _simulate_all_gather(out: torch.Tensor, t: torch.Tensor, size: int) -> None:
-    """Every rank holds this rank's t; filled in place (no temporary, so a dry run's memory is the real one).
-    An in-place gather (t is this rank's block of out, as ZeRO-1/2's) fills the other blocks only."""
-    blocks = out.view((size,) + tuple(t.shape))
-    if not torch._C._is_alias_of(t, out):
-        blocks.copy_(t.unsqueeze(0).expand((size,) + tuple(t.shape)))
-        return
-    k = (t.storage_offset() - out.storage_offset()) // max(t.numel(), 1)
-    for lo, hi in ((0, k), (k + 1, size)):
-        if hi > lo:
-            blocks[lo:hi].copy_(t.unsqueeze(0).expand((hi - lo,) + tuple(t.shape)))
-
-
-def _simulate_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
-    """Every peer sends what this rank sends: the received rows are this rank's rows, cycled to fit."""
-    n, rows = out.shape[0], t.shape[0]
-    for start in range(0, n if rows else 0, max(rows, 1)):  # in place, a block of rows at a time
-        take = min(rows, n - start)
-        out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
-
-
 def transfer_stand_ins() -> tuple:
     """The functions by which a dry run fills a collective's output in place of the network (the
     simulated backend): their copies are the transfer's own work, which the collective's price covers, so
     the planner's tracker does not price them as compute. Not among them: gloo's sum on wait (real
     arithmetic, run as on gloo)."""
-    return (_simulate_reduce_scatter, _simulate_all_gather, _simulate_all_to_all, gloo.simulate_reduce_scatter)
+    return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, gloo.simulate_reduce_scatter)
+
 
 
 # ---- reading device values on the host: parallel3d.host_sync (read_float, read_list, read_tensor), counted

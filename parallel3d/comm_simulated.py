@@ -1,0 +1,84 @@
+"""comm's simulated backend: what a process group of a dry run of one rank does in place of the network
+(`ParallelContext.simulated`: the off-CPU step tests and the planner). No peer exists, so nothing travels:
+outputs are filled as if every rank held this rank's data (`fill_*`, comm.transfer_stand_ins), started
+collectives hand back a `SimulatedWork` whose wait tells the rank's stats which call it waited for, and
+bytes are recorded by comm exactly as with a real group. (`CommStats` and `Group` in annotations are
+comm's, not imported: comm imports this module.)"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class SimulatedProcessGroup:
+    """Stands in for a process group in a dry run of one rank (the off-CPU step tests, the planner): no peer exists,
+    so collectives move nothing. Output buffers keep their (correct) shapes and are filled as if every rank
+    held this rank's data; the bytes are recorded exactly as with a real group. `backend` is the one it
+    stands for: "gloo" (a plan of a CPU run) makes the collectives allocate and compute what comm runs on
+    gloo (the all-to-all reduce-scatter's receive buffer and its sum). `expert_load`: the routed rows an MoE
+    exchange over this group delivers to this rank's experts, as a multiple of the balanced share (its
+    absent peers route to it as unevenly as a real run's router did: expert_parallel/dispatch.py)."""
+
+    def __init__(self, backend: str = "nccl", expert_load: float = 1.0) -> None:
+        self.backend, self.expert_load = backend, expert_load
+
+    def __repr__(self) -> str:
+        return f"SimulatedProcessGroup({self.backend!r}, expert_load={self.expert_load})"
+
+
+class SimulatedWork:
+    """A dry run's handle of a started collective (SimulatedProcessGroup): nothing travels, but waiting for
+    it tells the rank's stats which call (`serial`, CommStats.record's count) the rank blocked on, and when:
+    the planner hides a collective only behind the compute between its start and its wait. A handle the
+    caller polled complete first (`is_completed`, as the gradient sync follows its reductions up) is not
+    waited on: on a real backend the caller reaches its wait only once the transfer is done. `then`: the
+    stand-in's own work on wait (gloo's sum of a reduce-scatter)."""
+
+    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None) -> None:
+        self.stats, self.serial, self.then, self.polled = stats, serial, then, False
+
+    def is_completed(self) -> bool:
+        self.polled = True
+        return True
+
+    def wait(self) -> bool:
+        if self.then is not None:
+            self.then.wait()
+            self.then = None
+        if not self.polled and self.stats is not None and self.stats.on_wait is not None:
+            self.stats.on_wait(self.serial)
+        self.polled = True   # (a second wait is no stall)
+        return True
+
+
+def simulated_expert_load(group: "Group") -> float:
+    """The routed load a dry run's peers deliver to this rank over `group` (SimulatedProcessGroup); 1.0 for a
+    real group, whose counts are real."""
+    return group.pg.expert_load if isinstance(group.pg, SimulatedProcessGroup) else 1.0
+
+
+def fill_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
+    """Every rank holds this rank's inp: the sum's segment is this rank's segment (up to the factor)."""
+    out.copy_(inp.narrow(0, rank * out.numel(), out.numel()))
+
+
+def fill_all_gather(out: torch.Tensor, t: torch.Tensor, size: int) -> None:
+    """Every rank holds this rank's t; filled in place (no temporary, so a dry run's memory is the real one).
+    An in-place gather (t is this rank's block of out, as ZeRO-1/2's) fills the other blocks only."""
+    blocks = out.view((size,) + tuple(t.shape))
+    if not torch._C._is_alias_of(t, out):
+        blocks.copy_(t.unsqueeze(0).expand((size,) + tuple(t.shape)))
+        return
+    k = (t.storage_offset() - out.storage_offset()) // max(t.numel(), 1)
+    for lo, hi in ((0, k), (k + 1, size)):
+        if hi > lo:
+            blocks[lo:hi].copy_(t.unsqueeze(0).expand((hi - lo,) + tuple(t.shape)))
+
+
+def fill_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
+    """Every peer sends what this rank sends: the received rows are this rank's rows, cycled to fit."""
+    n, rows = out.shape[0], t.shape[0]
+    for start in range(0, n if rows else 0, max(rows, 1)):  # in place, a block of rows at a time
+        take = min(rows, n - start)
+        out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
