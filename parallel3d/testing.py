@@ -45,6 +45,10 @@ DEFAULT_TIMEOUT = 120.0
 # Contexts a world keeps between calls. Each gloo process group keeps a thread polling its sockets every
 # 10 ms, even idle: a suite's worth of meshes cached on 4 idle ranks (158 groups each) took half a core.
 CACHED_CONTEXTS = 2
+# IDLE_NOTE: a session's idle worlds of 2, 4 and 8 ranks took 0.25 of a core with two cached contexts each, and
+# 0.10 with their default groups alone; under pytest-xdist each worker keeps its own. Between test modules
+# the worlds therefore drop their contexts (WorldPool.release_groups), and a module that needs a mesh
+# builds it again.
 # torch.distributed calls whose entry a rank reports, so a hang names the operation it is stuck in
 _WATCHED = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
             "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
@@ -101,6 +105,11 @@ class Worker:
         self._contexts[spec] = ctx          # the most recently used last
         ctx.stats.reset()
         return ctx
+
+    def drop_contexts(self) -> None:
+        """Destroy every cached context's process groups (WorldPool.release_groups: between test modules)."""
+        while self._contexts:
+            self._contexts.pop(next(iter(self._contexts))).destroy()
 
     def trim_contexts(self) -> None:
         """Before a call: destroy the least recently used contexts beyond CACHED_CONTEXTS. Every rank runs
@@ -287,12 +296,25 @@ class WorldPool:
             self.worlds.pop(key, None)
             raise
 
+    def release_groups(self) -> None:
+        """Every live world destroys its cached contexts' process groups and keeps only its default group:
+        between test modules, so idle worlds poll fewer sockets while the next module runs (IDLE_NOTE)."""
+        for key, world in list(self.worlds.items()):
+            try:
+                world.run(_drop_contexts, (), {}, DEFAULT_TIMEOUT)
+            except WorldError:   # (closed by run): the next call on this size starts a fresh world
+                self.worlds.pop(key)
+
     def close(self) -> None:
         for w in self.worlds.values():
             for q in w.tasks:
                 q.put(None)
             w.close()
         self.worlds.clear()
+
+
+def _drop_contexts(worker: Worker) -> None:
+    worker.drop_contexts()
 
 
 # ----------------------------------------------------------------------------- pytest plugin
@@ -320,12 +342,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
             item.add_marker(pytest.mark.skip(reason="needs at least 2 CUDA GPUs"))
 
 
+_POOL = pytest.StashKey[WorldPool]()
+
+
 @pytest.fixture(scope="session")
-def world_pool() -> Any:
+def world_pool(request: pytest.FixtureRequest) -> Any:
     """The session's spawned worlds (gloo, or NCCL with a GPU per rank): `world_pool.run(n, fn, *args)`."""
-    pool = WorldPool()
+    pool = request.config.stash[_POOL] = WorldPool()
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _worlds_release_groups_after_each_module(request: pytest.FixtureRequest) -> Any:
+    """After a test module, the session's worlds (if any) keep only their default groups (IDLE_NOTE)."""
+    yield
+    pool = request.config.stash.get(_POOL, None)
+    if pool is not None:
+        pool.release_groups()
 
 
 @pytest.fixture

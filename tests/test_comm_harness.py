@@ -200,6 +200,31 @@ def test_a_world_keeps_only_its_recent_contexts_between_calls(worlds):
         assert summed == 2.0
 
 
+def _groups_left(w):
+    import torch.distributed as dist
+
+    def live(pg):
+        try:
+            dist.get_process_group_ranks(pg)
+            return True
+        except (ValueError, KeyError, RuntimeError):
+            return False
+
+    alive = [live(pg) for pgs in _HELD.values() for pg in pgs]
+    _HELD.clear()
+    summed = comm.all_reduce(torch.ones(1), w.context(MeshSpec(dp=4)).dp)   # a mesh built again works
+    return w._contexts.keys() - {MeshSpec(dp=4)}, alive, summed.item()
+
+
+def test_idle_worlds_keep_only_their_default_groups_between_modules(worlds):
+    """IDLE_NOTE: after each test module (the plugin's module fixture) every world destroys its cached
+    contexts' groups, so a world idle while the next module runs polls only its default group's sockets."""
+    assert all(n > 0 for n in worlds.run(4, _build_three_contexts))
+    worlds.release_groups()
+    for cached, alive, summed in worlds.run(4, _groups_left):
+        assert cached == set() and alive and not any(alive) and summed == 4.0
+
+
 def _destroy_twice(w):
     from parallel3d.mesh import ParallelContext
 
