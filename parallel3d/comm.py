@@ -296,11 +296,16 @@ class PendingP2P:
     group: Group
     works: list
     tensors: list  # kept alive until the transfers finish
+    # a dry run's SimulatedWork per op, waited with the batch: `works` stays empty there, as a coalesced
+    # batch's (the pipeline's P2PQueue then waits it at once and frees sent outputs as NCCL's run does)
+    simulated: list = field(default_factory=list)
 
     def wait(self) -> None:
         for w in self.works:
             wait_work(w, self.group, "batch_p2p wait")
-        self.works, self.tensors = [], []
+        for w in self.simulated:
+            w.wait()
+        self.works, self.tensors, self.simulated = [], [], []
 
 
 def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
@@ -315,8 +320,7 @@ def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
     works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops), *(o.tensor for o in ops)) if ops else []
-    works = simulated if group.simulated else works
-    return PendingP2P(group, list(works or []), [o.tensor for o in ops])
+    return PendingP2P(group, list(works or []), [o.tensor for o in ops], simulated)
 
 
 def batch_p2p(ops: Sequence[P2P], group: Group) -> None:
