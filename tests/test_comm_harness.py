@@ -169,17 +169,19 @@ def _build_three_contexts(w):
     return len(_HELD[specs[0]])
 
 
-def _which_groups_live(w):
+def _live(pg) -> bool:
+    """Whether process group `pg` still exists on this rank (not destroyed)."""
     import torch.distributed as dist
 
-    def live(pg):
-        try:
-            dist.get_process_group_ranks(pg)
-            return True
-        except (ValueError, KeyError, RuntimeError):
-            return False
+    try:
+        dist.get_process_group_ranks(pg)
+        return True
+    except (ValueError, KeyError, RuntimeError):
+        return False
 
-    alive = {str(spec): [live(pg) for pg in pgs] for spec, pgs in _HELD.items()}
+
+def _which_groups_live(w):
+    alive = {str(spec): [_live(pg) for pg in pgs] for spec, pgs in _HELD.items()}
     last = list(_HELD)[-1]
     cached = w.context(last)
     summed = comm.all_reduce(torch.ones(1), cached.dp)    # the kept context still works
@@ -201,16 +203,7 @@ def test_a_world_keeps_only_its_recent_contexts_between_calls(worlds):
 
 
 def _groups_left(w):
-    import torch.distributed as dist
-
-    def live(pg):
-        try:
-            dist.get_process_group_ranks(pg)
-            return True
-        except (ValueError, KeyError, RuntimeError):
-            return False
-
-    alive = [live(pg) for pgs in _HELD.values() for pg in pgs]
+    alive = [_live(pg) for pgs in _HELD.values() for pg in pgs]
     _HELD.clear()
     summed = comm.all_reduce(torch.ones(1), w.context(MeshSpec(dp=4)).dp)   # a mesh built again works
     return w._contexts.keys() - {MeshSpec(dp=4)}, alive, summed.item()
