@@ -300,22 +300,8 @@ def main(argv=None) -> int:
                         print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms",
                               flush=True)
             for name in (name for name in plans if runs[name]):
-                row = {**plans[name], **median_round(runs[name])}
-                if row.get("moe_load", 1.0) > 1.0:   # the plan again at the routing load the run logged
-                    try:
-                        again = predict(config, row["overrides"], gpu, world, min(row["moe_load"], row["ep"]))
-                        row.update({f"{k}_at_run_load": again[k] for k in
-                                    ("predicted_s", "predicted_pipeline_s", "predicted_after_s")})
-                    except (RuntimeError, ValueError) as e:
-                        print(f"{model} {name}: the plan at the run's routing load FAILED: {e}", flush=True)
-                if args.gpu:  # the CUDA context is outside max_memory_allocated: compare tensors with tensors
-                    row["predicted_peak_bytes"] = row["predicted_tensor_peak_bytes"]
-                row["ratio"] = row["measured_s"] / row["predicted_s"]
-                if "predicted_s_at_run_load" in row:
-                    row["ratio_at_run_load"] = row["measured_s"] / row["predicted_s_at_run_load"]
-                row["load_average"] = os.getloadavg()[0]
-                rows.append(row)
-                _print_row(row)
+                rows.append(_row(plans[name], runs[name], config, gpu, world, args.gpu))
+                _print_row(rows[-1])
     summary = {}
     for model in models:
         if not any(r["model"] == model for r in rows):
@@ -334,6 +320,25 @@ def main(argv=None) -> int:
             r["commit"] = commit()
         print(json.dumps(rows))
     return 0
+
+
+def _row(planned: dict, runs: list[dict], config: str, gpu, world: int, on_gpu: bool) -> dict:
+    """A layout's row: its plan and its median round, the ratio, and the plan again at the routing load
+    the run logged where its MoE was uneven."""
+    row = {**planned, **median_round(runs)}
+    if row.get("moe_load", 1.0) > 1.0:
+        try:
+            again = predict(config, row["overrides"], gpu, world, min(row["moe_load"], row["ep"]))
+            row.update({f"{k}_at_run_load": again[k] for k in ("predicted_s", "predicted_pipeline_s",
+                                                                  "predicted_after_s")})
+            row["ratio_at_run_load"] = row["measured_s"] / row["predicted_s_at_run_load"]
+        except (RuntimeError, ValueError) as e:
+            print(f"{row['model']} {row['layout']}: the plan at the run's routing load FAILED: {e}", flush=True)
+    if on_gpu:  # the CUDA context is outside max_memory_allocated: compare tensors with tensors
+        row["predicted_peak_bytes"] = row["predicted_tensor_peak_bytes"]
+    row["ratio"] = row["measured_s"] / row["predicted_s"]
+    row["load_average"] = os.getloadavg()[0]
+    return row
 
 
 def _print_row(r: dict) -> None:

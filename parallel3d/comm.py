@@ -343,7 +343,6 @@ def transfer_stand_ins() -> tuple:
     return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, gloo.simulate_reduce_scatter)
 
 
-
 # ---- reading device values on the host: parallel3d.host_sync (read_float, read_list, read_tensor), counted
 
 def even_split(total: int, parts: int) -> list[int]:

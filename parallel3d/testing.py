@@ -106,16 +106,12 @@ class Worker:
         ctx.stats.reset()
         return ctx
 
-    def drop_contexts(self) -> None:
-        """Destroy every cached context's process groups (WorldPool.release_groups: between test modules)."""
-        while self._contexts:
-            self._contexts.pop(next(iter(self._contexts))).destroy()
-
-    def trim_contexts(self) -> None:
-        """Before a call: destroy the least recently used contexts beyond CACHED_CONTEXTS. Every rank runs
-        the same calls, so every rank destroys the same groups at the same point, and the parent sends a call
-        only once every rank has finished the last, so no rank is still in one of them."""
-        while len(self._contexts) > CACHED_CONTEXTS:
+    def trim_contexts(self, keep: int = CACHED_CONTEXTS) -> None:
+        """Before a call: destroy the least recently used contexts beyond `keep` (0: all of them, as
+        WorldPool.release_groups asks between test modules). Every rank runs the same calls, so every rank
+        destroys the same groups at the same point, and the parent sends a call only once every rank has
+        finished the last, so no rank is still in one of them."""
+        while len(self._contexts) > keep:
             self._contexts.pop(next(iter(self._contexts))).destroy()
 
     def report(self, what: str) -> None:
@@ -314,7 +310,7 @@ class WorldPool:
 
 
 def _drop_contexts(worker: Worker) -> None:
-    worker.drop_contexts()
+    worker.trim_contexts(0)
 
 
 # ----------------------------------------------------------------------------- pytest plugin

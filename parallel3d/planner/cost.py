@@ -46,11 +46,7 @@ def queue_seconds(device_s: Sequence[float], host_op_s: float) -> float:
     and the device runs them in order, each as soon as it is issued and the one before it has ended: a
     GPU's stream behind its host. The sum of `device_s` while the kernels outlast their issue (the host
     runs ahead), n * host_op_s (plus the last kernel) when they are shorter: host-bound."""
-    host = device = 0.0
-    for seconds in device_s:
-        host += host_op_s
-        device = max(device, host) + seconds
-    return device
+    return _span([("op", seconds) for seconds in device_s], host_op_s, waits=False)
 
 
 def _curve(gpu: GPU, dtype: Optional[torch.dtype], name: str):
@@ -162,6 +158,8 @@ def exposed_in_action(marks: Sequence[tuple], host_op_s: float = 0.0) -> float:
 
 
 def _span(marks: Sequence[tuple], host_op_s: float, waits: bool) -> float:
+    """The span of `marks` (exposed_in_action's) as a stream behind its host; `waits=False` leaves out the
+    overlapped transfers and their waits (queue_seconds: ops alone)."""
     host = stream = 0.0
     free, ends = {}, {}
     for mark in marks:

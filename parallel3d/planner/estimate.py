@@ -30,7 +30,7 @@ from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
-from parallel3d.planner.dryrun import ActionCost, RoleRun, StageBuilder, run_role
+from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
 from parallel3d.planner.cost import exposed_buckets
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
@@ -157,15 +157,14 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     schedule = build_schedule(p.schedule, p.pp, m, v)
     keeps_weights = p.schedule in SPLIT_BACKWARD
 
-    def slowest(stage: int, key: tuple) -> Optional[ActionCost]:
-        """Stage `stage`'s action `key` as the plan prices it: its slowest dry-run rank's (they meet in the
-        action's collectives). Every time figure of the breakdown reads its actions through here."""
-        return max((run.actions[key] for run in ran_for[stage] if key in run.actions), key=lambda c: c.time_s,
-                   default=None)
+    # each stage's actions as the plan prices them: its slowest dry-run rank's (they meet in the action's
+    # collectives); the schedule and every time figure of the breakdown read them here
+    priced = [{key: max((run.actions[key] for run in ran_for[r] if key in run.actions), key=lambda c: c.time_s)
+               for key in stage_run[r].actions} for r in range(p.pp)]
 
     def cost(rank: int, action) -> float:
         if action.kind.is_compute:
-            c = slowest(rank, (action.kind.name, action.chunk))
+            c = priced[rank].get((action.kind.name, action.chunk))
             return 0.0 if c is None else c.time_s
         return max(run.p2p_s.get(action.kind.name, 0.0) for run in ran_for[rank])
 
@@ -212,11 +211,10 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     step = timeline.makespan + outside
     tokens = t.global_batch_size * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens
-    # Which rank each figure is: times are the priced actions' (`slowest`), of the busiest stage where one
+    # Which rank each figure is: times are the priced actions' (`priced`), of the busiest stage where one
     # stage is meant (shares, per-microbatch sums) and averaged over the stages for one action (`action_s`,
     # as a run's timeline averages its ranks'); memory, bytes and their modeled seconds are the fullest rank's.
     busiest = max(range(p.pp), key=timeline.busy)
-    priced = [{k: slowest(r, k) for k in stage_run[r].actions} for r in range(p.pp)]
     per_microbatch = priced[busiest].values()
     action_s: dict = defaultdict(list)
     for stage in priced:
