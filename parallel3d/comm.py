@@ -35,10 +35,14 @@ class CommStats:
     on_wait: Optional[Callable[[int], None]] = None  # a dry run's rank waits for call `serial` (SimulatedWork)
     syncs: HostSyncs = field(default_factory=HostSyncs)  # host syncs of this rank (parallel3d.host_sync)
     serial: int = 0                                       # calls recorded so far: the last call's number
+    batch: int = 0   # the number of the first call of the last call's batch (start_batch_p2p posts several
+                     # sends and receives as one batch, which travel together); a lone call is its own
 
-    def record(self, group: "Group", op: str, nbytes: int) -> None:
+    def record(self, group: "Group", op: str, nbytes: int, joins_batch: bool = False) -> None:
         key = (group.name, op)
         self.serial += 1
+        if not joins_batch:
+            self.batch = self.serial
         self.calls[key] += 1
         self.bytes[key] += nbytes
         self.last_op = f"{op} on {group.name} group {group.ranks}"
@@ -82,9 +86,9 @@ class Group:
     def rank(self) -> int:
         return self.ranks.index(self.global_rank)
 
-    def _record(self, op: str, nbytes: int) -> None:
+    def _record(self, op: str, nbytes: int, joins_batch: bool = False) -> None:
         if self.stats is not None:
-            self.stats.record(self, op, nbytes)
+            self.stats.record(self, op, nbytes, joins_batch)
 
     def simulated_work(self, then: Optional[object] = None) -> SimulatedWork:
         """The dry-run handle of the call just recorded (SimulatedWork)."""
@@ -312,8 +316,8 @@ def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
     """Post sends and receives together (batch_isend_irecv) and return at once, so the caller can compute
     while they travel (ring attention overlaps the next K/V block's transfer with this block's math)."""
     p2p_ops, simulated = [], []
-    for o in ops:
-        group._record(o.op, _nbytes(o.tensor))
+    for i, o in enumerate(ops):
+        group._record(o.op, _nbytes(o.tensor), joins_batch=i > 0)
         if group.simulated:
             simulated.append(group.simulated_work())
         else:

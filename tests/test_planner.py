@@ -160,9 +160,10 @@ def test_cost_model_arithmetic():
 
 
 def test_a_collective_after_compute_pays_the_measured_wake_extra():
-    """gloo on a shared CPU: a blocking collective costs its (alpha, beta) plus the profile's extra after a
-    long stretch of compute, in proportion to the rank's modeled compute since its last blocking collective
-    (cost.wake_seconds); grad-sync reductions beside backward pay nothing; a GPU (nothing measured) nothing."""
+    """gloo on a shared CPU: a collective costs its (alpha, beta) plus the profile's extra after a long
+    stretch of compute, in proportion to the rank's modeled compute since its last collective
+    (cost.wake_seconds); a GPU (nothing measured) nothing. Collectives started beside compute pay it too
+    (test_planner_overlap)."""
     import dataclasses
 
     from parallel3d.planner.cost import wake_seconds

@@ -88,3 +88,33 @@ def test_zero3_gathers_are_exposed_where_their_unit_cannot_cover_them():
     root_share = 1 / (cfg.model.num_layers + 1)   # at least the root's gather, a unit's share or more
     assert forward.overlapped_comm_s > forward.exposed_comm_s > root_share * forward.overlapped_comm_s
     assert forward.time_s == pytest.approx(forward.compute_s + forward.exposed_comm_s)
+
+
+def test_collectives_started_beside_compute_pay_the_wake_extra_too():
+    """gloo on a CPU whose ranks fill its cores: ZeRO-3's gathers, started after a unit's compute, met the
+    peer's late arrival and gloo's sleeping threads as a blocking call does (two ranks, 172 KiB after 3 ms
+    of matmul: 1.3 ms a start on average against 0.4 at the median), yet only blocking calls were charged
+    the profile's wake extra. Each started gather is now charged it, in proportion to the compute since the
+    rank's last collective, as the blocking ones are (cost.wake_seconds)."""
+    cfg = make_config(["parallel.zero=3", "parallel.tp=1", *SMALL], 2)
+    h100 = gpu("h100")
+    woken = dataclasses.replace(h100, comm_wake_s={"all_gather": 2e-3}, comm_wake_gap_s=1e-12)
+    base, paid = (run_role(cfg, 0, _stage_builder, g, 8).comm_s["dp_cp.all_gather"] for g in (h100, woken))
+    calls = (paid - base) / 2e-3
+    assert calls == pytest.approx(round(calls)) and round(calls) >= cfg.model.num_layers * 2   # forward, backward
+
+
+def test_the_sends_and_receives_of_one_batch_are_priced_as_one_transfer():
+    """Ring attention posts each step's send and receive as one batch (comm.start_batch_p2p), and they travel
+    side by side; gloo's send probe times exactly such a pair. The dry run priced the send and the receive
+    each at the pair's time, twice the batch. Now a batch lasts its longest transfer (CommStats.batch marks
+    the calls that join one)."""
+    ctx = ParallelContext.simulated(MeshSpec(cp=2), 0, "cpu", "gloo")
+    group = ctx.groups()["cp"]
+    comm.start_batch_p2p([comm.P2P("send", torch.ones(2), 1), comm.P2P("recv", torch.ones(2), 1)], group).wait()
+    assert ctx.stats.batch == ctx.stats.serial - 1                 # the receive joined the send's batch
+    comm.start_batch_p2p([comm.P2P("recv", torch.ones(2), 1)], group).wait()
+    assert ctx.stats.batch == ctx.stats.serial                     # a batch of its own
+    cfg = make_config(["parallel.cp=2", "parallel.cp_mode=ring", "parallel.tp=1", "parallel.zero=0", *SMALL], 2)
+    comm_s = run_role(cfg, 0, _stage_builder, gpu("h100"), 8).comm_s
+    assert comm_s["cp.send"] > 0 and comm_s.get("cp.recv", 0.0) == 0.0   # same-sized pairs: the send's time

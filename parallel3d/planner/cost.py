@@ -85,9 +85,11 @@ def collective_seconds(op: str, nbytes: float, ranks: Sequence[int], gpus_per_no
 
 
 def wake_seconds(op: str, compute_since_s: float, gpu: GPU) -> float:
-    """The extra a blocking collective costs a rank that arrives from `compute_since_s` seconds of compute
-    since its last blocking collective: the measured extra after a long stretch (gpu.comm_wake_s, gloo on
-    this machine), in proportion below it. Nothing where it was not measured (NCCL: a GPU's)."""
+    """The extra a collective costs a rank that arrives from `compute_since_s` seconds of compute since its
+    last collective: the measured extra after a long stretch (gpu.comm_wake_s, gloo on this machine), in
+    proportion below it. A collective started beside compute pays it too: two ranks starting a 172 KiB
+    all-gather after 3 ms of matmul paid 1.3 ms a start on average against 0.4 at the median. Nothing
+    where it was not measured (NCCL: a GPU's)."""
     if not gpu.comm_wake_s or gpu.comm_wake_gap_s <= 0:
         return 0.0
     extra = gpu.comm_wake_s.get("send" if op == "recv" else op, 0.0)

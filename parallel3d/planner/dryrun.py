@@ -127,10 +127,17 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     events: list[tuple[float, str, str, float, int, int]] = []   # (wall, group, op, seconds, bytes, serial)
     waits: dict[int, float] = {}   # serial -> the wall the rank waited for that call at (comm.SimulatedWork)
 
+    batch_s = [0, 0.0]   # (first call, seconds so far) of the batch being recorded (comm.CommStats.batch)
+
     def on_collective(group: str, op: str, nbytes: int) -> None:
         g = groups[base_group(group)]
-        events.append((time.perf_counter(), group, op, collective_seconds(op, nbytes, g.ranks, gpus_per_node, gpu),
-                       nbytes, ctx.stats.serial))
+        seconds = collective_seconds(op, nbytes, g.ranks, gpus_per_node, gpu)
+        if batch_s[0] != ctx.stats.batch:
+            batch_s[:] = [ctx.stats.batch, 0.0]
+        # the sends and receives of one batch travel together: the batch lasts its longest transfer (gloo's
+        # send probe times a send and a receive posted together: profile_gloo.py)
+        seconds, batch_s[1] = max(0.0, seconds - batch_s[1]), max(batch_s[1], seconds)
+        events.append((time.perf_counter(), group, op, seconds, nbytes, ctx.stats.serial))
 
     ctx.stats.listener = on_collective
     ctx.stats.on_wait = lambda serial: waits.setdefault(serial, time.perf_counter())
@@ -277,7 +284,7 @@ def _summarise(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
     grad_sync_parts: list = []
-    last_block = float("-inf")   # the wall of this rank's last blocking collective (cost.wake_seconds)
+    last_call = float("-inf")    # the wall of this rank's last collective, of any kind (cost.wake_seconds)
     started: dict = {}   # serial -> the action index an overlapped collective started in
     for wall, group, op, seconds, nbytes, serial in _with_waits(events, waits):
         if group is None:   # the rank waits for call `serial`: a mark where it started in this action
@@ -288,10 +295,11 @@ def _summarise(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
         # started beside compute, not waited in at once
         beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)
-        if not beside:   # the rank waits in it: arriving from compute costs it more
-            since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_block)]
-            seconds += wake_seconds(op, since, gpu)
-            last_block = wall
+        # arriving from compute costs every call more, started beside compute or not; the extra is split
+        # like the rest of the call between the rank's cores and what hides (cost.wake_seconds)
+        since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_call)]
+        seconds += wake_seconds(op, since, gpu)
+        last_call = wall
         comm_s[f"{group}.{op}"] += seconds
         hidden = seconds * hidden_share(op, gpu) if beside else 0.0   # the rest takes the ranks' cores
         if grad_sync:   # once per step, not per microbatch: estimate.plan hides it behind the last backward

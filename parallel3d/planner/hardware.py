@@ -79,7 +79,7 @@ class GPU:
     matmul_curves: Optional[dict] = None
     op_overhead_s: float = 0.0
     collectives: Optional[dict] = None
-    # gloo on a shared CPU: what a blocking collective costs on top of its (alpha, beta) when the rank
+    # gloo on a shared CPU: what a collective costs on top of its (alpha, beta) when the rank
     # arrives from `comm_wake_gap_s` or more of compute (op -> seconds; profile_gloo.py); scaled down
     # linearly for shorter stretches (cost.wake_seconds)
     comm_wake_s: Optional[dict] = None

@@ -28,7 +28,8 @@ divides the threads by the local world size), so every rate is measured on one t
     batched send/recv), at 1 KiB and 4 MiB, each after a short matmul and averaged over calls as a step
     pays them (profile_gloo.py), on `world` spawned processes of one thread each, solved for the
     (alpha, beta) of cost.collective_time's formula; and at 1 KiB after 3 ms of matmul, whose extra
-    (cost.wake_seconds) a blocking collective pays in proportion to the compute since the rank's last one;
+    (cost.wake_seconds) a collective, blocking or started, pays in proportion to the compute since the
+    rank's last one;
   - the process's resident memory before any model exists (Python, torch, gloo): the CPU's analogue of the
     CUDA context, added to the planned peak so it compares with the run's peak RSS.
 Ranks sharing the machine are priced as they run: with the gloo figures, `world` processes time a small
