@@ -338,7 +338,7 @@ def test_a_layouts_row_is_its_median_round_whole(capsys):
     """planner_accuracy runs the layouts in turn, ROUNDS times: a layout's row is the run whose step time is
     the median of its rounds, with that run's own components (not a mix of runs), and every round's time."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from planner_accuracy import median_round
+    from accuracy_runs import median_round
 
     runs = [{"measured_s": 0.094, "measured_pipeline_s": 0.080}, {"measured_s": 0.056, "measured_pipeline_s": 0.046},
             {"measured_s": 0.061, "measured_pipeline_s": 0.050}]

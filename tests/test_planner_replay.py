@@ -13,9 +13,10 @@ import torch
 from ckpt_helpers import make_config
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.planner import op_replay
-from parallel3d.planner.dryrun import in_order_stretches, run_role, tracked_step
+from parallel3d.planner.dryrun import run_role, tracked_step
 from parallel3d.planner.hardware import gpu
 from parallel3d.planner.host_kernels import as_run_on_cpu
+from parallel3d.planner.step_costs import in_order_stretches
 from parallel3d.training.trainer import Trainer
 from test_planner import _stage_builder
 
@@ -206,13 +207,13 @@ def test_inputs_from_beyond_the_cache_cost_the_memory_they_come_from():
     """A replayed op ran with its inputs in cache: each input the step touched longer ago than the cache
     holds (or never) adds its bytes at the measured extra cost; an op larger than the cache gets nothing
     (it streamed from memory when replayed)."""
-    from parallel3d.planner.dryrun import _cold_seconds
+    from parallel3d.planner.step_costs import cold_seconds
     from parallel3d.planner.tracker import OpCost
 
     dev = dataclasses.replace(gpu("h100"), cache_bytes=10_000, cold_s_per_byte=1e-9)
     op = OpCost(0.0, 0.0, 4000.0, torch.float32, False, reuse=((1000, -1), (1000, 20_000), (1000, 9_000)))
-    assert _cold_seconds(op, dev) == pytest.approx(2000 * 1e-9)
-    assert _cold_seconds(dataclasses.replace(op, nbytes=20_000.0), dev) == 0.0
+    assert cold_seconds(op, dev) == pytest.approx(2000 * 1e-9)
+    assert cold_seconds(dataclasses.replace(op, nbytes=20_000.0), dev) == 0.0
 
 
 def test_an_op_writes_its_fresh_output_to_cold_memory():
@@ -221,7 +222,7 @@ def test_an_op_writes_its_fresh_output_to_cold_memory():
     outside the cache, as a step's allocator places it; an in-place op allocates nothing. The extra is
     measured per signature (a step here paid 0.35 ns per output byte over the replay for GEMMs, about 0.1
     for muls), through the op's `.out` overload, for outputs of at least COLD_MIN_BYTES."""
-    from parallel3d.planner.dryrun import _cold_seconds
+    from parallel3d.planner.step_costs import cold_seconds
     from parallel3d.planner.tracker import StepTracker
 
     a, w, acc = torch.ones(512, 256), torch.ones(256, 128), torch.zeros(512, 128)
@@ -232,7 +233,7 @@ def test_an_op_writes_its_fresh_output_to_cold_memory():
     assert [(op.name, op.fresh_bytes) for op in tracker.ops] == [("mm", 262144), ("addmm_", 0), ("add", 262144)]
     dev = dataclasses.replace(gpu("h100"), cache_bytes=1 << 20, cold_s_per_byte=1e-9)
     hot = [dataclasses.replace(op, reuse=()) for op in tracker.ops]   # inputs just touched: no input term
-    assert [_cold_seconds(op, dev, 5e-6) for op in hot] == [5e-6, 0.0, 5e-6]
+    assert [cold_seconds(op, dev, 5e-6) for op in hot] == [5e-6, 0.0, 5e-6]
     mm, add = (tracker.signatures[tracker.ops[i].key] for i in (0, 2))
     assert op_replay.replay_cold_output(mm) >= 0.0 and op_replay.replay_cold_output(add) >= 0.0   # both measured
     small = op_replay.signature(torch.ops.aten.mm.default, (torch.ones(8, 8), torch.ones(8, 8)), {})[1]

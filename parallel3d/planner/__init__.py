@@ -2,7 +2,8 @@
 memory per rank, step time, MFU and bytes per group for a GPU cluster (`launch/plan.py`).
 
     tracker.py   what a step allocates and computes, op by op (memory by category, FLOPs, bytes)
-    dryrun.py    one rank's step through the real Trainer, with costs attributed to pipeline actions
+    dryrun.py    one rank's step through the real Trainer on the stand-in, its ops and collectives recorded
+    step_costs.py  that step priced: each op and collective attributed to its pipeline action
     cost.py      roofline per op and alpha-beta per collective (plain functions)
     hardware.py  GPU and link table with stated efficiencies (peaks: parallel3d/hardware.py, shared with the MFU)
     profile.py   this machine as a device (`--gpu cpu`): microbenchmarks, cached per host and core count

@@ -30,11 +30,12 @@ from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
 from parallel3d.pipeline.simulate import peak_in_flight, simulate
-from parallel3d.planner.dryrun import RoleRun, StageBuilder, run_role
+from parallel3d.planner.dryrun import StageBuilder, run_role
 from parallel3d.planner.cost import exposed_buckets
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
 from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
+from parallel3d.planner.step_costs import RoleRun
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
 

@@ -199,7 +199,7 @@ def _step_overhead(stage_builder, model) -> float:
 def _host_per_op(step_s: float, out: dict, tracker) -> float:
     """Seconds per tracked op of a step of `step_s` that the host spends around its ops: the step less
     the ops' replayed kernels (op_replay.py, in order by action as a plan prices them), over the op count."""
-    from parallel3d.planner.dryrun import in_order_stretches
+    from parallel3d.planner.step_costs import in_order_stretches
 
     stretches, prefixes = in_order_stretches(out, tracker, 0)
     kernels = op_replay.measure(tracker.signatures, stretches=stretches)

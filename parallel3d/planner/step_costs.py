@@ -1,0 +1,227 @@
+"""Pricing a rank's dry-run step (planner/dryrun.py records it): each op at its replayed or roofline time,
+each collective at its alpha-beta time plus the wake extra, attributed to the pipeline action that ran it
+(F, B, I, W of a microbatch and chunk) or to the step outside the actions; what of a collective started
+beside compute hides (cost.hidden_share) and what its action waits for (cost.exposed_in_action)."""
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field, fields
+
+from parallel3d.pipeline.schedules import ActionKind
+from parallel3d.planner import op_replay
+from parallel3d.planner.cost import exposed_in_action, hidden_share, op_time, queue_seconds, wake_seconds
+from parallel3d.planner.hardware import GPU
+from parallel3d.planner.kernels import KERNELS_OF_OP, occupancy_factor
+from parallel3d.planner.tracker import CATEGORIES, StepTracker
+
+# collectives that run beside compute: ring-attention p2p, ZeRO-3 prefetch gathers, DP bucket reductions
+DP_GROUPS = ("dp_cp", "edp", "dp", "dp_shard", "edp_shard", "dp_rep", "dp_node", "edp_node")
+OVERLAPPED_GROUPS = ("cp",) + DP_GROUPS
+REDUCTIONS = ("reduce_scatter", "all_reduce", "all_to_all")  # qgZ and gloo's reduce-scatter: all-to-all
+
+
+def base_group(group: str) -> str:
+    """Compressed traffic is recorded as "<group>_compressed" (data_parallel/compression.py)."""
+    return group[: -len("_compressed")] if group.endswith("_compressed") else group
+
+
+def is_grad_sync(group: str, op: str) -> bool:
+    """Gradient reductions over data-parallel groups: once per step (launched during the last
+    microbatch's backward, bucket by bucket), whatever the number of microbatches -- unless the optimizer
+    reduces per microbatch (ZeRO-2/3, offload: `RoleRun.per_microbatch`), where they belong to each
+    backward like the other overlapped traffic."""
+    return base_group(group) in DP_GROUPS and op in REDUCTIONS
+
+
+@dataclass
+class ActionCost:
+    """Modeled seconds of one pipeline action (one microbatch of one chunk)."""
+    compute_s: float = 0.0
+    flops: float = 0.0
+    blocking_comm_s: float = 0.0     # TP / EP collectives, and what of the others a CPU's compute pays
+    overlapped_comm_s: float = 0.0   # CP ring, ZeRO-3 gathers, DP reductions: run beside compute
+                                     # (on a CPU whose cores the ranks fill, their idle share: cost.hidden_share)
+    host_stall_s: float = 0.0        # the part of compute_s the device waits for the host (cost.queue_seconds)
+    ops: float = 0.0                 # ops the dry run counted in it
+    exposed_comm_s: float = 0.0      # what the action waits for of overlapped_comm_s (cost.exposed_in_action)
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.blocking_comm_s + self.exposed_comm_s
+
+
+@dataclass
+class RoleRun:
+    rank: int
+    pp_rank: int
+    memory: dict                       # bytes per category at the step's peak, and "peak"
+    model_state: dict                  # params / grads / optimizer bytes alive after the step
+    actions: dict                      # (kind name, chunk) -> mean ActionCost per microbatch
+    p2p_s: dict                        # comm kind name -> mean seconds per message
+    outside: ActionCost                # optimizer step, gradient-sync tail, clipping, loss reductions
+    comm_bytes: dict                   # "<group>.<op>" -> bytes in the step (the JSONL field)
+    comm_s: dict = field(default_factory=dict)  # "<group>.<op>" -> modeled seconds in the step
+    comm_bytes_in_actions: dict = field(default_factory=dict)  # the part of comm_bytes moved inside actions
+    flops: float = 0.0
+    derated_kernels: dict = field(default_factory=dict)  # our kernel -> warps per SM and its time factor
+    param_shard_bytes: int = 0         # ZeRO-3's persistent parameter shards (what offload_params moves)
+    activation_offload_bytes: int = 0  # train.activation_offload: saved bytes sent to the host, per microbatch
+    host_syncs: dict = field(default_factory=dict)  # category -> host syncs in the step (parallel3d.host_sync)
+    peak_without_grads: int = 0        # the step's peak not counting gradients (offload takes them off)
+    grad_buckets_in_flight: int = 0    # bytes of the two largest gradient buckets (what offload keeps)
+    op_seconds: dict = field(default_factory=dict)  # op name -> [count, modeled seconds] in the step
+    # DP gradient reductions, the seconds of each that can hide (cost.hidden_share), in launch (bucket) order:
+    # once per step, behind the last backward as their buckets become ready (cost.exposed_buckets); the
+    # rest of them is in `outside`
+    grad_sync_parts: list = field(default_factory=list)
+
+
+def cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
+    """What a replayed op (its inputs hot in cache, its output written where its last call's was) lacks in
+    the step: the inputs the step last touched more than the cache ago come from memory (an op whose own
+    traffic exceeds the cache streamed from memory when it was replayed too, and gets nothing for them),
+    and an op that allocates its output writes it into memory the step last used long ago
+    (`cold_output_s`, its replayed extra: op_replay.replay_cold_output)."""
+    written = cold_output_s if op.fresh_bytes else 0.0
+    if op.nbytes > gpu.cache_bytes:
+        return written
+    cold = sum(n for n, distance in op.reuse if distance < 0 or distance > gpu.cache_bytes)
+    return cold * gpu.cold_s_per_byte + written
+
+
+def _with_waits(events: list, waits: dict) -> list:
+    """The dry run's collectives and the rank's waits for them (as (wall, None, None, 0, 0, serial)), in
+    the order the rank met them."""
+    return sorted([*events, *((wall, None, None, 0.0, 0, serial) for serial, wall in waits.items())],
+                  key=lambda e: e[0])
+
+
+def action_index(out: dict, pp_rank: int):
+    """(this stage's actions in run order, wall -> the index of the action running at that wall, -1 outside
+    them): actions run one after another, so bisect finds an op's or a collective's action."""
+    mine = sorted((r for r in out["actions"] if r[0] == pp_rank), key=lambda r: r[5])
+    starts = [r[5] for r in mine]
+
+    def index(wall: float) -> int:
+        i = bisect.bisect_right(starts, wall) - 1
+        return i if i >= 0 and wall <= mine[i][6] else -1
+    return mine, index
+
+
+def in_order_stretches(out: dict, tracker: StepTracker, pp_rank: int) -> tuple[list, list]:
+    """The step's op signatures cut by action (op_replay.segments), and each op's stretch key prefix
+    (op_replay.in_order_key), as a plan prices ops in order and the profile calibrates the per-op cost."""
+    _, index = action_index(out, pp_rank)
+    stretches = op_replay.segments([op.key for op in tracker.ops], [index(op.wall) for op in tracker.ops])
+    return stretches, [op_replay.in_order_key(s, "") for s in stretches for _ in s]
+
+
+def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: GPU, per_microbatch: bool
+               ) -> RoleRun:
+    """One rank's recorded dry-run step priced (run_role's `events`: its collectives as recorded, with
+    their alpha-beta seconds; `waits`: the walls it waited for started ones at) into a RoleRun: each op and
+    collective attributed to the pipeline action that ran it."""
+    mine, index = action_index(out, ctx.coords.pp)
+    costs = [ActionCost() for _ in mine]
+    outside = ActionCost()
+
+    def slot(wall: float) -> ActionCost:
+        i = index(wall)
+        return costs[i] if i >= 0 else outside
+
+    derated: dict = {}
+    op_seconds: dict = {}
+    # a measured machine: each op at its replayed time plus the host's own per-op cost (op_replay.py)
+    stretches, prefixes = in_order_stretches(out, tracker, ctx.coords.pp)
+    measured = (op_replay.measure(tracker.signatures, gpu.op_times, stretches)
+                if gpu.op_times is not None else {})
+    queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
+    walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
+    marks: dict = defaultdict(list)   # action index -> (wall, mark): its ops and collectives (cost.exposed_in_action)
+    for op, in_order in zip(tracker.ops, prefixes):
+        c = slot(op.wall)
+        factor = 1.0
+        if op.name in KERNELS_OF_OP:
+            found = occupancy_factor(gpu.name, op.name, str(op.dtype), op.head_dim, op.causal)
+            if found is not None:
+                factor, warps = found
+                derated.update({k: {"warps_per_sm": w, "factor": factor} for k, w in warps.items()})
+        replayed = op_replay.replayed_seconds(measured, op.key, in_order)
+        if replayed is not None:
+            cold_output = (measured.get(op_replay.COLD + op.key) or 0.0) * gpu.op_time_scale
+            seconds = replayed * gpu.op_time_scale + cold_seconds(op, gpu, cold_output) + gpu.op_overhead_s
+        else:
+            seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
+        c.compute_s += seconds
+        if c is not outside:
+            marks[index(op.wall)].append((op.wall, ("op", seconds)))
+        c.flops += op.flops
+        queued[id(c)].append(seconds)
+        walls.append(op.wall)
+        done.append(done[-1] + seconds)
+        tally = op_seconds.setdefault(op.name, [0, 0.0])  # per op: what a profile of the real step is set beside
+        tally[0] += 1
+        tally[1] += seconds
+    for c in [*costs, outside]:
+        c.ops = len(queued[id(c)])
+        issue = gpu.host_step_op_s if c is outside else gpu.host_op_s
+        if issue:  # a GPU's queue runs behind the host: an action lasts its queue's span
+            span = queue_seconds(queued[id(c)], issue)
+            c.host_stall_s = max(0.0, span - c.compute_s)
+            c.compute_s = max(span, c.compute_s)
+    comm_s: dict = defaultdict(float)
+    inside: dict = defaultdict(int)
+    grad_sync_parts: list = []
+    last_call = float("-inf")    # the wall of this rank's last collective, of any kind (cost.wake_seconds)
+    started: dict = {}   # serial -> the action index an overlapped collective started in
+    for wall, group, op, seconds, nbytes, serial in _with_waits(events, waits):
+        if group is None:   # the rank waits for call `serial`: a mark where it started in this action
+            if started.get(serial, -1) == index(wall) >= 0:
+                marks[started[serial]].append((wall, ("wait", serial)))
+            continue
+        c = slot(wall)
+        grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
+        # started beside compute, not waited in at once
+        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)
+        # arriving from compute costs every call more, started beside compute or not; the extra is split
+        # like the rest of the call between the rank's cores and what hides (cost.wake_seconds)
+        since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_call)]
+        seconds += wake_seconds(op, since, gpu)
+        last_call = wall
+        comm_s[f"{group}.{op}"] += seconds
+        hidden = seconds * hidden_share(op, gpu) if beside else 0.0   # the rest takes the ranks' cores
+        if grad_sync:   # once per step, not per microbatch: estimate.plan hides it behind the last backward
+            grad_sync_parts.append(hidden)
+            outside.blocking_comm_s += seconds - hidden
+            continue
+        if c is not outside:
+            inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
+            i = index(wall)
+            marks[i].append((wall, ("block", seconds - hidden)))   # what the rank pays at the call, then
+            if hidden:                                             # the transfer beside its compute
+                marks[i].append((wall, ("start", serial, base_group(group), hidden)))
+                started[serial] = i
+        c.overlapped_comm_s += hidden
+        c.blocking_comm_s += seconds - hidden
+    for i, c in enumerate(costs):
+        timeline = [mark for _, mark in sorted(marks[i], key=lambda m: m[0])]   # (stable: a call's two marks)
+        c.exposed_comm_s = exposed_in_action(timeline, gpu.host_op_s or 0.0)
+    per_action: dict = defaultdict(list)
+    p2p: dict = defaultdict(list)
+    for row, c in zip(mine, costs):
+        if ActionKind[row[1]].is_compute:
+            per_action[(row[1], row[3])].append(c)
+        else:
+            p2p[row[1]].append(c.blocking_comm_s)
+    actions = {k: ActionCost(**{f.name: statistics.mean(getattr(c, f.name) for c in v) for f in fields(ActionCost)})
+               for k, v in per_action.items()}
+    memory = {k: split[k] for k in CATEGORIES}
+    memory["peak"] = peak
+    return RoleRun(rank=rank, pp_rank=ctx.coords.pp, memory=memory,
+                   model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
+                   p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside,
+                   grad_sync_parts=grad_sync_parts,
+                   comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),
+                   flops=sum(o.flops for o in tracker.ops), derated_kernels=derated, op_seconds=op_seconds)

@@ -1,0 +1,138 @@
+"""Spawned worlds of ranks for multi-rank tests, reused across calls (the parent's side; each rank runs
+parallel3d/world_rank.py). parallel3d.testing documents them and serves them to pytest."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import queue
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from parallel3d.world_rank import STATUS_LEN, drop_contexts, hosted_store, worker_main
+
+DEFAULT_TIMEOUT = 120.0
+
+
+class WorldError(RuntimeError):
+    """A rank raised, or the call timed out (message names the ranks and their last collective)."""
+
+class World:
+    """`size` spawned ranks with an initialised default group, waiting for tasks."""
+
+    def __init__(self, size: int, backend: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.size, self.backend = size, backend
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(size)]
+        self.status = [ctx.Array("c", STATUS_LEN) for _ in range(size)]
+        self.store = hosted_store(size)   # served here for the world's life
+        port = self.store.port
+        self.procs = [ctx.Process(target=worker_main, daemon=True,
+                                  args=(r, size, port, backend, self.tasks[r], self.results, self.status[r],
+                                        list(sys.path)))
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Block until every rank has joined the process group (start-up does not count against a call)."""
+        deadline = time.monotonic() + timeout
+        while not all(st.value for st in self.status):
+            if not self.alive or time.monotonic() > deadline:
+                self.close()
+                raise WorldError(f"a world of {self.size} ranks ({self.backend}) did not start: ranks "
+                                 f"{[r for r, st in enumerate(self.status) if not st.value]} never joined")
+            time.sleep(0.05)
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
+        self.wait_ready()
+        payload = pickle.dumps((fn, args, kwargs))
+        for q in self.tasks:
+            q.put(payload)
+        done: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) + len(errors) < self.size:
+            remaining = deadline - time.monotonic()
+            if errors:  # the others are probably stuck in a collective with the failed rank
+                remaining = min(remaining, 5.0)
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead and not errors:
+                errors.update({r: f"rank {r} process died (exit code {self.procs[r].exitcode})" for r in dead})
+            try:
+                rank, ok, data = self.results.get(timeout=max(0.05, min(remaining, 1.0)))
+            except queue.Empty:
+                if time.monotonic() >= deadline or (errors and remaining <= 0.05):
+                    break
+                continue
+            if ok:
+                done[rank] = pickle.loads(data)
+            else:
+                errors[rank] = data
+        if errors or len(done) < self.size:
+            stuck = [r for r in range(self.size) if r not in done and r not in errors]
+            lines = [f"rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
+            lines += [f"rank {r} still running after {timeout:.0f}s, last collective: "
+                      f"{self.status[r].value.decode(errors='replace')}" for r in stuck]
+            self.close()
+            head = f"{fn.__name__} failed on {self.size} ranks" if errors else \
+                f"{fn.__name__} timed out after {timeout:.0f}s on {self.size} ranks"
+            raise WorldError(head + "\n" + "\n".join(lines))
+        return [done[r] for r in range(self.size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        self.store = None
+
+
+class WorldPool:
+    """Keeps one World per (size, backend) alive across calls."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+        self.worlds: dict[tuple[int, str], World] = {}
+
+    def _backend_for(self, size: int) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
+
+    def run(self, size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list:
+        backend = self._backend_for(size)
+        key = (size, backend)
+        world = self.worlds.get(key)
+        if world is None or not world.alive:
+            world = self.worlds[key] = World(size, backend)
+        try:
+            return world.run(fn, args, kwargs, timeout)
+        except WorldError:
+            self.worlds.pop(key, None)
+            raise
+
+    def release_groups(self) -> None:
+        """Every live world destroys its cached contexts' process groups and keeps only its default group:
+        between test modules, so idle worlds poll fewer sockets while the next module runs
+        (world_rank.py, IDLE_NOTE)."""
+        for key, world in list(self.worlds.items()):
+            try:
+                world.run(drop_contexts, (), {}, DEFAULT_TIMEOUT)
+            except WorldError:   # (closed by run): the next call on this size starts a fresh world
+                self.worlds.pop(key)
+
+    def close(self) -> None:
+        for w in self.worlds.values():
+            for q in w.tasks:
+                q.put(None)
+            w.close()
+        self.worlds.clear()
