@@ -107,8 +107,9 @@ def test_collectives_started_beside_compute_pay_the_wake_extra_too():
 def test_the_sends_and_receives_of_one_batch_are_priced_as_one_transfer():
     """Ring attention posts each step's send and receive as one batch (comm.start_batch_p2p), and they travel
     side by side; gloo's send probe times exactly such a pair. The dry run priced the send and the receive
-    each at the pair's time, twice the batch. Now a batch lasts its longest transfer (CommStats.batch marks
-    the calls that join one)."""
+    each at the pair's time, twice the batch. Now a batch inside a compute action lasts its longest transfer
+    (CommStats.batch marks the calls that join one). A pipeline's send and receive actions keep each
+    message's price: the schedule simulator pairs each message's two ends itself."""
     ctx = ParallelContext.simulated(MeshSpec(cp=2), 0, "cpu", "gloo")
     group = ctx.groups()["cp"]
     comm.start_batch_p2p([comm.P2P("send", torch.ones(2), 1), comm.P2P("recv", torch.ones(2), 1)], group).wait()
@@ -118,3 +119,6 @@ def test_the_sends_and_receives_of_one_batch_are_priced_as_one_transfer():
     cfg = make_config(["parallel.cp=2", "parallel.cp_mode=ring", "parallel.tp=1", "parallel.zero=0", *SMALL], 2)
     comm_s = run_role(cfg, 0, _stage_builder, gpu("h100"), 8).comm_s
     assert comm_s["cp.send"] > 0 and comm_s.get("cp.recv", 0.0) == 0.0   # same-sized pairs: the send's time
+    pp = make_config(["parallel.pp=2", "parallel.tp=1", "parallel.zero=0", *SMALL], 2)
+    comm_s = run_role(pp, 0, _stage_builder, gpu("h100"), 8).comm_s   # activations out, their gradients in
+    assert comm_s["pp.send"] > 0 and comm_s["pp.recv"] == pytest.approx(comm_s["pp.send"])

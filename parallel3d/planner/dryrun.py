@@ -56,20 +56,13 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
     ctx = _context(cfg, rank, device, "gloo" if gpu.runs_cpu_kernels else "nccl", expert_load)  # the run's comm
     trainer = Trainer(cfg, ctx, stage_builder(cfg, ctx))
     groups = {g.name: g for g in ctx.groups().values() if g is not None}
-    events: list[tuple[float, str, str, float, int, int]] = []   # (wall, group, op, seconds, bytes, serial)
+    events: list[tuple] = []   # (wall, group, op, seconds, bytes, serial, batch: comm.CommStats.batch)
     waits: dict[int, float] = {}   # serial -> the wall the rank waited for that call at (comm.SimulatedWork)
-
-    batch_s = [0, 0.0]   # (first call, seconds so far) of the batch being recorded (comm.CommStats.batch)
 
     def on_collective(group: str, op: str, nbytes: int) -> None:
         g = groups[base_group(group)]
-        seconds = collective_seconds(op, nbytes, g.ranks, gpus_per_node, gpu)
-        if batch_s[0] != ctx.stats.batch:
-            batch_s[:] = [ctx.stats.batch, 0.0]
-        # the sends and receives of one batch travel together: the batch lasts its longest transfer (gloo's
-        # send probe times a send and a receive posted together: profile_gloo.py)
-        seconds, batch_s[1] = max(0.0, seconds - batch_s[1]), max(batch_s[1], seconds)
-        events.append((time.perf_counter(), group, op, seconds, nbytes, ctx.stats.serial))
+        events.append((time.perf_counter(), group, op, collective_seconds(op, nbytes, g.ranks, gpus_per_node, gpu),
+                       nbytes, ctx.stats.serial, ctx.stats.batch))
 
     ctx.stats.listener = on_collective
     ctx.stats.on_wait = lambda serial: waits.setdefault(serial, time.perf_counter())

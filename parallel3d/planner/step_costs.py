@@ -92,9 +92,9 @@ def cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
 
 
 def _with_waits(events: list, waits: dict) -> list:
-    """The dry run's collectives and the rank's waits for them (as (wall, None, None, 0, 0, serial)), in
+    """The dry run's collectives and the rank's waits for them (as (wall, None, None, 0, 0, serial, 0)), in
     the order the rank met them."""
-    return sorted([*events, *((wall, None, None, 0.0, 0, serial) for serial, wall in waits.items())],
+    return sorted([*events, *((wall, None, None, 0.0, 0, serial, 0) for serial, wall in waits.items())],
                   key=lambda e: e[0])
 
 
@@ -176,12 +176,18 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     grad_sync_parts: list = []
     last_call = float("-inf")    # the wall of this rank's last collective, of any kind (cost.wake_seconds)
     started: dict = {}   # serial -> the action index an overlapped collective started in
-    for wall, group, op, seconds, nbytes, serial in _with_waits(events, waits):
+    longest: dict = {}   # batch (comm.CommStats.batch) -> its longest transfer priced so far
+    for wall, group, op, seconds, nbytes, serial, batch in _with_waits(events, waits):
         if group is None:   # the rank waits for call `serial`: a mark where it started in this action
             if started.get(serial, -1) == index(wall) >= 0:
                 marks[started[serial]].append((wall, ("wait", serial)))
             continue
         c = slot(wall)
+        if index(wall) < 0 or ActionKind[mine[index(wall)][1]].is_compute:
+            # the sends and receives of one batch travel together and the action waits for them all: the
+            # batch lasts its longest transfer (gloo's send probe times a send and a receive posted together).
+            # A pipeline action keeps each message's price: the schedule simulator pairs the messages itself
+            seconds, longest[batch] = max(0.0, seconds - longest.get(batch, 0.0)), max(longest.get(batch, 0.0), seconds)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
         # started beside compute, not waited in at once
         beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)
