@@ -127,10 +127,6 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     costs = [ActionCost() for _ in mine]
     outside = ActionCost()
 
-    def slot(wall: float) -> ActionCost:
-        i = index(wall)
-        return costs[i] if i >= 0 else outside
-
     derated: dict = {}
     op_seconds: dict = {}
     # a measured machine: each op at its replayed time plus the host's own per-op cost (op_replay.py)
@@ -141,7 +137,8 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
     marks: dict = defaultdict(list)   # action index -> (wall, mark): its ops and collectives (cost.exposed_in_action)
     for op, in_order in zip(tracker.ops, prefixes):
-        c = slot(op.wall)
+        i = index(op.wall)
+        c = costs[i] if i >= 0 else outside
         factor = 1.0
         if op.name in KERNELS_OF_OP:
             found = occupancy_factor(gpu.name, op.name, str(op.dtype), op.head_dim, op.causal)
@@ -156,7 +153,7 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds
         if c is not outside:
-            marks[index(op.wall)].append((op.wall, ("op", seconds)))
+            marks[i].append((op.wall, ("op", seconds)))
         c.flops += op.flops
         queued[id(c)].append(seconds)
         walls.append(op.wall)
@@ -182,12 +179,15 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             if started.get(serial, -1) == index(wall) >= 0:
                 marks[started[serial]].append((wall, ("wait", serial)))
             continue
-        c = slot(wall)
-        if index(wall) < 0 or ActionKind[mine[index(wall)][1]].is_compute:
+        i = index(wall)
+        c = costs[i] if i >= 0 else outside
+        if i < 0 or ActionKind[mine[i][1]].is_compute:
             # the sends and receives of one batch travel together and the action waits for them all: the
             # batch lasts its longest transfer (gloo's send probe times a send and a receive posted together).
             # A pipeline action keeps each message's price: the schedule simulator pairs the messages itself
-            seconds, longest[batch] = max(0.0, seconds - longest.get(batch, 0.0)), max(longest.get(batch, 0.0), seconds)
+            before = longest.get(batch, 0.0)
+            longest[batch] = max(before, seconds)
+            seconds = max(0.0, seconds - before)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
         # started beside compute, not waited in at once
         beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)
@@ -204,7 +204,6 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             continue
         if c is not outside:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
-            i = index(wall)
             marks[i].append((wall, ("block", seconds - hidden)))   # what the rank pays at the call, then
             if hidden:                                             # the transfer beside its compute
                 marks[i].append((wall, ("start", serial, base_group(group), hidden)))
