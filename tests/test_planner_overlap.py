@@ -122,3 +122,17 @@ def test_the_sends_and_receives_of_one_batch_are_priced_as_one_transfer():
     pp = make_config(["parallel.pp=2", "parallel.tp=1", "parallel.zero=0", *SMALL], 2)
     comm_s = run_role(pp, 0, _stage_builder, gpu("h100"), 8).comm_s   # activations out, their gradients in
     assert comm_s["pp.send"] > 0 and comm_s["pp.recv"] == pytest.approx(comm_s["pp.send"])
+
+
+def test_a_posted_pipeline_groups_messages_are_priced_in_their_own_actions():
+    """1F1B's steady state posts a microbatch's activation send and the gradient receive of an earlier one
+    as one group, and the runtime records both actions with the post's window. The dry run put both messages
+    into the window's later action (RECV_GRAD), so SEND_ACT's mean per message was diluted (some SEND_ACT
+    actions held nothing) and RECV_GRAD's swollen, and the schedule simulator, which pairs each message's
+    two ends, priced them so. Each message now goes to the action of its own direction."""
+    pp = make_config(["parallel.pp=2", "parallel.tp=1", "parallel.zero=0", *SMALL], 2)
+    first = run_role(pp, 0, _stage_builder, gpu("h100"), 8)    # activations out, their gradients in
+    assert set(first.p2p_s) == {"SEND_ACT", "RECV_GRAD"}
+    assert first.p2p_s["SEND_ACT"] == pytest.approx(first.p2p_s["RECV_GRAD"])   # same-sized messages
+    last = run_role(pp, 1, _stage_builder, gpu("h100"), 8)
+    assert last.p2p_s["RECV_ACT"] == pytest.approx(last.p2p_s["SEND_GRAD"]) == pytest.approx(first.p2p_s["SEND_ACT"])

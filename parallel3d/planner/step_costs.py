@@ -110,6 +110,24 @@ def action_index(out: dict, pp_rank: int):
     return mine, index
 
 
+def message_action(mine: list, i: int, op: str, taken: dict) -> int:
+    """The action of a pipeline message the dry run met at action `i` (action_index): a posted group's
+    actions share the post's window (pipeline/runtime.py), and `i` is the window's last; the window's n-th
+    send (receive) is its n-th SEND (RECV) action, as the group posts them in the schedule's order.
+    `taken`: (window, op) -> the messages placed so far."""
+    if i < 0 or op not in ("send", "recv") or ActionKind[mine[i][1]].is_compute:
+        return i
+    first = i
+    while first > 0 and mine[first - 1][5] == mine[i][5]:
+        first -= 1
+    own = [j for j in range(first, i + 1) if ActionKind[mine[j][1]].is_send == (op == "send")]
+    if not own:
+        return i
+    n = taken.get((first, op), 0)
+    taken[(first, op)] = n + 1
+    return own[min(n, len(own) - 1)]
+
+
 def in_order_stretches(out: dict, tracker: StepTracker, pp_rank: int) -> tuple[list, list]:
     """The step's op signatures cut by action (op_replay.segments), and each op's stretch key prefix
     (op_replay.in_order_key), as a plan prices ops in order and the profile calibrates the per-op cost."""
@@ -174,12 +192,13 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     last_call = float("-inf")    # the wall of this rank's last collective, of any kind (cost.wake_seconds)
     started: dict = {}   # serial -> the action index an overlapped collective started in
     longest: dict = {}   # batch (comm.CommStats.batch) -> its longest transfer priced so far
+    taken: dict = {}     # (post window, op) -> the pipeline messages placed in it (message_action)
     for wall, group, op, seconds, nbytes, serial, batch in _with_waits(events, waits):
         if group is None:   # the rank waits for call `serial`: a mark where it started in this action
             if started.get(serial, -1) == index(wall) >= 0:
                 marks[started[serial]].append((wall, ("wait", serial)))
             continue
-        i = index(wall)
+        i = message_action(mine, index(wall), op, taken)
         c = costs[i] if i >= 0 else outside
         if i < 0 or ActionKind[mine[i][1]].is_compute:
             # the sends and receives of one batch travel together and the action waits for them all: the
