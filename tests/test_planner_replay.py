@@ -127,7 +127,7 @@ def test_an_ops_time_in_order_is_kept_per_step(tmp_path, monkeypatch):
     cache = tmp_path / "ops.json"
     orders = []
     monkeypatch.setattr(op_replay, "replay_in_order",
-                        lambda specs, o: orders.append(list(o)) or {k: 1e-6 * len(orders) for k in o})
+                        lambda specs, o, **kw: orders.append(list(o)) or {k: 1e-6 * len(orders) for k in o})
     first = op_replay.measure(tracker.signatures, cache, [order])
     other = order[::-1]                                  # the same ops around one another differently
     second = op_replay.measure(tracker.signatures, cache, [other])
@@ -150,11 +150,55 @@ def test_ops_are_timed_in_order_per_action_and_a_repeated_action_once(tmp_path, 
     distinct = {op_replay.in_order_key(s, ""): s for s in stretches}
     assert len(stretches) >= 5 and len(distinct) < len(stretches)   # fwd, bwd, fwd, bwd, the rest: fwd twice
     timed = []
-    monkeypatch.setattr(op_replay, "replay_in_order", lambda specs, o: timed.append(list(o)) or {k: 1e-6 for k in o})
+    monkeypatch.setattr(op_replay, "replay_in_order", lambda specs, o, **kw: timed.append(list(o)) or {k: 1e-6 for k in o})
     found = op_replay.measure(tracker.signatures, tmp_path / "ops.json", stretches)
     assert sorted(map(tuple, timed)) == sorted(map(tuple, distinct.values()))
     assert all(op_replay.replayed_seconds(found, op.key, p) == pytest.approx(1e-6)
                for op, p in zip(tracker.ops, prefixes))
+
+
+def test_replays_are_kept_at_the_speed_of_the_caches_reference(tmp_path, monkeypatch):
+    """This VM's speed moves under load from outside, and an op's one replay caught whichever spell it fell
+    in (tiny's dp2 plans priced the GEMMs they share with pp2 at 1.45x). Each replay is now scaled by a probe
+    timed just before it against the cache's reference probe (planner/replay_speed.py). Here every timed
+    call takes 1 ms on a machine running at half the reference's speed: every op, alone and in order, is
+    kept at 0.5 ms; a later plan's replays into the same cache are set against the same reference."""
+    class Clock:   # every timed call: 1 ms
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 1e-3
+            return self.now
+
+    class HalfSpeed:
+        def reference(self, *a) -> float:
+            return 1e-3
+
+        def __call__(self) -> float:
+            return 2e-3
+
+    class FullSpeed(HalfSpeed):
+        def reference(self, *a) -> float:
+            pytest.fail("measured a new reference for a cache that has one")
+
+        def __call__(self) -> float:
+            return 1e-3
+
+    cfg = _cfg()
+    ctx = ParallelContext.simulated(MeshSpec(), 0, "meta")
+    _, tracker = tracked_step(Trainer(cfg, ctx, _stage_builder(cfg, ctx)), "meta", signatures=True)
+    order = [op.key for op in tracker.ops]
+    monkeypatch.setattr(op_replay, "time", Clock())
+    monkeypatch.setattr(op_replay.replay_speed, "Probe", HalfSpeed)
+    cache = tmp_path / "ops.json"
+    first = op_replay.measure(tracker.signatures, cache, [order])
+    assert all(first[k] == pytest.approx(5e-4) for k in tracker.signatures)
+    assert all(first[op_replay.in_order_key(order, k)] == pytest.approx(5e-4) for k in tracker.signatures)
+    assert json.loads(cache.read_text())["speed_s"] == 1e-3
+    monkeypatch.setattr(op_replay.replay_speed, "Probe", FullSpeed)
+    add, spec = op_replay.signature(torch.ops.aten.add.Tensor, (torch.ones(3), torch.ones(3)), {})
+    second = op_replay.measure({**tracker.signatures, add: spec}, cache, [order])
+    assert second[add] == pytest.approx(1e-3) and second[tracker.ops[0].key] == first[tracker.ops[0].key]
 
 
 def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):
@@ -166,7 +210,7 @@ def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monke
     assert first.keys() == tracker.signatures.keys() | {op_replay.COLD + k for k in tracker.signatures}
     assert all(first[k] is not None and first[k] > 0 for k in tracker.signatures)   # every op of a Llama step
     assert all(v is None or v >= 0 for k, v in first.items() if k.startswith(op_replay.COLD))
-    monkeypatch.setattr(op_replay, "replay", lambda spec: pytest.fail("replayed an op the cache holds"))
+    monkeypatch.setattr(op_replay, "replay", lambda spec, *a: pytest.fail("replayed an op the cache holds"))
     monkeypatch.setattr(op_replay, "replay_cold_output", lambda spec: pytest.fail("replayed a cached output"))
     assert op_replay.measure(tracker.signatures, cache) == first
     assert json.loads(cache.read_text())["version"] == op_replay.VERSION

@@ -24,8 +24,12 @@ allocator a CPU run sets (parallel3d/host_memory.py), so a replayed op does not 
 measured here: what the host adds around the op (Python modules, autograd, hooks: profile.py's per-op overhead)
 and what ranks computing at once cost each other (profile_gloo.py's slowdown); cpu_device adds both.
 
+Every time is kept at one speed of the machine: each replay (each pass of an order) is scaled by a probe
+timed just before it against the cache's reference probe (replay_speed.py), since this VM's speed moves
+under load from outside and an op's one replay caught whichever spell it fell in.
+
 Cache: beside the hardware profile (profile.cache_path), `ops-` + its file name: signature -> seconds (an op's
-time in order per stretch and signature: in_order_key).
+time in order per stretch and signature: in_order_key), and `speed_s`, the reference probe they are kept at.
 """
 from __future__ import annotations
 
@@ -42,12 +46,15 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallel3d.host_memory import keep_freed_memory
+from parallel3d.planner import replay_speed
 
-VERSION = 7            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
+VERSION = 8            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
                        # and replays under the run's allocator (host_memory.keep_freed_memory); 4: small ops
                        # timed in the step's order (replay_in_order); 5: cached per step order (in_order_key); 6: denormals
-                       # flushed while replaying (_one_thread); 7: in order per action (segments)
+                       # flushed while replaying (_one_thread); 7: in order per action (segments); 8: kept at
+                       # the speed of the cache's reference (replay_speed.py)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
+SCALED_ROUNDS = 3      # rounds of those five, each scaled by its own probe (replay_speed.py): one is as noisy as none
 COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
 COLD_SPAN = 64 << 20   # bytes of outputs a cold-output replay writes before timing the first: past the cache
 COLD_MIN_BYTES = 256 << 10   # smaller outputs come back hot from the allocator's recent frees (and cost little)
@@ -125,20 +132,26 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def replay(spec: tuple) -> Optional[float]:
-    """Seconds of one op on this CPU, one thread (module docstring); None where the op cannot be replayed."""
+def replay(spec: tuple, scale: Optional[Callable[[], float]] = None) -> Optional[float]:
+    """Seconds of one op on this CPU, one thread (module docstring); None where the op cannot be replayed.
+    `scale()`, where given (measure): the factor of the calls timed after it, called before each of
+    SCALED_ROUNDS rounds of calls (a slow op's one round is long enough); the median round counts."""
     try:
         with _one_thread():
             run = _call(spec)[0]
             t0 = time.perf_counter()
             run()                                     # warm-up: first-touch pages, lazy kernel setup
             first = time.perf_counter() - t0
-            times = []
-            for _ in range(2 if first > SLOW_OP_S else 5):
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
+            rounds = []
+            for _ in range(SCALED_ROUNDS if scale is not None and first <= SLOW_OP_S else 1):
+                factor = scale() if scale is not None else 1.0
+                times = []
+                for _ in range(2 if first > SLOW_OP_S else 5):
+                    t0 = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - t0)
+                rounds.append(statistics.median(times) * factor)
+            return statistics.median(rounds)
     except REPLAY_ERRORS:
         return None
 
@@ -182,7 +195,7 @@ def _tensor_bytes(spec: tuple) -> int:
     return sum(math.prod(item[1]) * item[3].itemsize for item in spec[2] if item[0] == "T")
 
 
-def replay_in_order(specs: dict, order: list) -> dict:
+def replay_in_order(specs: dict, order: list, scale: Optional[Callable[[], float]] = None) -> dict:
     """signature -> median seconds of its calls when the ops of `order` (the step's signatures, in its order)
     run one after another, ORDER_PASSES times over, for the ops whose tensors total at most ORDER_MAX_BYTES.
 
@@ -190,7 +203,8 @@ def replay_in_order(specs: dict, order: list) -> dict:
     after other ops. tiny's step at world 1 (2,249 ops, 139 distinct) replayed to 30-33 ms alone and 44-49
     ms in order, and ran 78.5 ms against a plan of 60.0; the minimal model behind the per-op overhead
     (profile._step_overhead) 1.9 and 3.4 ms over its 686 ops, so the overhead holds about 2 us an op of it
-    and a model of larger small ops lacked the rest."""
+    and a model of larger small ops lacked the rest. `scale()`, where given, is called before each pass: the
+    factor of that pass's times (measure: the machine's speed then against the cache's reference)."""
     calls: dict = {}
     with _one_thread():
         for key in dict.fromkeys(order):
@@ -206,10 +220,11 @@ def replay_in_order(specs: dict, order: list) -> dict:
         seconds: dict = {key: [] for key in calls}
         sequence = [key for key in order if key in calls]
         for _ in range(ORDER_PASSES):
+            factor = scale() if scale is not None else 1.0
             for key in sequence:
                 t0 = time.perf_counter()
                 calls[key]()
-                seconds[key].append(time.perf_counter() - t0)
+                seconds[key].append((time.perf_counter() - t0) * factor)
     return {key: statistics.median(v) for key, v in seconds.items()}
 
 
@@ -256,10 +271,12 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
     signature) -> the op's time in its stretch's order (replay_in_order), for its small ops; the others map
     to None."""
     cached: dict = {}
+    reference = None   # the probe's seconds the cache's times are kept at (replay_speed.py)
     if path is not None and path.exists():
         try:
             found = json.loads(path.read_text())
-            cached = found["ops"] if found.get("version") == VERSION else {}
+            if found.get("version") == VERSION:
+                cached, reference = found["ops"], found.get("speed_s")
         except (ValueError, KeyError):
             cached = {}
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
@@ -271,16 +288,28 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
                  if any(prefix + key not in cached for key in stretch)}
     if missing or unordered:
         keep_freed_memory()
+        probe = replay_speed.Probe()
+        with _one_thread():
+            reference = reference or probe.reference()
+
+        def scale() -> float:   # this moment's speed against the reference's: each replay is kept at the reference's
+            with _one_thread():
+                return reference / probe()
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
-            cached[key] = how(spec)
+            if how is replay:
+                cached[key] = replay(spec, scale)
+            else:   # a small difference of two times (cold output): one factor
+                factor = scale()
+                seconds = how(spec)
+                cached[key] = None if seconds is None else seconds * factor
         for prefix, stretch in unordered.items():   # each stretch whole, for the context
-            timed = replay_in_order(specs, stretch)
+            timed = replay_in_order(specs, stretch, scale=scale)
             cached.update({prefix + key: timed.get(key) for key in stretch})
     if (missing or unordered) and path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": VERSION, "ops": cached}))
+        tmp.write_text(json.dumps({"version": VERSION, "speed_s": reference, "ops": cached}))
         tmp.replace(path)
     return {key: cached[key] for key in [*wanted, *in_order]}
