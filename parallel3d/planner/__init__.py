@@ -7,6 +7,8 @@ memory per rank, step time, MFU and bytes per group for a GPU cluster (`launch/p
     cost.py      roofline per op and alpha-beta per collective (plain functions)
     hardware.py  GPU and link table with stated efficiencies (peaks: parallel3d/hardware.py, shared with the MFU)
     profile.py   this machine as a device (`--gpu cpu`): microbenchmarks, cached per host and core count
+    op_replay.py every op of a plan replayed on this CPU, alone and in its action's order (cached beside it)
+    replay_speed.py  a probe of the machine's speed at each replay, so replays of different moments compare
     compare.py   a plan beside a real run's log (`launch/plan.py --compare`), per component
     kernels.py   our Triton kernels' occupancy from benchmarks/kernel_report.py (roofline derating)
     offload.py   optimizer / parameter offload on top of the device step
