@@ -162,11 +162,19 @@ def test_replays_are_kept_at_the_speed_of_the_caches_reference(tmp_path, monkeyp
     in (tiny's dp2 plans priced the GEMMs they share with pp2 at 1.45x). Each replay is now scaled by a probe
     timed just before it against the cache's reference probe (planner/replay_speed.py). Here every timed
     call takes 1 ms on a machine running at half the reference's speed: every op, alone and in order, is
-    kept at 0.5 ms; a later plan's replays into the same cache are set against the same reference."""
+    kept at 0.5 ms; a later plan's replays into the same cache are set against the same reference. Every
+    timed call still runs on one thread with denormals flushed (op_replay._one_thread): the probe between
+    passes must not undo that."""
+    flushes = torch.set_flush_denormal(True)
+    torch.set_flush_denormal(False)
+    denormal = torch.tensor([1e-39])
+
     class Clock:   # every timed call: 1 ms
         now = 0.0
 
         def perf_counter(self) -> float:
+            assert torch.get_num_threads() == 1
+            assert not flushes or (denormal * 1.0).item() == 0.0
             self.now += 1e-3
             return self.now
 

@@ -293,15 +293,15 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
             reference = reference or probe.reference()
 
         def scale() -> float:   # this moment's speed against the reference's: each replay is kept at the reference's
-            with _one_thread():
-                return reference / probe()
+            return reference / probe()   # on one thread: called inside replay's and replay_in_order's _one_thread
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
             if how is replay:
                 cached[key] = replay(spec, scale)
             else:   # a small difference of two times (cold output): one factor
-                factor = scale()
+                with _one_thread():
+                    factor = scale()
                 seconds = how(spec)
                 cached[key] = None if seconds is None else seconds * factor
         for prefix, stretch in unordered.items():   # each stretch whole, for the context
