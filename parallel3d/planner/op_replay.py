@@ -48,11 +48,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from parallel3d.host_memory import keep_freed_memory
 from parallel3d.planner import replay_speed
 
-VERSION = 9            # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
+VERSION = 10           # 2: a GEMM's output written to memory outside the cache; 3: any op's (replay_cold_output),
                        # and replays under the run's allocator (host_memory.keep_freed_memory); 4: small ops
                        # timed in the step's order (replay_in_order); 5: cached per step order (in_order_key); 6: denormals
                        # flushed while replaying (_one_thread); 7: in order per action (segments); 8: kept at
-                       # the speed of the cache's reference (replay_speed.py); 9: its probe timed warm
+                       # the speed of the cache's reference (replay_speed.py); 9: its probe timed warm; 10: and
+                       # the flush kept on between passes (_one_thread not nested)
 SLOW_OP_S = 0.02       # ops slower than this are timed twice after the warm-up, the others five times
 SCALED_ROUNDS = 3      # rounds of those five, each scaled by its own probe (replay_speed.py): one is as noisy as none
 COLD = "cold-output|"  # the cache's key of an op's cold-output extra: COLD + its signature's key
