@@ -157,7 +157,7 @@ def replay(spec: tuple, scale: Optional[Callable[[], float]] = None) -> Optional
         return None
 
 
-def replay_cold_output(spec: tuple) -> Optional[float]:
+def replay_cold_output(spec: tuple, scale: Optional[Callable[[], float]] = None) -> Optional[float]:
     """Seconds an op takes more writing its output into memory outside the cache than into the buffer its
     last call wrote, which is where `replay` writes it (the allocator hands the freed block back). A step's
     allocator hands a fresh output a block it last used long ago: one llama_100m step at world 1 ran its
@@ -166,7 +166,8 @@ def replay_cold_output(spec: tuple) -> Optional[float]:
     out-of-place muls ran at 2.1x. Measured per signature, since the extra per byte moves with the op, shape
     and dtype (0.03-0.1 ns for small fp32 GEMMs, 0.26-0.29 for bf16 ones of a llama_100m layer): the op's
     `.out` overload into buffers written COLD_SPAN ago, against the same call into one buffer. None where
-    the op has no single output of COLD_MIN_BYTES or more, no `.out` overload, or cannot be replayed."""
+    the op has no single output of COLD_MIN_BYTES or more, no `.out` overload, or cannot be replayed.
+    `scale()`, where given (measure): the factor of the difference, called just before the timed calls."""
     try:
         with _one_thread():
             run, args, kwargs = _call(spec)
@@ -178,6 +179,7 @@ def replay_cold_output(spec: tuple) -> Optional[float]:
             buffers = [torch.zeros_like(out) for _ in range(n)]   # paged in, as the step's heap is
             variant = spec[0]._overloadpacket.out
             variant(*args, **kwargs, out=buffers[-1])             # the last one, now hot
+            factor = scale() if scale is not None else 1.0
             hot, cold = [], []
             for _ in range(calls):
                 t0 = time.perf_counter()
@@ -187,7 +189,7 @@ def replay_cold_output(spec: tuple) -> Optional[float]:
                 t0 = time.perf_counter()
                 variant(*args, **kwargs, out=buffers[i])
                 cold.append(time.perf_counter() - t0)
-            return max(0.0, statistics.median(cold) - statistics.median(hot))
+            return max(0.0, statistics.median(cold) - statistics.median(hot)) * factor
     except (*REPLAY_ERRORS, AttributeError):   # AttributeError: no `.out` overload
         return None
 
@@ -294,17 +296,11 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
             reference = reference or probe.reference()
 
         def scale() -> float:   # this moment's speed against the reference's: each replay is kept at the reference's
-            return reference / probe()   # on one thread: called inside replay's and replay_in_order's _one_thread
+            return reference / probe()   # on one thread: called inside the replays' own _one_thread
     with torch.no_grad():
         for key in missing:
             how, spec = wanted[key]
-            if how is replay:
-                cached[key] = replay(spec, scale)
-            else:   # a small difference of two times (cold output): one factor
-                with _one_thread():
-                    factor = scale()
-                seconds = how(spec)
-                cached[key] = None if seconds is None else seconds * factor
+            cached[key] = how(spec, scale)
         for prefix, stretch in unordered.items():   # each stretch whole, for the context
             timed = replay_in_order(specs, stretch, scale=scale)
             cached.update({prefix + key: timed.get(key) for key in stretch})
