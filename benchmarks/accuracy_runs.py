@@ -49,7 +49,7 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
     row["measured_q1_s"], row["measured_q3_s"] = run["step_time_q1_s"], run["step_time_q3_s"]
     if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
         row["measured_pipeline_s"] = run["pipeline_s"]
-        row["measured_after_s"] = max(0.0, run["last_step_time_s"] - run["pipeline_s"])
+        row["measured_after_s"] = run.get("after_pipeline_s")
     return row
 
 

@@ -226,6 +226,8 @@ def test_compare_prints_the_plan_beside_a_real_cpu_run(cache_home, tmp_path, cap
     for row in ("step time", "step time, middle half of the steps", "pipeline (all microbatches)", "after the pipeline", "one forward action",
                 "one backward action", "pipeline bubble", "peak memory (GiB)"):
         assert row in text, text
+    after = next(x for x in text.splitlines() if x.startswith("after the pipeline")).split()
+    assert float(after[-3]) >= 0.0, after   # the timeline's own step less its span, which lies inside it
     logged = json.loads(jsonl.read_text().splitlines()[-1])["comm_bytes"]
     assert logged and "tp.all_gather" in logged
     for key, nbytes in logged.items():   # bytes are deterministic: the plan's equal the run's
@@ -252,9 +254,25 @@ def test_a_run_is_read_at_its_steady_state(tmp_path):
     run = read_run(str(jsonl))
     assert run["steps"] == 6 and run["step_time_s"] == 4.0 and run["peak_mem_bytes"] == 15
     assert run["step_time_q1_s"] == pytest.approx(3.9) and run["step_time_q3_s"] == pytest.approx(4.1)
-    assert run["last_step_time_s"] == 3.9   # the timeline's step: the pipeline's remainder is taken from it
     jsonl.write_text("".join(json.dumps({"step": i, "step_time_s": t}) + "\n" for i, t in enumerate([9.0, 2.0])))
     assert read_run(str(jsonl))["step_time_s"] == 2.0   # two steps: the second
+
+
+def test_what_follows_the_pipeline_is_read_from_the_timelines_own_step(tmp_path):
+    """The pipeline's span comes from one recorded step; what followed it is that step's time less the
+    span, not the steps' median less it (a slow recorded step put it below zero: -12.8 ms of a 103 ms step)."""
+    from parallel3d.planner.compare import read_run
+
+    jsonl, timeline = tmp_path / "run.jsonl", tmp_path / "timeline.json"
+    jsonl.write_text("".join(json.dumps({"step": i + 1, "step_time_s": t}) + "\n"
+                             for i, t in enumerate([0.30, 0.10, 0.10, 0.16, 0.10, 0.10])))
+    measured = [[0, "FORWARD", 0, 0, None, 0.0, 0.05], [0, "BACKWARD", 0, 0, None, 0.05, 0.14]]
+    timeline.write_text(json.dumps({"step": 4, "measured_bubble": 0.0, "measured": measured}))
+    run = read_run(str(jsonl), str(timeline))
+    assert run["step_time_s"] == 0.10 and run["pipeline_s"] == pytest.approx(0.14)
+    assert run["after_pipeline_s"] == pytest.approx(0.02)   # step 4's 0.16 s, not the median's 0.10
+    timeline.write_text(json.dumps({"measured_bubble": 0.0, "measured": measured}))   # no step named
+    assert "after_pipeline_s" not in read_run(str(jsonl), str(timeline))
 
 
 def test_accuracy_benchmark_quick_smoke(cache_home):

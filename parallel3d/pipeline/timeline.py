@@ -15,7 +15,7 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .schedules import Action, ActionKind
 from .simulate import Timeline, simulate
@@ -51,8 +51,10 @@ def measured_and_simulated(records: Sequence[tuple[int, Action, float, float]],
     return measured, simulated
 
 
-def write_timeline(path: str | Path, measured: Timeline, simulated: Timeline, title: str = "") -> Path:
-    """Write both timelines to `path`: .png (Gantt charts, simulated above measured), .json or .csv."""
+def write_timeline(path: str | Path, measured: Timeline, simulated: Timeline, title: str = "",
+                   step: Optional[int] = None) -> Path:
+    """Write both timelines to `path`: .png (Gantt charts, simulated above measured), .json or .csv. The
+    JSON carries `step`, the run's step (its JSONL row) the timeline was recorded in, where given."""
     path = Path(path)
     if path.suffix not in FORMATS:
         raise ValueError(f"log.timeline={path}: the file must end in one of {FORMATS}")
@@ -63,7 +65,8 @@ def write_timeline(path: str | Path, measured: Timeline, simulated: Timeline, ti
         names = (f"simulated with the measured costs{title}", f"measured{title}")
         return plot_side_by_side(simulated, measured, path, titles=names)
     if path.suffix == ".json":
-        path.write_text(json.dumps({**bubbles, "columns": ["rank", "kind", "microbatch", "chunk", "peer",
+        recorded = {} if step is None else {"step": step}
+        path.write_text(json.dumps({**recorded, **bubbles, "columns": ["rank", "kind", "microbatch", "chunk", "peer",
                                                            "start_s", "end_s"],
                                     "measured": to_rows(measured.records()),
                                     "simulated": to_rows(simulated.records())}))

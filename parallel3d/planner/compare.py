@@ -4,8 +4,9 @@ model is off, per component, from what a real run logs.
 From the run's JSONL (`log.jsonl`, one row per step) it takes the median step time over the later half of
 the steps (`steady_rows`: a run warms up over its first steps) with their quartiles, the comm bytes per "<group>.<op>" of the last step
 and the largest `peak_mem_bytes`; from the timeline JSON (`log.timeline=PATH.json`) the mean measured
-duration of each pipeline action kind, the span of the pipeline and its bubble; of an MoE run at EP > 1, its
-routing load (`moe_tokens_per_expert.*`: the busiest EP rank's share of each layer's routed slots over the
+duration of each pipeline action kind, the span of the pipeline and its bubble, and what followed the
+pipeline in that same step (its JSONL step time less the span: one step, not the median); of an MoE run at
+EP > 1, its routing load (`moe_tokens_per_expert.*`: the busiest EP rank's share of each layer's routed slots over the
 balanced share, the mean over layers, the median over the steady steps), which a plan assumes (1.0, balanced,
 unless planned with `--moe-load`) and the step waits on at every exchange. The plan gives the same
 quantities (estimate.Plan). Rows: step time; pipeline span and what follows it (gradient-sync tail,
@@ -59,7 +60,7 @@ def read_run(jsonl: str, timeline: Optional[str] = None, ep: int = 1) -> dict:
     # time (RESULTS.md, ninth session), and a short step's median lands in either
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
     run = {"steps": len(rows), "step_time_s": statistics.median(times),
-           "step_time_q1_s": quartiles[0], "step_time_q3_s": quartiles[2], "last_step_time_s": rows[-1]["step_time_s"],
+           "step_time_q1_s": quartiles[0], "step_time_q3_s": quartiles[2],
            "tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady),
            "comm_bytes": dict(rows[-1].get("comm_bytes") or {}),
            "peak_mem_bytes": max(int(r.get("peak_mem_bytes", 0)) for r in rows)}
@@ -78,6 +79,9 @@ def read_run(jsonl: str, timeline: Optional[str] = None, ep: int = 1) -> dict:
         run["action_s"] = {k: statistics.mean(v) for k, v in spent.items()}
         run["pipeline_s"] = max(ends) - min(starts) if starts else 0.0
         run["bubble"] = data.get("measured_bubble", 0.0)
+        recorded = [r for r in rows if r.get("step") == data.get("step")]
+        if recorded and starts:   # a timeline written before it named its step leaves this row out
+            run["after_pipeline_s"] = recorded[-1]["step_time_s"] - run["pipeline_s"]
     return run
 
 
@@ -99,8 +103,7 @@ def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, s
     add("tokens/s", plan.tokens_per_s, run["tokens_per_s"], "{:,.0f}")
     measured_pipeline = run.get("pipeline_s")
     add("pipeline (all microbatches)", b["pipeline_s"], measured_pipeline)
-    add("after the pipeline (grad sync tail, clip, optimizer)", b["outside_actions_s"],
-        None if measured_pipeline is None else run["step_time_s"] - measured_pipeline)
+    add("after the pipeline (grad sync tail, clip, optimizer)", b["outside_actions_s"], run.get("after_pipeline_s"))
     chunks: dict = defaultdict(list)
     for key, seconds in b.get("action_s", {}).items():   # "KIND.chunk" -> seconds of one action
         chunks[key.split(".")[0]].append(seconds)

@@ -33,7 +33,8 @@ def write_run_timeline(trainer: Trainer, rows: list) -> None:
     v = len(trainer.chunks)
     schedule = trainer.schedules.get(p.schedule, p.pp, cfg.train.num_microbatches, v)
     measured, simulated = measured_and_simulated(from_rows(rows), schedule)
-    path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})")
+    path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})",
+                          step=trainer.step)
     print(f"timeline of step {trainer.step} ({p.schedule}, pp={p.pp}): measured bubble "
           f"{float(measured.bubble_fraction):.1%}, simulated with the measured costs "
           f"{float(simulated.bubble_fraction):.1%} -> {path}", flush=True)
