@@ -64,6 +64,7 @@ from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
+from parallel3d.planner.op_replay import speed_note  # noqa: E402
 from parallel3d.planner.profile import cache_path, cpu_device, host_adam_rate  # noqa: E402
 from parallel3d.training.config import load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
@@ -196,6 +197,9 @@ def main(argv=None) -> int:
     else:
         world, profile = WORLD, cache_path()
         gpu = cpu_device(WORLD, reprofile=not args.cached_profile, builder=(stage_builder, ModelConfig()))
+        note = speed_note(gpu.op_times)   # a cached profile's op times against this machine now (run V1)
+        if note:
+            print(note, flush=True)
     load_before, reference = os.getloadavg(), reference_s()
     print(f"planner accuracy, world {world}, commit {commit()}, {gpu.name}, profile {profile}, "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min), reference "

@@ -113,8 +113,12 @@ def main(argv=None) -> None:
             raise ConfigError("--moe-load plans one layout's routing; --search compares layouts at balanced routing")
         check_expert_load(args.moe_load, cfg.parallel.ep, cfg.model.capacity_factor)
         if gpu is None:  # this machine, measured once and cached (the config is checked first)
+            from parallel3d.planner.op_replay import speed_note
             from parallel3d.planner.profile import cpu_device
             gpu = cpu_device(args.world_size, reprofile=args.reprofile, builder=(stage_builder, ModelConfig()))
+            note = speed_note(gpu.op_times)   # the cached op times against this machine's speed now
+            if note:
+                print(note, file=sys.stderr)
         args.gpus_per_node = cfg.parallel.gpus_per_node
         if args.search:
             results = search(cfg, args.world_size, stage_builder, gpu, args.gpus_per_node,

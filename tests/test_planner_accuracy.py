@@ -242,6 +242,22 @@ def test_compare_prints_the_plan_beside_a_real_cpu_run(cache_home, tmp_path, cap
     assert missing.value.code == 2 and "--compare" in err and "does not exist" in err
 
 
+def test_plan_names_an_op_cache_kept_at_another_speed(cache_home):
+    """`plan.py --gpu cpu` with an op cache whose reference probe this machine cannot match (a microsecond:
+    the cache as if measured on a machine hundreds of times faster) says so on stderr, naming the cache and
+    --reprofile, and still plans."""
+    from parallel3d.planner import op_replay
+
+    ops = profile.cache_path().with_name(f"ops-{profile.cache_path().name}")
+    ops.write_text(json.dumps({"version": op_replay.VERSION, "speed_s": 1e-6, "ops": {}}))
+    out = subprocess.run([sys.executable, "launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "1",
+                          "--gpu", "cpu", *TINY[:1], *TINY[3:], "parallel.tp=1"], cwd=ROOT, env=_env(cache_home),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"note: the op cache {ops}" in out.stderr and "slower now" in out.stderr, out.stderr[-3000:]
+    assert "--reprofile" in out.stderr and "step time" in out.stdout
+
+
 def test_a_run_is_read_at_its_steady_state(tmp_path):
     """`--compare` and the accuracy benchmark read the median of the later half of the steps: a run that
     warms up over three steps (the MoE run's heap growing) is read at its steady 4 s, not 5."""

@@ -12,7 +12,7 @@ import torch
 
 from ckpt_helpers import make_config
 from parallel3d.mesh import MeshSpec, ParallelContext
-from parallel3d.planner import op_replay
+from parallel3d.planner import op_replay, replay_speed
 from parallel3d.planner.dryrun import run_role, tracked_step
 from parallel3d.planner.hardware import gpu
 from parallel3d.planner.host_kernels import as_run_on_cpu
@@ -207,6 +207,34 @@ def test_replays_are_kept_at_the_speed_of_the_caches_reference(tmp_path, monkeyp
     add, spec = op_replay.signature(torch.ops.aten.add.Tensor, (torch.ones(3), torch.ones(3)), {})
     second = op_replay.measure({**tracker.signatures, add: spec}, cache, [order])
     assert second[add] == pytest.approx(1e-3) and second[tracker.ops[0].key] == first[tracker.ops[0].key]
+
+
+def test_a_plan_says_when_the_machine_runs_off_the_caches_speed(tmp_path, monkeypatch):
+    """Every cached op time is kept at the cache's reference probe, so a cache measured under load (a 0.41 ms
+    reference against 0.25 quiet: tiny's plans 1.4-2.2x high) or a machine loaded now misprices the whole
+    plan without a word. speed_note sets the probe now (the fastest of three short medians, on one thread)
+    against the cache's and names the cache past 25% either way; within it, nothing."""
+    cache = tmp_path / "ops.json"
+    seen = []
+
+    class Probe:   # this machine's probe now: 0.25 ms, but one slow spell
+        def reference(self, seconds) -> float:
+            seen.append((seconds, torch.get_num_threads()))
+            return 0.40e-3 if len(seen) == 2 else 0.25e-3
+
+    monkeypatch.setattr(op_replay.replay_speed, "Probe", Probe)
+    assert op_replay.speed_note(cache) is None   # no cache yet
+    for reference, words in ((0.413e-3, "1.65x faster"), (0.15e-3, "1.67x slower"), (0.29e-3, None)):
+        seen.clear()
+        cache.write_text(json.dumps({"version": op_replay.VERSION, "speed_s": reference, "ops": {}}))
+        note = op_replay.speed_note(cache)
+        assert seen == [(replay_speed.CHECK_S, 1)] * 3
+        if words is None:
+            assert note is None
+        else:
+            assert words in note and str(cache) in note and "--reprofile" in note and "load average" in note
+    cache.write_text(json.dumps({"version": op_replay.VERSION - 1, "speed_s": 1.0, "ops": {}}))
+    assert op_replay.speed_note(cache) is None   # a cache of another version is replayed afresh anyway
 
 
 def test_ops_missing_from_the_cache_are_replayed_once_and_cached(tmp_path, monkeypatch):

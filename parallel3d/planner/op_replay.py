@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -263,6 +264,20 @@ def replayed_seconds(measured: dict, key: str, in_order: str = "") -> Optional[f
     has one (a small op; `in_order`: in_order_key(stretch, "")), else its time alone; None where it could not
     be replayed."""
     return (measured.get(in_order + key) if in_order else None) or measured.get(key)
+
+
+def speed_note(path: Path) -> Optional[str]:
+    """replay_speed.drift_note for the cache at `path` against this machine now (one thread, about 0.3 s);
+    None where the cache is missing, of another version or within the drift."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if found.get("version") != VERSION or not found.get("speed_s"):
+        return None
+    with _one_thread():
+        now_s = replay_speed.now(replay_speed.Probe())
+    return replay_speed.drift_note(found["speed_s"], now_s, os.getloadavg()[0], str(path))
 
 
 def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] = None) -> dict:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 import torch
 
 REFERENCE_S = 0.5      # seconds of probes the reference is the median of
+CHECK_S, CHECK_ROUNDS = 0.1, 3   # a plan's look at the speed now: the fastest of three 0.1 s medians
+DRIFT = 1.25           # the speed now against the cache's, past which a plan says so: the issue's 25%
 _GEMM = (256, 64, 172)  # m, k, n: a tiny layer's FFN GEMM
 _ELEMENTS = 1 << 15     # 128 KiB of fp32: in the core's cache
 
@@ -57,3 +60,26 @@ class Probe:
         while time.perf_counter() < end:
             times.append(self())
         return statistics.median(times)
+
+
+def now(probe: Probe, seconds: float = CHECK_S, rounds: int = CHECK_ROUNDS) -> float:
+    """The machine's probe now, for a plan whose op times all come from the cache: the fastest of `rounds`
+    short medians, since a slow spell of a second or so (a 0.1 s median of 0.39 ms on an idle VM whose
+    reference is 0.26) is the VM's noise, not its state (the fastest of three stayed within 0.229-0.261 ms)."""
+    return min(probe.reference(seconds) for _ in range(rounds))
+
+
+def drift_note(cached_s: float, now_s: float, load: float, path: str) -> Optional[str]:
+    """What a plan tells its user when this machine's speed now is more than DRIFT from the speed the op
+    cache at `path` keeps its times at (`cached_s`: its reference probe); None within it. The cache's times
+    price every op, so a run now will take about cached_s / now_s of the plan's compute. One cause is a cache
+    measured under load (a 0.41 ms reference against 0.25-0.26 quiet put tiny's plans 1.4-2.2x high), the
+    other a machine loaded now; `load`: the load average, which tells them apart."""
+    ratio = cached_s / now_s
+    if 1 / DRIFT <= ratio <= DRIFT:
+        return None
+    how = f"{ratio:.2f}x faster" if ratio > 1 else f"{1 / ratio:.2f}x slower"
+    return (f"note: the op cache {path} keeps its op times at a probe of {cached_s * 1e3:.3f} ms; this machine runs "
+            f"that probe {how} now ({now_s * 1e3:.3f} ms, load average {load:.2f}), so a run now would compute "
+            f"about {how} than planned. On a quiet machine, measure again with --reprofile; under load, plan "
+            f"and run when it is quiet.")
