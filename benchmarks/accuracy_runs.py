@@ -27,11 +27,13 @@ def commit() -> str:
 
 
 def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str, world: int,
-            ep: int = 1) -> dict:
+            ep: int = 1, timeline_steps: int = 1) -> dict:
+    """One run of `steps` steps; its pipeline figures from the timeline of its last `timeline_steps` steps."""
     jsonl, timeline = tmp / f"{name}.jsonl", tmp / f"{name}.timeline.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "launch/pretrain.py"), "--config", str(ROOT / config), *overrides, f"train.steps={steps}",
-           f"log.jsonl={jsonl}", f"log.timeline={timeline}", "log.timeline_step=-1"]
+           f"log.jsonl={jsonl}", f"log.timeline={timeline}", "log.timeline_step=-1",
+           f"log.timeline_steps={timeline_steps}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -47,7 +49,7 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
     if "moe_load" in run:
         row["moe_load"] = run["moe_load"]
     row["measured_q1_s"], row["measured_q3_s"] = run["step_time_q1_s"], run["step_time_q3_s"]
-    if "pipeline_s" in run:  # the timeline's step: its pipeline span, and the rest of that step
+    if "pipeline_s" in run:  # the timeline's steps: the pipeline's span, and the rest of each step (medians)
         row["measured_pipeline_s"] = run["pipeline_s"]
         row["measured_after_s"] = run.get("after_pipeline_s")
     return row

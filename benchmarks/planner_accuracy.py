@@ -61,6 +61,7 @@ import torch  # noqa: E402
 from accuracy_runs import commit, measure, median_round, ranking, reference_s  # noqa: E402
 from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
+from parallel3d.planner.compare import steady_rows  # noqa: E402
 from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
@@ -226,8 +227,12 @@ def main(argv=None) -> int:
                 for name, planned in plans.items():
                     try:
                         before = reference_s()
-                        run = measure(config, planned["overrides"], steps or STEPS.get(model, 6), Path(tmp),
-                                      f"{model}-{name}-{turn}", world, planned["ep"])
+                        n = steps or STEPS.get(model, 6)
+                        # on the CPU the timeline records the steady steps the step time is read from; a
+                        # GPU's recorded step drains the queue per action, so there it records one
+                        recorded = 1 if args.gpu else len(steady_rows(list(range(n))))
+                        run = measure(config, planned["overrides"], n, Path(tmp), f"{model}-{name}-{turn}",
+                                      world, planned["ep"], timeline_steps=recorded)
                     except (RuntimeError, ValueError) as e:
                         print(f"{model} {name}: the run FAILED: {e}", flush=True)
                         continue

@@ -137,7 +137,9 @@ def main(argv=None) -> None:
         fail(str(e))
     print(_table(result, gpu, args.world_size))
     if run is not None:
-        print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians of the later half):")
+        recorded = run.get("timeline_steps")
+        timed = f"; the pipeline rows over the timeline's {recorded} recorded step{'s' * (recorded > 1)}" if recorded else ""
+        print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians of the later half{timed}):")
         print(compare_table(result, run, gpu.reserved_bytes))
         if abs(run.get("moe_load", result.expert_load) - result.expert_load) > 0.05:
             print(f"the run routed its busiest EP rank {run['moe_load']:.2f}x the balanced share; the plan assumed "

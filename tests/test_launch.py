@@ -207,12 +207,15 @@ def test_timeline_of_a_real_run(tmp_path, capsys):
 
     out = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", "parallel.pp=2",
                 "parallel.schedule=interleaved", "parallel.virtual_stages=2", *SMALL,
-                f"log.timeline={tmp_path / 'run.json'}", "log.timeline_step=1"], nproc=2)
+                f"log.timeline={tmp_path / 'run.json'}", "log.timeline_step=1", "log.timeline_steps=2"], nproc=2)
     assert "timeline of step 2 (interleaved, pp=2): measured bubble" in out.stdout
+    assert "the JSON keeps steps 1-2" in out.stdout
     data = json.loads((tmp_path / "run.json").read_text())
+    assert data["step"] == 2 and [s["step"] for s in data["steps"]] == [1, 2]   # as the JSONL numbers them
+    assert data["steps"][-1]["measured"] == data["measured"]
     schedule = build_schedule("interleaved", 2, 4, 2)
-    for source in ("measured", "simulated"):
-        rows = data[source]
+    for source, rows in (("measured", data["measured"]), ("simulated", data["simulated"]),
+                         ("step 1", data["steps"][0]["measured"])):
         for rank in range(2):
             got = [(k, mb, c, peer) for r, k, mb, c, peer, _, _ in sorted((x for x in rows if x[0] == rank),
                                                                           key=lambda x: x[5])
@@ -230,3 +233,7 @@ def test_timeline_of_a_real_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as bad:
         pretrain.main(["--config", "configs/tiny.yaml", "parallel.tp=1", f"log.timeline={tmp_path / 'run.txt'}"])
     assert bad.value.code == 2 and "log.timeline" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:   # more steps than there are up to timeline_step
+        pretrain.main(["--config", "configs/tiny.yaml", "parallel.tp=1", f"log.timeline={tmp_path / 'run.json'}",
+                       "train.steps=3", "log.timeline_step=1", "log.timeline_steps=3"])
+    assert bad.value.code == 2 and "log.timeline_steps=3 must be in [1, 2]" in capsys.readouterr().err

@@ -289,6 +289,17 @@ def test_what_follows_the_pipeline_is_read_from_the_timelines_own_step(tmp_path)
     assert run["after_pipeline_s"] == pytest.approx(0.02)   # step 4's 0.16 s, not the median's 0.10
     timeline.write_text(json.dumps({"measured_bubble": 0.0, "measured": measured}))   # no step named
     assert "after_pipeline_s" not in read_run(str(jsonl), str(timeline))
+    # log.timeline_steps: the medians over the recorded steps 4-6 (steps 5 and 6 spans 0.08 s, 0.09 s)
+    later = [[0, "FORWARD", 0, 0, None, 1.0, 1.03], [0, "BACKWARD", 0, 0, None, 1.03, 1.08]]
+    last = [[0, "FORWARD", 0, 0, None, 2.0, 2.04], [0, "BACKWARD", 0, 0, None, 2.04, 2.09]]
+    steps = [{"step": 4, "measured_bubble": 0.1, "measured": measured},
+             {"step": 5, "measured_bubble": 0.2, "measured": later},
+             {"step": 6, "measured_bubble": 0.3, "measured": last}]
+    timeline.write_text(json.dumps({"step": 6, "measured_bubble": 0.3, "measured": last, "steps": steps}))
+    run = read_run(str(jsonl), str(timeline))
+    assert run["timeline_steps"] == 3 and run["pipeline_s"] == pytest.approx(0.09) and run["bubble"] == 0.2
+    assert run["after_pipeline_s"] == pytest.approx(0.02)   # of 0.02, 0.02 and 0.01
+    assert run["action_s"]["FORWARD"] == pytest.approx((0.05 + 0.03 + 0.04) / 3)
 
 
 def test_accuracy_benchmark_quick_smoke(cache_home):

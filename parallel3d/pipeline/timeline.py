@@ -52,9 +52,10 @@ def measured_and_simulated(records: Sequence[tuple[int, Action, float, float]],
 
 
 def write_timeline(path: str | Path, measured: Timeline, simulated: Timeline, title: str = "",
-                   step: Optional[int] = None) -> Path:
+                   step: Optional[int] = None, steps: Optional[list[dict]] = None) -> Path:
     """Write both timelines to `path`: .png (Gantt charts, simulated above measured), .json or .csv. The
-    JSON carries `step`, the run's step (its JSONL row) the timeline was recorded in, where given."""
+    JSON carries `step`, the run's step (its JSONL row) the timeline was recorded in, where given, and
+    `steps`, where given: each recorded step's {"step", "measured_bubble", "measured"} (log.timeline_steps)."""
     path = Path(path)
     if path.suffix not in FORMATS:
         raise ValueError(f"log.timeline={path}: the file must end in one of {FORMATS}")
@@ -65,7 +66,7 @@ def write_timeline(path: str | Path, measured: Timeline, simulated: Timeline, ti
         names = (f"simulated with the measured costs{title}", f"measured{title}")
         return plot_side_by_side(simulated, measured, path, titles=names)
     if path.suffix == ".json":
-        recorded = {} if step is None else {"step": step}
+        recorded = {**({} if step is None else {"step": step}), **({} if steps is None else {"steps": steps})}
         path.write_text(json.dumps({**recorded, **bubbles, "columns": ["rank", "kind", "microbatch", "chunk", "peer",
                                                            "start_s", "end_s"],
                                     "measured": to_rows(measured.records()),

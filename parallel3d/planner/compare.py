@@ -5,7 +5,8 @@ From the run's JSONL (`log.jsonl`, one row per step) it takes the median step ti
 the steps (`steady_rows`: a run warms up over its first steps) with their quartiles, the comm bytes per "<group>.<op>" of the last step
 and the largest `peak_mem_bytes`; from the timeline JSON (`log.timeline=PATH.json`) the mean measured
 duration of each pipeline action kind, the span of the pipeline and its bubble, and what followed the
-pipeline in that same step (its JSONL step time less the span: one step, not the median); of an MoE run at
+pipeline in the same step (its JSONL step time less the span), each the median over the steps the timeline
+recorded (`log.timeline_steps`; one by default: then one step's figures, not medians); of an MoE run at
 EP > 1, its routing load (`moe_tokens_per_expert.*`: the busiest EP rank's share of each layer's routed slots over the
 balanced share, the mean over layers, the median over the steady steps), which a plan assumes (1.0, balanced,
 unless planned with `--moe-load`) and the step waits on at every exchange. The plan gives the same
@@ -68,21 +69,37 @@ def read_run(jsonl: str, timeline: Optional[str] = None, ep: int = 1) -> dict:
     if loads:
         run["moe_load"] = statistics.median(loads)
     if timeline:
-        data = json.loads(Path(timeline).read_text())
-        spent: dict = defaultdict(list)
+        run.update(read_timeline(json.loads(Path(timeline).read_text()), {r.get("step"): r for r in rows}))
+    return run
+
+
+def read_timeline(data: dict, by_step: dict) -> dict:
+    """The run's pipeline figures from its timeline JSON `data` (every step it recorded: log.timeline_steps)
+    and its JSONL rows `by_step` (step -> row): the mean of each action kind over the recorded steps, and the
+    median over them of the pipeline's span, its bubble and what followed it in the same step (that step's
+    logged time less its span; left out for a timeline that does not name its step)."""
+    steps = data.get("steps") or [{"step": data.get("step"), "measured": data["measured"],
+                                   "measured_bubble": data.get("measured_bubble", 0.0)}]
+    spent: dict = defaultdict(list)
+    spans, bubbles, after = [], [], []
+    for recorded in steps:
         starts, ends = [], []
-        for rank, kind, _mb, _chunk, _peer, start, end in data["measured"]:
+        for rank, kind, _mb, _chunk, _peer, start, end in recorded["measured"]:
             starts.append(start)
             ends.append(end)
             if kind in ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
                 spent[kind].append(end - start)
-        run["action_s"] = {k: statistics.mean(v) for k, v in spent.items()}
-        run["pipeline_s"] = max(ends) - min(starts) if starts else 0.0
-        run["bubble"] = data.get("measured_bubble", 0.0)
-        recorded = [r for r in rows if r.get("step") == data.get("step")]
-        if recorded and starts:   # a timeline written before it named its step leaves this row out
-            run["after_pipeline_s"] = recorded[-1]["step_time_s"] - run["pipeline_s"]
-    return run
+        span = max(ends) - min(starts) if starts else 0.0
+        spans.append(span)
+        bubbles.append(recorded.get("measured_bubble", 0.0))
+        row = by_step.get(recorded["step"]) if recorded["step"] is not None else None
+        if row is not None and starts:
+            after.append(row["step_time_s"] - span)
+    out = {"action_s": {k: statistics.mean(v) for k, v in spent.items()}, "pipeline_s": statistics.median(spans),
+           "bubble": statistics.median(bubbles), "timeline_steps": len(steps)}
+    if after:
+        out["after_pipeline_s"] = statistics.median(after)
+    return out
 
 
 def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, str, str]]:

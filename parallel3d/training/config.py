@@ -153,6 +153,7 @@ class LogConfig:
     peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; None: table / CPU measurement
     timeline: Optional[str] = None     # PATH.png|.json|.csv: measured vs simulated pipeline timeline of one step
     timeline_step: int = -1            # which step (0-based) log.timeline records; -1: the last
+    timeline_steps: int = 1            # steps log.timeline records, ending at timeline_step (JSON: each; chart, CSV: the last)
 
 
 @dataclass

@@ -25,19 +25,25 @@ def load_weights_if_any(trainer: Trainer, load_dir: str | None) -> None:
     load_checkpoint(trainer, load_dir, model_only=True)
 
 
-def write_run_timeline(trainer: Trainer, rows: list) -> None:
-    """log.timeline: the measured step beside its schedule simulated with the measured costs."""
-    from parallel3d.pipeline.timeline import from_rows, measured_and_simulated, write_timeline
+def write_run_timeline(trainer: Trainer, recorded: list[tuple[int, list]]) -> None:
+    """log.timeline: the last recorded step beside its schedule simulated with the measured costs; the JSON
+    also keeps every recorded step's measured timeline. `recorded`: (step as logged, gathered rows)."""
+    from parallel3d.pipeline.timeline import from_rows, measured_and_simulated, to_rows, write_timeline
 
     cfg, p = trainer.cfg, trainer.cfg.parallel
     v = len(trainer.chunks)
     schedule = trainer.schedules.get(p.schedule, p.pp, cfg.train.num_microbatches, v)
-    measured, simulated = measured_and_simulated(from_rows(rows), schedule)
+    steps = []
+    for step, rows in recorded:
+        measured, simulated = measured_and_simulated(from_rows(rows), schedule)
+        steps.append({"step": step, "measured_bubble": float(measured.bubble_fraction),
+                      "measured": to_rows(measured.records())})
     path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})",
-                          step=trainer.step)
-    print(f"timeline of step {trainer.step} ({p.schedule}, pp={p.pp}): measured bubble "
+                          step=step, steps=steps if len(steps) > 1 else None)
+    print(f"timeline of step {step} ({p.schedule}, pp={p.pp}): measured bubble "
           f"{float(measured.bubble_fraction):.1%}, simulated with the measured costs "
-          f"{float(simulated.bubble_fraction):.1%} -> {path}", flush=True)
+          f"{float(simulated.bubble_fraction):.1%} -> {path}"
+          + (f"; the JSON keeps steps {steps[0]['step']}-{step}" if len(steps) > 1 else ""), flush=True)
 
 
 def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> list[dict]:
@@ -48,7 +54,7 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
     checkpoints = CheckpointManager(trainer)
     checkpoints.resume()
     eval_data = make_dataset(cfg, cfg.data.eval_path, seed_offset=1) if cfg.train.eval_interval else None
-    records = []
+    records, timelines = [], []   # timelines: the recorded steps' (step, rows), written after the last
     is_rank0 = ctx.rank == 0
     logger = MetricsLogger(cfg.log.jsonl, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
                            world_size=ctx.world_size, peak_flops=cfg.log.peak_flops, precision=cfg.train.precision,
@@ -68,7 +74,9 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
             records.append(logger.log(out["step"], loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                                       tokens=out["tokens"], elapsed_s=out["elapsed_s"], extra=extra))
             if out["timeline"] is not None and is_rank0:
-                write_run_timeline(trainer, out["timeline"])
+                timelines.append((out["step"], out["timeline"]))
+                if trainer.step - 1 == trainer.timeline_window()[-1]:
+                    write_run_timeline(trainer, timelines)
             checkpoints.after_step()
         checkpoints.finish()
         logger.print_summary(started)

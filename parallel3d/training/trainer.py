@@ -139,9 +139,14 @@ class Trainer:
         d = self.cfg.data
         return {"eos_id": d.eos_id, "mask_documents": d.document_masking, "reset_positions": bool(d.reset_positions)}
 
-    def _records_timeline(self) -> bool:
-        log, steps = self.cfg.log, self.cfg.train.steps
-        return log.timeline is not None and self.step == (log.timeline_step % max(steps, 1))
+    def timeline_window(self) -> range:
+        """The steps (0-based) log.timeline records: log.timeline_steps of them, ending at log.timeline_step;
+        empty without log.timeline."""
+        log = self.cfg.log
+        if log.timeline is None:
+            return range(0)
+        last = log.timeline_step % max(self.cfg.train.steps, 1)
+        return range(last - log.timeline_steps + 1, last + 1)
 
     def _global_token_count(self, mbs: list[dict[str, torch.Tensor]]) -> float:
         """Target tokens of the global batch: this rank's count, summed over DP x CP on the device."""
@@ -171,7 +176,7 @@ class Trainer:
         mbs = self._microbatches(self.step)
         tokens = self._global_token_count(mbs)
         opt.zero_grad()
-        gather = record is None and self._records_timeline()
+        gather = record is None and self.step in self.timeline_window()
         record = [] if gather else record
         with self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext():
             loss = self._forward_backward(mbs, tokens, record).reshape(1).float()

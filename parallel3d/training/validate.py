@@ -201,6 +201,10 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                  f"log.timeline={cfg.log.timeline} must end in one of {', '.join(TIMELINE_FORMATS)}")
         _require(-1 <= cfg.log.timeline_step < max(t.steps, 1),
                  f"log.timeline_step={cfg.log.timeline_step} must be -1 (the last step) or in [0, train.steps={t.steps})")
+        last = cfg.log.timeline_step % max(t.steps, 1)
+        _require(1 <= cfg.log.timeline_steps <= last + 1,
+                 f"log.timeline_steps={cfg.log.timeline_steps} must be in [1, {last + 1}]: the steps it records end "
+                 f"at step {last} (log.timeline_step={cfg.log.timeline_step}, 0-based)")
     if cfg.log.tensorboard:
         require_package("tensorboard", f"log.tensorboard={cfg.log.tensorboard}")
     if m.attention == "flash_attn":
