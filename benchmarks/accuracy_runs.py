@@ -3,6 +3,7 @@ torchrun (`measure`), the machine's speed now (`reference_s`), a layout's median
 layouts by predicted and measured time."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import resource
 import subprocess
@@ -56,10 +57,8 @@ def measure(config: str, overrides: list[str], steps: int, tmp: Path, name: str,
 
 
 def reference_s() -> float:
-    """This machine's speed now: a fixed piece of work (a bf16 and an fp32 GEMM of llama_100m's sizes and an
-    element-wise pass over 64 MiB, on one thread), the median of 5 calls. A VM's speed drifts between and
-    within runs (10-30% over minutes here); a run's reference over the one taken after the profile says
-    how far the machine moved under the plan: a diagnostic printed beside the ratio, never a correction."""
+    """This machine's speed now, on one core: a fixed piece of work (a bf16 and an fp32 GEMM of llama_100m's
+    sizes and an element-wise pass over 64 MiB, on one thread), the median of 5 calls."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a16, b16 = torch.randn(256, 768).bfloat16(), torch.randn(768, 2048).bfloat16()
@@ -75,6 +74,37 @@ def reference_s() -> float:
         return median_seconds(work, 5)
     finally:
         torch.set_num_threads(threads)
+
+
+def _reference_at(start: float) -> float:
+    """reference_s in a worker of Reference's pool, begun at wall time `start` with the other workers."""
+    while time.time() < start:
+        pass
+    return reference_s()
+
+
+class Reference:
+    """The machine's speed as a run of `ranks` ranks meets it: reference_s on `ranks` processes at once, the
+    slowest one's. A VM's speed drifts between and within runs; a run's reference over the one taken after
+    the profile says how far the machine moved under the plan: a diagnostic printed beside the ratio, never
+    a correction. Why all ranks at once: this VM slows one vCPU at a time, to about half speed, for seconds
+    (one probe alone 0.23-0.49 ms, two at once 0.24 and 0.48 in the same half second), and ranks in lock
+    step wait for the slowest, so a one-core reference read 0.97x through rounds that ran 1.4x slow."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.pool = multiprocessing.get_context("spawn").Pool(ranks) if ranks > 1 else None
+
+    def __call__(self) -> float:
+        if self.pool is None:
+            return reference_s()
+        start = time.time() + 0.5   # every worker has its task by then
+        return max(self.pool.map(_reference_at, [start] * self.ranks, chunksize=1))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
 
 
 def median_round(runs: list[dict]) -> dict:

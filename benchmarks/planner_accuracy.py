@@ -21,8 +21,10 @@ plans the layout for this machine (`--gpu cpu`: parallel3d/planner/profile.py) a
     measured by the profile) and measured (rank 0's peak RSS, what a CPU run logs as peak_mem_bytes);
   - the share of a core each rank got during its run (children's CPU seconds over wall seconds x ranks):
     1 on a quiet machine; under load the measured times stretch by about its inverse (a diagnostic only);
-  - how far the machine's speed moved: a fixed piece of work timed before and after each run, over its time
-    right after the profile (`reference_s`; a diagnostic only, the ratio is never corrected by it);
+  - how far the machine's speed moved: a fixed piece of work timed on every rank's core at once before and
+    after each run, the slowest core's, over its time right after the profile (`accuracy_runs.Reference`:
+    this VM slows one vCPU at a time, and ranks in lock step meet the slowest; a diagnostic only, the
+    ratio is never corrected by it);
   - the MoE layout's routing load (compare.routing_load: its busiest EP rank's share of the routed slots over
     the balanced share, 1.3-1.4 in these short dropless runs from a random router), which the plan assumes
     balanced, and the plan again at that load (`--moe-load`), so the routing is told from the rest;
@@ -58,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
 
 import torch  # noqa: E402
-from accuracy_runs import commit, measure, median_round, ranking, reference_s  # noqa: E402
+from accuracy_runs import Reference, commit, measure, median_round, ranking  # noqa: E402
 from common import stage_builder  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.compare import steady_rows  # noqa: E402
@@ -201,10 +203,11 @@ def main(argv=None) -> int:
         note = speed_note(gpu.op_times)   # a cached profile's op times against this machine now (run V1)
         if note:
             print(note, flush=True)
-    load_before, reference = os.getloadavg(), reference_s()
+    speed_now = Reference(world)   # the fixed work on every rank's core at once, the slowest's time
+    load_before, reference = os.getloadavg(), speed_now()
     print(f"planner accuracy, world {world}, commit {commit()}, {gpu.name}, profile {profile}, "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (1/5/15 min), reference "
-          f"work {reference * 1e3:.1f} ms (reference_s)", flush=True)
+          f"work {reference * 1e3:.1f} ms on {world} cores at once (accuracy_runs.Reference)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.gpu and not args.table_host:
@@ -226,7 +229,7 @@ def main(argv=None) -> int:
             for turn in range(rounds):
                 for name, planned in plans.items():
                     try:
-                        before = reference_s()
+                        before = speed_now()
                         n = steps or STEPS.get(model, 6)
                         # on the CPU the timeline records the steady steps the step time is read from; a
                         # GPU's recorded step drains the queue per action, so there it records one
@@ -236,7 +239,7 @@ def main(argv=None) -> int:
                     except (RuntimeError, ValueError) as e:
                         print(f"{model} {name}: the run FAILED: {e}", flush=True)
                         continue
-                    run["drift"] = (before + reference_s()) / 2 / reference  # before and after the run
+                    run["drift"] = (before + speed_now()) / 2 / reference  # before and after the run
                     runs[name].append(run)
                     if rounds > 1:
                         print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms",
@@ -244,6 +247,7 @@ def main(argv=None) -> int:
             for name in (name for name in plans if runs[name]):
                 rows.append(_row(plans[name], runs[name], config, gpu, world, args.gpu))
                 _print_row(rows[-1])
+    speed_now.close()
     summary = {}
     for model in models:
         if not any(r["model"] == model for r in rows):
@@ -293,7 +297,7 @@ def _print_row(r: dict) -> None:
           f"{ms(r.get('measured_after_s'))} ms | peak {r['predicted_peak_bytes'] / 2**20:.0f} / "
           f"{r['measured_peak_bytes'] / 2**20:.0f} MiB (tensors {r['predicted_tensor_peak_bytes'] / 2**20:.1f}) "
           f"| plan took {r['plan_s']:.1f} s | load {r['load_average']:.1f}, each rank got {r['cpu_share']:.0%} of a core "
-          f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms) | the reference work took "
+          f"(measured x that: {ms(r['measured_s'] * r['cpu_share'])} ms) | the reference work on its cores took "
           f"{r['drift']:.2f}x its time after the profile", flush=True)
     if "ratio_at_run_load" in r:
         print(f"{'':<10} {'':<10} the run routed its busiest EP rank {r['moe_load']:.2f}x the balanced share (the "
