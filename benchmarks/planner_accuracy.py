@@ -242,8 +242,8 @@ def main(argv=None) -> int:
                     run["drift"] = (before + speed_now()) / 2 / reference  # before and after the run
                     runs[name].append(run)
                     if rounds > 1:
-                        print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms",
-                              flush=True)
+                        print(f"{model} {name} round {turn + 1}/{rounds}: {run['measured_s'] * 1e3:.1f} ms "
+                              f"(reference work {run['drift']:.2f}x)", flush=True)
             for name in (name for name in plans if runs[name]):
                 rows.append(_row(plans[name], runs[name], config, gpu, world, args.gpu))
                 _print_row(rows[-1])
