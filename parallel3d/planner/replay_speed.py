@@ -72,7 +72,7 @@ def now(probe: Probe, seconds: float = CHECK_S, rounds: int = CHECK_ROUNDS) -> f
 def drift_note(cached_s: float, now_s: float, load: float, path: str) -> Optional[str]:
     """What a plan tells its user when this machine's speed now is more than DRIFT from the speed the op
     cache at `path` keeps its times at (`cached_s`: its reference probe); None within it. The cache's times
-    price every op, so a run now will take about cached_s / now_s of the plan's compute. One cause is a cache
+    price every op, so a run now computes in about now_s / cached_s of the plan's time. One cause is a cache
     measured under load (a 0.41 ms reference against 0.25-0.26 quiet put tiny's plans 1.4-2.2x high), the
     other a machine loaded now; `load`: the load average, which tells them apart."""
     ratio = cached_s / now_s
