@@ -266,18 +266,29 @@ def replayed_seconds(measured: dict, key: str, in_order: str = "") -> Optional[f
     return (measured.get(in_order + key) if in_order else None) or measured.get(key)
 
 
-def speed_note(path: Path) -> Optional[str]:
-    """replay_speed.drift_note for the cache at `path` against this machine now (one thread, about 0.3 s);
-    None where the cache is missing, of another version or within the drift."""
+def _read_cache(path: Optional[Path]) -> tuple[dict, Optional[float]]:
+    """The cache at `path`: (its op times, the reference probe they are kept at); nothing where it is
+    missing, unreadable or of another VERSION."""
+    if path is None or not path.exists():
+        return {}, None
     try:
         found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if found.get("version") != VERSION or not found.get("speed_s"):
+        if found.get("version") == VERSION:
+            return found["ops"], found.get("speed_s")
+    except (OSError, ValueError, KeyError):
+        pass
+    return {}, None
+
+
+def speed_note(path: Path) -> Optional[str]:
+    """replay_speed.drift_note for the cache at `path` against this machine now (one thread, about 0.3 s);
+    None where the cache has no reference (missing, of another version) or is within the drift."""
+    _, reference = _read_cache(path)
+    if not reference:
         return None
     with _one_thread():
         now_s = replay_speed.now(replay_speed.Probe())
-    return replay_speed.drift_note(found["speed_s"], now_s, os.getloadavg()[0], str(path))
+    return replay_speed.drift_note(reference, now_s, os.getloadavg()[0], str(path))
 
 
 def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] = None) -> dict:
@@ -288,15 +299,7 @@ def measure(specs: dict, path: Optional[Path] = None, stretches: Optional[list] 
     `stretches` (the step's signatures in order, cut by action: `segments`): also in_order_key(stretch,
     signature) -> the op's time in its stretch's order (replay_in_order), for its small ops; the others map
     to None."""
-    cached: dict = {}
-    reference = None   # the probe's seconds the cache's times are kept at (replay_speed.py)
-    if path is not None and path.exists():
-        try:
-            found = json.loads(path.read_text())
-            if found.get("version") == VERSION:
-                cached, reference = found["ops"], found.get("speed_s")
-        except (ValueError, KeyError):
-            cached = {}
+    cached, reference = _read_cache(path)   # reference: the probe's seconds the times are kept at (replay_speed.py)
     wanted = {**{key: (replay, spec) for key, spec in specs.items()},
               **{COLD + key: (replay_cold_output, spec) for key, spec in specs.items()}}
     by_prefix = {in_order_key(stretch, ""): stretch for stretch in stretches or ()}   # each distinct stretch once

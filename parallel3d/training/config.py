@@ -156,6 +156,15 @@ class LogConfig:
     timeline_steps: int = 1            # steps log.timeline records, ending at timeline_step (JSON: each; chart, CSV: the last)
 
 
+def timeline_window(log: LogConfig, steps: int) -> range:
+    """The steps (0-based) log.timeline records in a run of `steps`: log.timeline_steps of them, ending at
+    log.timeline_step (-1: the last); empty without log.timeline. Validation requires it to start at >= 0."""
+    if log.timeline is None:
+        return range(0)
+    last = log.timeline_step % max(steps, 1)
+    return range(last - log.timeline_steps + 1, last + 1)
+
+
 @dataclass
 class ExperimentConfig:
     model: Any

@@ -27,7 +27,7 @@ from parallel3d.pipeline.placement import chunks_per_rank, placement_of, stage_i
 from parallel3d.pipeline.runtime import Record, ScheduleCache, run_pipeline_forward, run_pipeline_step
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
-from parallel3d.training.config import ExperimentConfig, to_dict
+from parallel3d.training.config import ExperimentConfig, timeline_window, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
 from parallel3d.training.data_sources import MixtureDataset, MixtureSampler
 from parallel3d.training.lr_schedule import lr_at
@@ -140,13 +140,8 @@ class Trainer:
         return {"eos_id": d.eos_id, "mask_documents": d.document_masking, "reset_positions": bool(d.reset_positions)}
 
     def timeline_window(self) -> range:
-        """The steps (0-based) log.timeline records: log.timeline_steps of them, ending at log.timeline_step;
-        empty without log.timeline."""
-        log = self.cfg.log
-        if log.timeline is None:
-            return range(0)
-        last = log.timeline_step % max(self.cfg.train.steps, 1)
-        return range(last - log.timeline_steps + 1, last + 1)
+        """The steps (0-based) log.timeline records (config.timeline_window)."""
+        return timeline_window(self.cfg.log, self.cfg.train.steps)
 
     def _global_token_count(self, mbs: list[dict[str, torch.Tensor]]) -> float:
         """Target tokens of the global batch: this rank's count, summed over DP x CP on the device."""

@@ -24,7 +24,7 @@ from parallel3d.pipeline.placement import check_schedule_config
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
-from parallel3d.training.config import ConfigError, ExperimentConfig, copied
+from parallel3d.training.config import ConfigError, ExperimentConfig, copied, timeline_window
 from parallel3d.training.data_sources import resolve_documents
 from parallel3d.training.lr_schedule import LR_SCHEDULES
 
@@ -201,10 +201,10 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
                  f"log.timeline={cfg.log.timeline} must end in one of {', '.join(TIMELINE_FORMATS)}")
         _require(-1 <= cfg.log.timeline_step < max(t.steps, 1),
                  f"log.timeline_step={cfg.log.timeline_step} must be -1 (the last step) or in [0, train.steps={t.steps})")
-        last = cfg.log.timeline_step % max(t.steps, 1)
-        _require(1 <= cfg.log.timeline_steps <= last + 1,
-                 f"log.timeline_steps={cfg.log.timeline_steps} must be in [1, {last + 1}]: the steps it records end "
-                 f"at step {last} (log.timeline_step={cfg.log.timeline_step}, 0-based)")
+        window = timeline_window(cfg.log, t.steps)
+        _require(cfg.log.timeline_steps >= 1 and window.start >= 0,
+                 f"log.timeline_steps={cfg.log.timeline_steps} must be in [1, {window.stop}]: the steps it records end "
+                 f"at step {window.stop - 1} (log.timeline_step={cfg.log.timeline_step}, 0-based)")
     if cfg.log.tensorboard:
         require_package("tensorboard", f"log.tensorboard={cfg.log.tensorboard}")
     if m.attention == "flash_attn":
