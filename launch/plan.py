@@ -73,6 +73,7 @@ def _table(result: Plan, gpu, world: int) -> str:
                      f"activations {mem['activations'] / GiB:.2f} GiB at {role['in_flight']} microbatches in flight")
     lines.append("bytes per step by group.op: " + ", ".join(
         f"{k} {v / 1e9:.2f} GB" for k, v in sorted(result.comm_bytes.items())))
+    lines.extend(f"note: {n}" for n in result.notes)
     return "\n".join(lines)
 
 

@@ -449,3 +449,20 @@ def test_a_stages_memory_is_its_fullest_ranks():
     peaks = {run.rank: run.memory["peak"] for run in cache.values()}
     assert set(peaks) == {0, 1} and peaks[0] > peaks[1]
     assert result.memory["peak"] == peaks[0] and result.roles[0]["rank"] == 0
+
+
+def test_a_compiled_run_is_planned_as_its_eager_step_and_says_so(monkeypatch):
+    """train.compile=true: the stand-in steps the eager blocks (never compiling one), the figures are the
+    eager plan's, and the plan carries the note plan.py prints (the fusion is not modelled)."""
+    from launch import plan as plan_cli
+    from launch.common import stage_builder
+    from parallel3d.planner.estimate import COMPILE_NOTE
+
+    base = ["parallel.tp=2", *SMALL]
+    eager = plan(make_config(base, 2), stage_builder, H100, 8)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda *a, **k: pytest.fail("a block compiled on the stand-in"))
+    compiled = plan(make_config([*base, "train.compile=true"], 2), stage_builder, H100, 8)
+    assert (compiled.step_time_s, compiled.memory, compiled.comm_bytes) == \
+        (eager.step_time_s, eager.memory, eager.comm_bytes)
+    assert eager.notes == [] and compiled.notes == [COMPILE_NOTE] == compiled.to_json()["notes"]
+    assert f"note: {COMPILE_NOTE}" in plan_cli._table(compiled, H100, 2).splitlines()
