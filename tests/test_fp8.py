@@ -148,3 +148,39 @@ def test_fp8_with_a_dimension_scaled_mm_cannot_take_is_refused_up_front():
     with pytest.raises(ConfigError, match=r"divisible by 16 .*model.ffn_hidden_size/tp=86"):
         make_config(["train.precision=bf16", "train.fp8=tensorwise", "model.ffn_hidden_size=172",
                      "parallel.tp=2"], 2)
+
+
+def test_fp8_on_a_gpu_without_float8_tensor_cores_is_refused_by_the_run_and_the_plan(monkeypatch, capsys):
+    """A run's linears on a CUDA device below compute capability 8.9 (an A100) are refused when the model is
+    converted, before any step (torch._scaled_mm would fail in the first forward); 8.9 and 9.0 pass, and a
+    CPU or meta device is never asked. A plan for a GPU the table gives no fp8 peak ends with the same
+    error, before any dry run (it had priced the float8 GEMMs at the bf16 peak)."""
+    from launch import plan as plan_cli
+    from parallel3d.tensor_parallel import fp8, layers
+
+    asked = []
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"train.fp8=tensorwise needs float8 tensor cores .*NVIDIA A100-SXM4-80GB "
+                                         r"\(compute capability 8.0\) has none"):
+        fp8.check_fp8_device("tensorwise", cuda)
+    fp8.check_fp8_device("none", cuda)
+    for ok in ((8, 9), (9, 0), (10, 0)):
+        capability["value"] = ok
+        fp8.check_fp8_device("rowwise", cuda)
+    fp8.check_fp8_device("tensorwise", torch.device("cpu"))
+    fp8.check_fp8_device("tensorwise", torch.device("meta"))
+    assert asked == [cuda] * 4
+    # convert_to_fp8 asks about the device its linears live on
+    seen = []
+    monkeypatch.setattr(fp8, "check_fp8_device", lambda recipe, device: seen.append((recipe, device.type)))
+    layers.convert_to_fp8(torch.nn.Linear(16, 16, device="meta"), "rowwise")
+    assert seen == [("rowwise", "meta")]
+
+    with pytest.raises(SystemExit) as end:
+        plan_cli.main(["--config", "configs/tiny.yaml", "--world-size", "2", "--gpu", "a100", "parallel.tp=2",
+                       "train.precision=bf16", "train.fp8=tensorwise", "model.ffn_hidden_size=192"])
+    err = capsys.readouterr().err
+    assert end.value.code == 2 and "needs float8 tensor cores" in err and "A100-SXM4-80GB has none" in err

@@ -36,6 +36,7 @@ from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
 from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
 from parallel3d.planner.step_costs import RoleRun
+from parallel3d.tensor_parallel.fp8 import check_fp8_hardware
 from parallel3d.training.config import ExperimentConfig
 from parallel3d.training.metrics import flops_per_token
 
@@ -144,6 +145,8 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     dropless MoE: each planned rank's experts receive this multiple of the balanced share of the routed
     rows, as the busiest EP rank does (the step waits for it at every exchange); 1.0 is balanced."""
     check_expert_load(expert_load, cfg.parallel.ep, cfg.model.capacity_factor)
+    if not gpu.runs_cpu_kernels:   # a CPU run emulates the float8 GEMMs (tensor_parallel/fp8.py _mm)
+        check_fp8_hardware(cfg.train.fp8, gpu.name, "fp8" in gpu.peak_flops)
     p, t = cfg.parallel, cfg.train
     run_cfg = _reduced(without_offload(eager(cfg)))  # the stand-in cannot copy to the host: offload.py
     if gpu.runs_cpu_kernels:   # planning a CPU run: the stand-in takes the CPU's kernels (host_kernels.py)

@@ -56,6 +56,27 @@ def check_fp8(recipe: str, precision: str, local_dims: Optional[dict] = None) ->
                          f"(float8 matmuls); not: " + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
+FP8_CAPABILITY = (8, 9)   # float8 tensor cores: Ada (sm_89), Hopper (sm_90) and later
+
+
+def check_fp8_hardware(recipe: str, name: str, has_fp8: bool) -> None:
+    """train.fp8 needs float8 tensor cores: on a GPU without them torch._scaled_mm fails in the first forward,
+    and a plan would price its GEMMs at a peak the GPU cannot reach. `has_fp8`: `cuda_has_fp8` for a run's
+    device, the GPU table's fp8 peak for a plan."""
+    if recipe != "none" and not has_fp8:
+        raise ValueError(f"train.fp8={recipe} needs float8 tensor cores (compute capability "
+                         f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer: L4, L40S, H100, H200, B200); "
+                         f"{name} has none: use train.fp8=none")
+
+
+def check_fp8_device(recipe: str, device: torch.device) -> None:
+    """check_fp8_hardware for the device a run's linears live on (a CPU emulates the float8 GEMMs: _mm)."""
+    if recipe != "none" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        check_fp8_hardware(recipe, f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})",
+                           (major, minor) >= FP8_CAPABILITY)
+
+
 @dataclass
 class Fp8Weight:
     """The fp8 identity of a column/row-parallel weight (`layer.weight.fp8`, set by convert_to_fp8) and the
