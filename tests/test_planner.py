@@ -466,3 +466,17 @@ def test_a_compiled_run_is_planned_as_its_eager_step_and_says_so(monkeypatch):
         (eager.step_time_s, eager.memory, eager.comm_bytes)
     assert eager.notes == [] and compiled.notes == [COMPILE_NOTE] == compiled.to_json()["notes"]
     assert f"note: {COMPILE_NOTE}" in plan_cli._table(compiled, H100, 2).splitlines()
+
+
+def test_a_plans_notes_name_each_simplification_the_config_meets():
+    """Plan.notes (plan.py's note: lines) for packed documents and for a dropless MoE planned balanced; none
+    for a plan that meets neither, for a routing load given, a capacity factor or one EP rank."""
+    from parallel3d.planner.estimate import DOCUMENTS_NOTE, ROUTING_NOTE, notes
+
+    moe = ["parallel.tp=1", "model.num_experts=4", "model.moe_top_k=2"]
+    assert notes(make_config(SMALL, 2), 1.0) == []
+    assert notes(make_config([*SMALL, "data.document_masking=true", "data.eos_id=0"], 2), 1.0) == [DOCUMENTS_NOTE]
+    assert notes(make_config([*SMALL, *moe, "parallel.ep=2"], 2), 1.0) == [ROUTING_NOTE]
+    assert notes(make_config([*SMALL, *moe, "parallel.ep=2"], 2), 1.4) == []
+    assert notes(make_config([*SMALL, *moe, "parallel.ep=2", "model.capacity_factor=1.25"], 2), 1.0) == []
+    assert notes(make_config([*SMALL, *moe, "parallel.ep=1"], 2), 1.0) == []

@@ -114,6 +114,22 @@ COMPILE_NOTE = ("train.compile=true is planned as the eager step: torch.compile'
                 "modelled, so compute time and activation memory are the eager code's")
 
 
+DOCUMENTS_NOTE = ("data.document_masking=true is planned as plain causal attention over the whole sequence: "
+                  "attention time is an upper bound (a run's documents set what each kernel skips)")
+ROUTING_NOTE = ("the dropless MoE is planned with balanced routing; a run's busiest EP rank usually takes more "
+                "(plan.py --compare reads its load from the run's JSONL, --moe-load F plans at it)")
+
+
+def notes(cfg: ExperimentConfig, expert_load: float) -> list[str]:
+    """What the plan assumes where the run will differ (Plan.notes; docs/planner.md, "Known simplifications")."""
+    m = cfg.model
+    return [note for note, applies in (
+        (COMPILE_NOTE, cfg.train.compile),
+        (DOCUMENTS_NOTE, cfg.data.document_masking),
+        (ROUTING_NOTE, m.num_experts and cfg.parallel.ep > 1 and not m.capacity_factor > 0 and expert_load == 1.0),
+    ) if applies]
+
+
 def eager(cfg: ExperimentConfig) -> ExperimentConfig:
     """The layout without `train.compile`: the stand-in steps the eager blocks, and the plan says so
     (COMPILE_NOTE). Compiled blocks on the stand-in had run the same ops eagerly, only slower: tiny's plan took
@@ -254,7 +270,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                 step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * peak_for(gpu, t.precision)),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
                 bubble=float(timeline.bubble_fraction), host_syncs=_scale_syncs(stage_run.values(), m, m_run),
-                expert_load=expert_load, notes=[COMPILE_NOTE] if t.compile else [])
+                expert_load=expert_load, notes=notes(cfg, expert_load))
 
 
 def _scale_syncs(runs, m: int, m_run: int) -> dict:
