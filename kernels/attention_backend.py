@@ -13,7 +13,8 @@
 model.attention value, or model.kernels ("auto" | "triton" | "torch") when model.attention is "auto":
   auto   fp64 -> reference (exact); CUDA without lse -> flash_attn when `why_not_flash_attn` finds no reason
          against it (installed, 16-bit, head dim <= 256), else sdpa; CUDA with lse (CP blocks) -> triton;
-         CPU -> sdpa; the meta stand-in -> triton (its custom op; an explicit sdpa runs as on a CPU)
+         CPU -> sdpa; the meta stand-in -> what CUDA takes: triton with lse, else `library` (the stand-in op
+         of SDPA's / flash-attn's kernel: kernels/attention_standin.py); an explicit sdpa runs as on a CPU
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
 The CPU flash op aligns a causal mask top-left and skips only whole 512-key blocks: a causal call (bottom-right
 aligned, sk >= sq: the ring's and the all-gather mode's blocks too) runs in bands of CAUSAL_BAND query rows,
@@ -64,16 +65,19 @@ def attention_setting(attention: str, kernels: str) -> str:
 
 
 def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
-    """-> "triton" | "sdpa" | "flash_attn" | "reference" for q (b, s, h, d); see the module docstring."""
+    """-> "triton" | "sdpa" | "flash_attn" | "reference" (| "library" on meta) for q (b, s, h, d); see the
+    module docstring."""
     if backend not in ATTENTION_BACKENDS + _KERNEL_SETTINGS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS + _KERNEL_SETTINGS}, got {backend!r}")
     exact = q.dtype == torch.float64
     if q.is_meta and not exact and backend not in ("reference", "sdpa"):
         # the dry run stands in for CUDA, where every backend is a flash kernel (out + lse saved, no scores):
-        # our kernel's custom op, whose fake implementation and FLOP formula (kernels/ops.py) the planner reads.
-        # An explicit sdpa runs as on a CPU (aten's CPU flash op in bands): the planner's stand-in for a CPU
-        # run asks for it (planner/host_kernels.py)
-        return "triton"
+        # with the lse (or asked for) ours, its custom op, whose fake implementation and FLOP formula
+        # (kernels/ops.py) the planner reads; without it a library's (SDPA / flash-attn, below), whose
+        # stand-in op (kernels/attention_standin.py) has the same shapes and FLOPs under its own name, priced
+        # at its own rate. An explicit sdpa runs as on a CPU (aten's CPU flash op in bands): the planner's
+        # stand-in for a CPU run asks for it (planner/host_kernels.py)
+        return "triton" if need_lse or backend == "triton" else "library"
     if backend == "reference":
         return "reference"
     if backend == "triton":

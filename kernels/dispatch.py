@@ -168,6 +168,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if impl == "triton":
         from parallel3d.kernels import ops
         return ops.flash_attention(q, k, v, causal, scale)[0]
+    if impl == "library":   # the meta stand-in for SDPA's / flash-attn's kernel on CUDA (select_attention)
+        from parallel3d.kernels.attention_standin import library_attention
+        return library_attention(q, k, v, causal, scale)[0]
     if impl == "flash_attn":
         return flash_attn_attention(q, k, v, causal, scale)
     if impl == "sdpa" and not q.is_cuda:  # aten's CPU flash op: GQA native (SDPA's enable_gqa is its slow math path)

@@ -19,9 +19,13 @@ def test_selector_on_this_cpu():
     assert select_attention("torch", f32, need_lse=True) == "sdpa"
     assert select_attention("sdpa", f32, need_lse=False) == "sdpa"
     assert select_attention("triton", f32, need_lse=True) == "triton"  # TRITON_INTERPRET=1 (conftest)
-    # the dry run's stand-in for CUDA takes the kernel's custom op whatever the setting (its fake and FLOPs)
+    # the dry run's stand-in for CUDA takes the stand-in op of the kernel CUDA would run: ours with the lse
+    # (or asked for), a library's (SDPA / flash-attn) without
     meta = torch.zeros(1, 8, 2, 8, device="meta")
     assert select_attention("auto", meta, need_lse=True) == select_attention("torch", meta, True) == "triton"
+    assert select_attention("triton", meta, need_lse=False) == "triton"
+    for backend in ("auto", "torch", "flash_attn"):
+        assert select_attention(backend, meta, need_lse=False) == "library", backend
     with pytest.raises(ValueError, match="flash_attn cannot run here: the flash-attn package is not installed"):
         select_attention("flash_attn", f32, need_lse=False)
     with pytest.raises(ValueError, match="attention backend must be one of"):
@@ -118,3 +122,27 @@ def test_trainer_cp2_ring_sdpa_blocks(worlds):
     layout = ["parallel.cp=2", "parallel.cp_mode=ring", "model.attention=sdpa"]
     ref = run(None, layout[2:], 3)
     assert_parity(worlds.run(2, run, layout, 3), ref)
+
+
+def test_library_attention_stand_in_is_our_kernels_op_under_its_own_name():
+    """The meta stand-in of SDPA's / flash-attn's kernel: our custom op's shapes, saved tensors and FLOPs
+    (forward and backward), and it refuses a real tensor."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallel3d.kernels import ops
+    from parallel3d.kernels.attention_standin import library_attention
+
+    def run(fn, causal):
+        q = torch.empty(2, 48, 4, 16, device="meta", requires_grad=True)   # (b, s, hq, d)
+        k = torch.empty(2, 64, 2, 16, device="meta", requires_grad=True)   # (b, s, hk, d): GQA, sk > sq
+        v = torch.empty(2, 64, 2, 16, device="meta", requires_grad=True)
+        with FlopCounterMode(display=False) as counter:
+            out, lse = fn(q, k, v, causal, None)
+            out.backward(torch.empty_like(out))
+        return out.shape, lse.shape, lse.dtype, q.grad.shape, k.grad.shape, counter.get_total_flops()
+
+    for causal in (True, False):
+        assert run(library_attention, causal) == run(ops.flash_attention, causal)
+    assert dispatch.attention(*(torch.empty(1, 8, 2, 8, device="meta") for _ in range(3))).shape == (1, 8, 2, 8)
+    with pytest.raises(RuntimeError, match="stand-in on the meta device"):
+        library_attention(*(torch.zeros(1, 8, 2, 8) for _ in range(3)))

@@ -368,9 +368,10 @@ def test_planning_a_cpu_run_dry_runs_the_cpu_kernels(monkeypatch):
     cfg = make_config(["model.kernels=auto", "train.seq_len=160", "model.max_seq_len=160"], 1)
     gpu_run = run_role(cfg, 0, _stage_builder, H100, 8)
     cpu_run = run_role(as_run_on_cpu(cfg), 0, _stage_builder, H100, 8)
-    assert "flash_attention_fwd" in gpu_run.op_seconds and "rmsnorm_fwd" in gpu_run.op_seconds
+    # a GPU's attention without the lse: SDPA's kernel, through its stand-in op (kernels/attention_standin.py)
+    assert "library_attention_fwd" in gpu_run.op_seconds and "rmsnorm_fwd" in gpu_run.op_seconds
     assert {CPU_FLASH_FWD, CPU_FLASH_BWD} <= set(cpu_run.op_seconds)
-    assert not {"flash_attention_fwd", "rmsnorm_fwd", "swiglu"} & set(cpu_run.op_seconds)
+    assert not {"library_attention_fwd", "flash_attention_fwd", "rmsnorm_fwd", "swiglu"} & set(cpu_run.op_seconds)
     ops = [sum(n for n, _ in run.op_seconds.values()) for run in (gpu_run, cpu_run)]
     assert ops[1] > 1.5 * ops[0]   # 1,545 against 789 ops here
     assert cpu_run.flops == pytest.approx(gpu_run.flops, rel=1e-12)   # causal bands count the visible pairs
@@ -480,3 +481,31 @@ def test_a_plans_notes_name_each_simplification_the_config_meets():
     assert notes(make_config([*SMALL, *moe, "parallel.ep=2"], 2), 1.4) == []
     assert notes(make_config([*SMALL, *moe, "parallel.ep=2", "model.capacity_factor=1.25"], 2), 1.0) == []
     assert notes(make_config([*SMALL, *moe, "parallel.ep=1"], 2), 1.0) == []
+
+
+def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes():
+    """Without the lse (no CP) a CUDA run takes SDPA's kernel, whose stand-in op the dry run records; CP
+    blocks, which merge or return the lse (ring, and Ulysses' head-sharded block), take ours. On Hopper each is priced at its measured share of the peak
+    (hardware.HOPPER_ATTENTION, from the H200 tile sweep); the A100, where none was measured, keeps the
+    matmul's efficiency with our kernel's occupancy derate."""
+    from parallel3d.planner.hardware import HOPPER_ATTENTION
+
+    def attention_ops(overrides, world):
+        run = run_role(make_config([*SMALL, *overrides], world), 0, _stage_builder, H100, 8)
+        return {k for k in run.op_seconds if k.endswith(("attention_fwd", "attention_bwd"))}
+
+    library = {"library_attention_fwd", "library_attention_bwd"}
+    ours = {"flash_attention_fwd", "flash_attention_bwd"}
+    assert attention_ops(["parallel.tp=1"], 1) == library
+    assert attention_ops(["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ulysses"], 2) == ours
+    assert attention_ops(["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ring"], 2) == ours
+    flops = 1e12
+    for gpu_name in ("h100", "h200"):
+        device = gpu(gpu_name)
+        for name, share in HOPPER_ATTENTION.items():
+            assert op_time(flops, 0.0, 989e12, device, 0.5, torch.bfloat16, name) == pytest.approx(
+                flops / (989e12 * share))   # the occupancy argument is inside the measured share
+    assert HOPPER_ATTENTION["library_attention_fwd"] > HOPPER_ATTENTION["flash_attention_fwd"]
+    a100 = gpu("a100")
+    assert op_time(flops, 0.0, 312e12, a100, 0.5, torch.bfloat16, "flash_attention_fwd") == pytest.approx(
+        flops / (312e12 * 0.75 * 0.5))

@@ -31,10 +31,15 @@ from parallel3d.planner.host_kernels import CURVE_OF_OP
 def op_time(flops: float, nbytes: float, peak_flops: float, gpu: GPU, occupancy: float = 1.0,
             dtype: Optional[torch.dtype] = None, name: str = "") -> float:
     """Roofline time of one op. `occupancy` (0, 1] derates a kernel whose occupancy limits how much of
-    the SM it can use (kernel_report's figures). `dtype` and the op's `name` pick a measured curve."""
+    the SM it can use (kernel_report's figures). `dtype` and the op's `name` pick a measured curve, and
+    the name an attention kernel's measured share of the peak (`GPU.attention_efficiency`), which includes
+    what its occupancy costs."""
     curve = _curve(gpu, dtype, name) if flops else None
+    measured = (gpu.attention_efficiency or {}).get(name)
     if curve is not None:
         compute = matmul_seconds(flops, curve)
+    elif measured is not None:   # an attention kernel at its measured rate on this architecture
+        compute = flops / (peak_flops * measured)
     else:
         compute = flops / (peak_flops * gpu.matmul_efficiency * occupancy) if flops else 0.0
     memory = nbytes / (gpu.hbm_bytes_per_s * gpu.memory_efficiency)

@@ -13,7 +13,9 @@ Peaks (dense, no sparsity), vendor datasheets:
 
 Achievable fractions (the efficiencies), with their basis:
   matmul 0.75: large bf16 GEMMs in cuBLAS reach roughly 70-80% of the dense peak on A100/H100 (NVIDIA's
-    published GEMM performance guides; our own Triton attention is held to the same bar);
+    published GEMM performance guides); attention on H100/H200 at its measured rates (HOPPER_ATTENTION:
+    SDPA's kernels 0.58 forward and 0.45 backward, ours 0.33 and 0.25), on A100 and B200, where no attention
+    was measured, at the matmul's 0.75 with our kernel's occupancy derate (planner/kernels.py);
   memory 0.85: STREAM-like copy kernels reach about 85-90% of HBM peak;
   NVLink 0.80 and InfiniBand 0.90 of the per-direction link bandwidth: nccl-tests' bus bandwidth for large
     all-reduces on DGX H100 (~360 of 450 GB/s) and across NDR (~45 of 50 GB/s);
@@ -49,6 +51,12 @@ HOST_ADAM_PARAMS_PER_S_PER_THREAD = 0.3e9
 HOST_THREADS_PER_RANK = 1
 HOST_OP_S = 66e-6
 HOST_STEP_OP_S = 28e-6
+# Flash attention's share of the dense bf16 peak on Hopper (sm_90), measured on one H200 (bf16, b2 s4096
+# hq32 hk8 d128 causal; benchmarks/RESULTS.md, second GPU session, "Flash-attention tiles"): SDPA's kernels,
+# what a CUDA run takes without the lse (the dry run's library_attention stand-in), 569 TFLOP/s forward and
+# 447 backward; ours (context-parallel blocks), with the tiles it now takes, 329 and 247; over 989.
+HOPPER_ATTENTION = {"library_attention_fwd": 569 / 989, "library_attention_bwd": 447 / 989,
+                    "flash_attention_fwd": 329 / 989, "flash_attention_bwd": 247 / 989}
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class GPU:
     # where it cannot: op -> the share of a collective's time its threads keep a core busy, which a
     # collective started beside compute takes from it (the rest hides: cost.hidden_share; profile_gloo.py)
     comm_busy: Optional[dict] = None
+    # attention ops' measured share of the dense peak (op name -> fraction) where measured on the GPU's
+    # architecture: it stands in for matmul_efficiency and the occupancy derate (cost.op_time)
+    attention_efficiency: Optional[dict] = None
     # a CPU: the dry run takes the kernels `auto` picks there, not a GPU's (planner/host_kernels.py)
     runs_cpu_kernels: bool = False
 
@@ -127,8 +138,10 @@ def _peaks(key: str) -> dict:
 GPUS: dict[str, GPU] = {
     "a100": GPU("A100-SXM4-80GB", _peaks("a100"), 2.039e12, 80 * 2**30, 300 * GB, 25 * GB,
                 pcie_bytes_per_s=32e9, sm_count=108),
-    "h100": GPU("H100-SXM5-80GB", _peaks("h100"), 3.35e12, 80 * 2**30, 450 * GB, 50 * GB),
-    "h200": GPU("H200-SXM-141GB", _peaks("h200"), 4.8e12, 141e9, 450 * GB, 50 * GB),
+    "h100": GPU("H100-SXM5-80GB", _peaks("h100"), 3.35e12, 80 * 2**30, 450 * GB, 50 * GB,
+                attention_efficiency=HOPPER_ATTENTION),
+    "h200": GPU("H200-SXM-141GB", _peaks("h200"), 4.8e12, 141e9, 450 * GB, 50 * GB,
+                attention_efficiency=HOPPER_ATTENTION),
     "b200": GPU("B200-SXM-180GB", _peaks("b200"), 8.0e12, 180e9, 900 * GB, 50 * GB, sm_count=148),
 }
 

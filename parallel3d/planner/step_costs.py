@@ -158,7 +158,7 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
         i = index(op.wall)
         c = costs[i] if i >= 0 else outside
         factor = 1.0
-        if op.name in KERNELS_OF_OP:
+        if op.name in KERNELS_OF_OP and op.name not in (gpu.attention_efficiency or {}):  # measured: as it ran
             found = occupancy_factor(gpu.name, op.name, str(op.dtype), op.head_dim, op.causal)
             if found is not None:
                 factor, warps = found
