@@ -481,6 +481,12 @@ def test_a_plans_notes_name_each_simplification_the_config_meets():
     assert notes(make_config([*SMALL, *moe, "parallel.ep=2"], 2), 1.4) == []
     assert notes(make_config([*SMALL, *moe, "parallel.ep=2", "model.capacity_factor=1.25"], 2), 1.0) == []
     assert notes(make_config([*SMALL, *moe, "parallel.ep=1"], 2), 1.0) == []
+    # a GPU whose attention kernels were never measured says it prices them at the matmul's efficiency
+    from parallel3d.planner.estimate import attention_note
+    assert notes(make_config(SMALL, 2), 1.0, gpu("a100")) == [attention_note(gpu("a100"))]
+    assert "A100-SXM4-80GB" in attention_note(gpu("a100"))
+    assert notes(make_config(SMALL, 2), 1.0, gpu("b200")) == [attention_note(gpu("b200"))]
+    assert notes(make_config(SMALL, 2), 1.0, H100) == notes(make_config(SMALL, 2), 1.0, gpu("h200")) == []
 
 
 def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes():

@@ -120,10 +120,17 @@ ROUTING_NOTE = ("the dropless MoE is planned with balanced routing; a run's busi
                 "(plan.py --compare reads its load from the run's JSONL, --moe-load F plans at it)")
 
 
-def notes(cfg: ExperimentConfig, expert_load: float) -> list[str]:
+def attention_note(gpu: GPU) -> str:
+    return (f"attention on {gpu.name} is priced at the matmul's efficiency ({gpu.matmul_efficiency:g} of the "
+            f"peak): no attention kernel was measured on it (hardware.HOPPER_ATTENTION covers H100 and H200)")
+
+
+def notes(cfg: ExperimentConfig, expert_load: float, gpu: Optional[GPU] = None) -> list[str]:
     """What the plan assumes where the run will differ (Plan.notes; docs/planner.md, "Known simplifications")."""
     m = cfg.model
+    unmeasured = gpu is not None and not gpu.runs_cpu_kernels and not gpu.matmul_curves and not gpu.attention_efficiency
     return [note for note, applies in (
+        (attention_note(gpu) if unmeasured else "", unmeasured),
         (COMPILE_NOTE, cfg.train.compile),
         (DOCUMENTS_NOTE, cfg.data.document_masking),
         (ROUTING_NOTE, m.num_experts and cfg.parallel.ep > 1 and not m.capacity_factor > 0 and expert_load == 1.0),
@@ -270,7 +277,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
                 step_time_s=step, tokens_per_s=tokens / step, mfu=flops / (step * world * peak_for(gpu, t.precision)),
                 comm_bytes=_scale_comm(worst_run, m, m_run), breakdown=breakdown, roles=roles,
                 bubble=float(timeline.bubble_fraction), host_syncs=_scale_syncs(stage_run.values(), m, m_run),
-                expert_load=expert_load, notes=notes(cfg, expert_load))
+                expert_load=expert_load, notes=notes(cfg, expert_load, gpu))
 
 
 def _scale_syncs(runs, m: int, m_run: int) -> dict:
