@@ -14,7 +14,8 @@ model.attention value, or model.kernels ("auto" | "triton" | "torch") when model
   auto   fp64 -> reference (exact); CUDA without lse -> flash_attn when `why_not_flash_attn` finds no reason
          against it (installed, 16-bit, head dim <= 256), else sdpa; CUDA with lse (CP blocks) -> triton;
          CPU -> sdpa; the meta stand-in -> what CUDA takes: triton with lse, else `library` (the stand-in op
-         of SDPA's / flash-attn's kernel: kernels/attention_standin.py); an explicit sdpa runs as on a CPU
+         of SDPA's / flash-attn's kernel: kernels/attention_standin.py); an explicit sdpa runs as on a CPU,
+         and torch with lse as the reference
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
 The CPU flash op aligns a causal mask top-left and skips only whole 512-key blocks: a causal call (bottom-right
 aligned, sk >= sq: the ring's and the all-gather mode's blocks too) runs in bands of CAUSAL_BAND query rows,
@@ -77,7 +78,9 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
         # stand-in op (kernels/attention_standin.py) has the same shapes and FLOPs under its own name, priced
         # at its own rate. An explicit sdpa runs as on a CPU (aten's CPU flash op in bands): the planner's
         # stand-in for a CPU run asks for it (planner/host_kernels.py)
-        return "triton" if need_lse or backend == "triton" else "library"
+        if backend == "triton" or (need_lse and backend != "torch"):
+            return "triton"
+        return "reference" if need_lse else "library"   # torch with the lse: CUDA runs the reference (below)
     if backend == "reference":
         return "reference"
     if backend == "triton":

@@ -22,8 +22,9 @@ def test_selector_on_this_cpu():
     # the dry run's stand-in for CUDA takes the stand-in op of the kernel CUDA would run: ours with the lse
     # (or asked for), a library's (SDPA / flash-attn) without
     meta = torch.zeros(1, 8, 2, 8, device="meta")
-    assert select_attention("auto", meta, need_lse=True) == select_attention("torch", meta, True) == "triton"
+    assert select_attention("auto", meta, need_lse=True) == select_attention("flash_attn", meta, True) == "triton"
     assert select_attention("triton", meta, need_lse=False) == "triton"
+    assert select_attention("torch", meta, need_lse=True) == "reference"   # as CUDA runs it: the scores kept
     for backend in ("auto", "torch", "flash_attn"):
         assert select_attention(backend, meta, need_lse=False) == "library", backend
     with pytest.raises(ValueError, match="flash_attn cannot run here: the flash-attn package is not installed"):

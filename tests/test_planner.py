@@ -497,7 +497,7 @@ def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes
     from parallel3d.planner.hardware import HOPPER_ATTENTION
 
     def attention_ops(overrides, world):
-        run = run_role(make_config([*SMALL, *overrides], world), 0, _stage_builder, H100, 8)
+        run = run_role(make_config([*SMALL, "model.kernels=auto", *overrides], world), 0, _stage_builder, H100, 8)
         return {k for k in run.op_seconds if k.endswith(("attention_fwd", "attention_bwd"))}
 
     library = {"library_attention_fwd", "library_attention_bwd"}
@@ -505,6 +505,8 @@ def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes
     assert attention_ops(["parallel.tp=1"], 1) == library
     assert attention_ops(["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ulysses"], 2) == library
     assert attention_ops(["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ring"], 2) == ours
+    # model.kernels=torch: CUDA's ring blocks run the exact reference (the scores kept), and so does the stand-in
+    assert attention_ops(["parallel.tp=1", "parallel.cp=2", "model.kernels=torch"], 2) == set()
     flops = 1e12
     for gpu_name in ("h100", "h200"):
         device = gpu(gpu_name)
