@@ -10,6 +10,7 @@
 #   profile        benchmarks/step_profile.py: where a step's time goes (kernels by time, device busy)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
 #   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
+#   attn_rates     attention's share of the peak (SDPA's and ours) at four shapes, beside HOPPER_ATTENTION
 #   opcost         host cost of one RMSNorm forward + backward: our custom op against its autograd.Function
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
@@ -65,6 +66,28 @@ prof.disable(); torch.cuda.synchronize()
 pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 '
 
+# attention's share of the dense bf16 peak, SDPA's kernels and ours, forward and backward, at several shapes:
+# the planner's hardware.HOPPER_ATTENTION comes from one shape (b2 s4096 hq32 hk8 d128 causal)
+ATTN_RATES='
+import torch, triton.testing
+from parallel3d.hardware import peak_flops_of
+from parallel3d.kernels import ops
+from parallel3d.planner.hardware import HOPPER_ATTENTION
+peak = peak_flops_of(torch.cuda.get_device_name(), "bf16")   # FLOP/s
+print("planner shares:", {k: round(v, 3) for k, v in HOPPER_ATTENTION.items()})
+for b, s, hq, hk, d in ((2, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 16, 8, 128), (2, 4096, 32, 8, 64)):
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))
+    fwd = 4 * b * hq * (s * (s + 1) / 2) * d
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                                    is_causal=True, enable_gqa=True)
+    ours = lambda: ops.flash_attention(q, k, v, True)[0]
+    for name, f in (("sdpa", sdpa), ("ours", ours)):
+        ms = triton.testing.do_bench(f)                                   # forward
+        ms_both = triton.testing.do_bench(lambda: f().sum().backward())   # forward + backward
+        print(f"b{b} s{s} hq{hq} hk{hk} d{d} {name}: forward {fwd / (ms * 1e-3) / peak:.2f} of peak, "
+              f"backward {2.5 * fwd / ((ms_both - ms) * 1e-3) / peak:.2f}")
+'
+
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -84,6 +107,7 @@ for p in $PHASES; do
         ${PLANNER_LAYOUTS:+--layouts $PLANNER_LAYOUTS} ;;
     profile) phase profile 60 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-accum4}" --top 25 ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
+    attn_rates) phase attn_rates 60 python3 -c "$ATTN_RATES" ;;
     opcost) phase opcost 40 python3 -c "$OPCOST" ;;
     attn_tiles) phase attn_tiles 100 python3 benchmarks/attention_tiles.py ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
