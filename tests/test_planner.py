@@ -457,7 +457,7 @@ def test_a_compiled_run_is_planned_as_its_eager_step_and_says_so(monkeypatch):
     eager plan's, and the plan carries the note plan.py prints (the fusion is not modelled)."""
     from launch import plan as plan_cli
     from launch.common import stage_builder
-    from parallel3d.planner.estimate import COMPILE_NOTE
+    from parallel3d.planner.assumptions import COMPILE_NOTE
 
     base = ["parallel.tp=2", *SMALL]
     eager = plan(make_config(base, 2), stage_builder, H100, 8)
@@ -472,7 +472,7 @@ def test_a_compiled_run_is_planned_as_its_eager_step_and_says_so(monkeypatch):
 def test_a_plans_notes_name_each_simplification_the_config_meets():
     """Plan.notes (plan.py's note: lines) for packed documents and for a dropless MoE planned balanced; none
     for a plan that meets neither, for a routing load given, a capacity factor or one EP rank."""
-    from parallel3d.planner.estimate import DOCUMENTS_NOTE, ROUTING_NOTE, notes
+    from parallel3d.planner.assumptions import DOCUMENTS_NOTE, ROUTING_NOTE, notes
 
     moe = ["parallel.tp=1", "model.num_experts=4", "model.moe_top_k=2"]
     assert notes(make_config(SMALL, 2), 1.0) == []
@@ -482,7 +482,7 @@ def test_a_plans_notes_name_each_simplification_the_config_meets():
     assert notes(make_config([*SMALL, *moe, "parallel.ep=2", "model.capacity_factor=1.25"], 2), 1.0) == []
     assert notes(make_config([*SMALL, *moe, "parallel.ep=1"], 2), 1.0) == []
     # a GPU whose attention kernels were never measured says it prices them at the matmul's efficiency
-    from parallel3d.planner.estimate import attention_note
+    from parallel3d.planner.assumptions import attention_note
     assert notes(make_config(SMALL, 2), 1.0, gpu("a100")) == [attention_note(gpu("a100"))]
     assert "A100-SXM4-80GB" in attention_note(gpu("a100"))
     assert notes(make_config(SMALL, 2), 1.0, gpu("b200")) == [attention_note(gpu("b200"))]

@@ -34,6 +34,7 @@ from parallel3d.planner.dryrun import StageBuilder, run_role
 from parallel3d.planner.cost import exposed_buckets
 from parallel3d.planner.hardware import GPU
 from parallel3d.planner.host_kernels import as_run_on_cpu
+from parallel3d.planner.assumptions import eager, notes
 from parallel3d.planner.offload import apply_offload, exposed_activation_copies, exposed_offload, without_offload
 from parallel3d.planner.step_costs import RoleRun
 from parallel3d.tensor_parallel.fp8 import check_fp8_hardware
@@ -107,45 +108,6 @@ def run_microbatches(name: str, p: int, m: int, v: int) -> int:
         if [peak_in_flight(r, until_weight=keeps) for r in build_schedule(name, p, trial, v)] == full:
             return trial
     return min(m, 2 * p * v)
-
-
-COMPILE_NOTE = ("train.compile=true is planned as the eager step: torch.compile's fusion of element-wise ops "
-                "(fewer kernels, less memory traffic) and its partitioner's choice of saved activations are not "
-                "modelled, so compute time and activation memory are the eager code's")
-
-
-DOCUMENTS_NOTE = ("data.document_masking=true is planned as plain causal attention over the whole sequence: "
-                  "attention time is an upper bound (a run's documents set what each kernel skips)")
-ROUTING_NOTE = ("the dropless MoE is planned with balanced routing; a run's busiest EP rank usually takes more "
-                "(plan.py --compare reads its load from the run's JSONL, --moe-load F plans at it)")
-
-
-def attention_note(gpu: GPU) -> str:
-    return (f"attention on {gpu.name} is priced at the matmul's efficiency ({gpu.matmul_efficiency:g} of the "
-            f"peak): no attention kernel was measured on it (hardware.HOPPER_ATTENTION covers H100 and H200)")
-
-
-def notes(cfg: ExperimentConfig, expert_load: float, gpu: Optional[GPU] = None) -> list[str]:
-    """What the plan assumes where the run will differ (Plan.notes; docs/planner.md, "Known simplifications")."""
-    m = cfg.model
-    unmeasured = gpu is not None and not gpu.runs_cpu_kernels and not gpu.matmul_curves and not gpu.attention_efficiency
-    return [note for note, applies in (
-        (attention_note(gpu) if unmeasured else "", unmeasured),
-        (COMPILE_NOTE, cfg.train.compile),
-        (DOCUMENTS_NOTE, cfg.data.document_masking),
-        (ROUTING_NOTE, m.num_experts and cfg.parallel.ep > 1 and not m.capacity_factor > 0 and expert_load == 1.0),
-    ) if applies]
-
-
-def eager(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The layout without `train.compile`: the stand-in steps the eager blocks, and the plan says so
-    (COMPILE_NOTE). Compiled blocks on the stand-in had run the same ops eagerly, only slower: tiny's plan took
-    9 s against 5, to the same figures."""
-    if not cfg.train.compile:
-        return cfg
-    run = copy.deepcopy(cfg)
-    run.train.compile = False
-    return run
 
 
 def _reduced(cfg: ExperimentConfig) -> ExperimentConfig:
