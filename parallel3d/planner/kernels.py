@@ -7,7 +7,8 @@ tensor-core kernel needs two warpgroups (8 warps) per SM so that one issues matr
 other loads and runs the softmax (the ping-pong of FlashAttention-3 on Hopper; the same count keeps
 Ampere's four schedulers busy with two warps each), so its time is divided by min(1, warps per SM / 8).
 On `meta` our kernels run as their custom ops (kernels/ops.py); only attention's are derated here (the
-norms, RoPE and SwiGLU are bandwidth-bound and need no tensor cores).
+norms, RoPE and SwiGLU are bandwidth-bound and need no tensor cores), and only on a GPU without measured
+attention rates (`GPU.attention_efficiency`, which include what occupancy costs).
 """
 from __future__ import annotations
 
