@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, most valuable first, each phase bounded so that a failure or a hang costs only
-# its own slot (about 9 minutes in all on one H100/H200):
+# its own slot (about 10 minutes in all on one H100/H200):
 #
 #     bash benchmarks/gpu_check.sh OUTDIR [PHASE ...]      (default: every phase below, in this order)
 #
@@ -21,7 +21,7 @@
 set -u
 OUTDIR=${1:-/tmp/gpu_check}
 shift || true
-PHASES=${*:-tests_kernels tests_gpu planner train_eager train_compile kernels}
+PHASES=${*:-tests_kernels tests_gpu planner attn_rates train_eager train_compile kernels}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 
