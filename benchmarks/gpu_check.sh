@@ -2,7 +2,7 @@
 # One GPU session's checks, most valuable first, each phase bounded so that a failure or a hang costs only
 # its own slot (about 10 minutes in all on one H100/H200):
 #
-#     bash benchmarks/gpu_check.sh OUTDIR [PHASE ...]      (default: every phase below, in this order)
+#     bash benchmarks/gpu_check.sh OUTDIR [PHASE ...]      (default: PHASES below; any phase listed here by name)
 #
 #   tests_kernels  the kernel test files on the GPU (compiled Triton, odd shapes)
 #   tests_gpu      the other tests marked gpu (multigpu ones skip on one GPU)
