@@ -69,18 +69,9 @@ def _backward(ctx, dout, dlse):
 library_attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-@register_flop_formula(torch.ops.parallel3d.library_attention_fwd)
-def _fwd_flops(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
-    """As our kernel's (ops.py): two matmuls over the visible causal pairs."""
-    b, _, hq, d = q_shape
-    return int(4 * b * hq * ops._score_pairs(q_shape, k_shape, causal) * d)
-
-
-@register_flop_formula(torch.ops.parallel3d.library_attention_bwd)
-def _bwd_flops(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
-    """As our kernel's: five matmuls, 2.5 times the forward."""
-    b, _, hq, d = q_shape
-    return int(10 * b * hq * ops._score_pairs(q_shape, k_shape, causal) * d)
+# our kernel's formulas: the same matmuls over the visible causal pairs
+register_flop_formula(torch.ops.parallel3d.library_attention_fwd)(ops.attention_fwd_flops)
+register_flop_formula(torch.ops.parallel3d.library_attention_bwd)(ops.attention_bwd_flops)
 
 
 def library_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: Optional[float] = None

@@ -214,18 +214,22 @@ def _score_pairs(q_shape, k_shape, causal: bool) -> float:
     return sq * (sk - sq) + sq * (sq + 1) / 2 if causal and sk >= sq else sq * sk
 
 
-@register_flop_formula(torch.ops.parallel3d.flash_attention_fwd)
-def _fa_fwd_flops(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
-    """Two matmuls (q k^T, p v): 2 * 2 * b * hq * pairs * d (FlopCounterMode and the planner read it)."""
+def attention_fwd_flops(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
+    """Two matmuls (q k^T, p v): 2 * 2 * b * hq * pairs * d (FlopCounterMode and the planner read it; also
+    the formula of attention_standin's op)."""
     b, _, hq, d = q_shape
     return int(4 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
 
 
-@register_flop_formula(torch.ops.parallel3d.flash_attention_bwd)
-def _fa_bwd_flops(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
+def attention_bwd_flops(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
     """Five matmuls (recomputed q k^T, dv, dp, dq, dk): 2.5 times the forward."""
     b, _, hq, d = q_shape
     return int(10 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
+
+
+# registered undecorated, so the plain formulas stay importable (register_flop_formula returns a wrapper)
+register_flop_formula(torch.ops.parallel3d.flash_attention_fwd)(attention_fwd_flops)
+register_flop_formula(torch.ops.parallel3d.flash_attention_bwd)(attention_bwd_flops)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: Optional[float] = None

@@ -36,7 +36,7 @@ def notes(cfg: ExperimentConfig, expert_load: float, gpu: Optional[GPU] = None) 
         found.append(COMPILE_NOTE)
     if cfg.data.document_masking:
         found.append(DOCUMENTS_NOTE)
-    if m.num_experts and cfg.parallel.ep > 1 and not m.capacity_factor > 0 and expert_load == 1.0:
+    if m.num_experts and cfg.parallel.ep > 1 and m.capacity_factor <= 0 and expert_load == 1.0:  # dropless
         found.append(ROUTING_NOTE)
     return found
 

@@ -61,8 +61,8 @@ FP8_CAPABILITY = (8, 9)   # float8 tensor cores: Ada (sm_89), Hopper (sm_90) and
 
 def check_fp8_hardware(recipe: str, name: str, has_fp8: bool) -> None:
     """train.fp8 needs float8 tensor cores: on a GPU without them torch._scaled_mm fails in the first forward,
-    and a plan would price its GEMMs at a peak the GPU cannot reach. `has_fp8`: `cuda_has_fp8` for a run's
-    device, the GPU table's fp8 peak for a plan."""
+    and a plan would price its GEMMs at a peak the GPU cannot reach. `has_fp8`: the device's compute
+    capability for a run (check_fp8_device), the GPU table's fp8 peak for a plan (planner/estimate.py)."""
     if recipe != "none" and not has_fp8:
         raise ValueError(f"train.fp8={recipe} needs float8 tensor cores (compute capability "
                          f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer: L4, L40S, H100, H200, B200); "

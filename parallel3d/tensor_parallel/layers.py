@@ -198,9 +198,9 @@ def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
     """Switch every column-, row- and KV-parallel linear of `model` to `recipe` (the LM head excepted);
     returns how many layers were switched."""
     fp8.check_fp8(recipe, "bf16")
-    for param in model.parameters():   # the device the float8 GEMMs will run on
+    param = next(model.parameters(), None)   # on the device the float8 GEMMs will run on
+    if param is not None:
         fp8.check_fp8_device(recipe, param.device)
-        break
     n = 0
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear)) and name != "lm_head":
