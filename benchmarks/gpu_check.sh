@@ -10,7 +10,7 @@
 #   profile        benchmarks/step_profile.py: where a step's time goes (kernels by time, device busy)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
 #   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
-#   attn_rates     attention's share of the peak (SDPA's and ours) at four shapes, beside HOPPER_ATTENTION
+#   attn_rates     attention's share of the peak (SDPA's, ours, the CP block's) at four shapes, beside HOPPER_ATTENTION
 #   opcost         host cost of one RMSNorm forward + backward: our custom op against its autograd.Function
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
@@ -66,12 +66,14 @@ prof.disable(); torch.cuda.synchronize()
 pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 '
 
-# attention's share of the dense bf16 peak, SDPA's kernels and ours, forward and backward, at several shapes:
+# attention's share of the dense bf16 peak, SDPA's kernels, ours and the CP block's (SDPA's flash op with the lse),
+# forward and backward, at several shapes:
 # the planner's hardware.HOPPER_ATTENTION comes from one shape (b2 s4096 hq32 hk8 d128 causal)
 ATTN_RATES='
 import torch, triton.testing
 from parallel3d.hardware import peak_flops_of
-from parallel3d.kernels import ops
+from parallel3d.kernels import dispatch, ops
+from parallel3d.kernels.attention_backend import select_attention
 from parallel3d.planner.hardware import HOPPER_ATTENTION
 peak = peak_flops_of(torch.cuda.get_device_name(), "bf16")   # FLOP/s
 print("planner shares:", {k: round(v, 3) for k, v in HOPPER_ATTENTION.items()})
@@ -81,7 +83,8 @@ for b, s, hq, hk, d in ((2, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                                                                     is_causal=True, enable_gqa=True)
     ours = lambda: ops.flash_attention(q, k, v, True)[0]
-    for name, f in (("sdpa", sdpa), ("ours", ours)):
+    blocks = lambda: dispatch.attention_with_lse(q, k, v, True, None, "auto")[0]   # CP blocks: the flash op
+    for name, f in (("sdpa", sdpa), ("ours", ours), ("cp-block " + select_attention("auto", q, True), blocks)):
         ms = triton.testing.do_bench(f)                                   # forward
         ms_both = triton.testing.do_bench(lambda: f().sum().backward())   # forward + backward
         print(f"b{b} s{s} hq{hq} hk{hk} d{d} {name}: forward {fwd / (ms * 1e-3) / peak:.2f} of peak, "
@@ -101,13 +104,14 @@ for p in $PHASES; do
     tests_kernels) phase tests_kernels 90 python3 -m pytest -q -rfEs --timeout 60 tests/test_kernels_rmsnorm.py \
         tests/test_kernels_swiglu.py tests/test_kernels_rope.py tests/test_kernels_cross_entropy.py \
         tests/test_kernels_flash_attention.py tests/test_kernel_ops.py tests/test_fused_head.py ;;
-    tests_gpu) phase tests_gpu 45 python3 -m pytest -q -rfEs --timeout 40 -m "gpu or multigpu" \
-        tests/test_followups.py tests/test_gpu_async.py tests/test_offload_overlap.py tests/test_flash_attn_backend.py ;;
+    tests_gpu) phase tests_gpu 75 python3 -m pytest -q -rfEs --timeout 40 -m "gpu or multigpu" \
+        tests/test_followups.py tests/test_gpu_async.py tests/test_offload_overlap.py tests/test_flash_attn_backend.py \
+        tests/test_attention_cuda_flash.py ;;
     planner) phase planner "${PLANNER_S:-160}" python3 benchmarks/planner_accuracy.py --gpu --steps 6 --json \
         ${PLANNER_LAYOUTS:+--layouts $PLANNER_LAYOUTS} ;;
     profile) phase profile 60 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-accum4}" --top 25 ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
-    attn_rates) phase attn_rates 60 python3 -c "$ATTN_RATES" ;;
+    attn_rates) phase attn_rates 100 python3 -c "$ATTN_RATES" ;;
     opcost) phase opcost 40 python3 -c "$OPCOST" ;;
     attn_tiles) phase attn_tiles 100 python3 benchmarks/attention_tiles.py ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \

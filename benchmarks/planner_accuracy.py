@@ -42,7 +42,8 @@ and full recomputation, four microbatches, and the optimizer offloaded to the ho
 First it measures this host (`--table-host` keeps the table's figures): the issue time per op
 (`GPU.host_op_s` inside the pipeline's actions, `host_step_op_s` outside them; cost.queue_seconds) from
 the accum4 layout at width 128, whose kernels are far shorter than their issue, run for real: its pipeline
-and the rest of its step over the ops its dry run counts in each; and the host AdamW rate on one thread.
+and the rest of its step over the ops its dry run counts in each; and the offloaded optimizer step's host
+rate on one thread (profile.host_step_rate).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ from parallel3d.planner.dryrun import run_role  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
 from parallel3d.planner.hardware import gpu_of_device  # noqa: E402
 from parallel3d.planner.op_replay import speed_note  # noqa: E402
-from parallel3d.planner.profile import cache_path, cpu_device, host_adam_rate  # noqa: E402
+from parallel3d.planner.profile import cache_path, cpu_device, host_step_rate  # noqa: E402
 from parallel3d.training.config import load_config  # noqa: E402
 from parallel3d.training.validate import resolve_and_validate  # noqa: E402
 
@@ -131,7 +132,7 @@ def predict(config: str, overrides: list[str], gpu, world: int = WORLD, expert_l
 
 def measure_host(gpu, steps: int, tmp: Path):
     """`gpu` with this machine's host rates (see the module docstring): the issue time per dry-run op inside
-    the pipeline's actions and outside them, from the probe's timeline, and the host AdamW rate."""
+    the pipeline's actions and outside them, from the probe's timeline, and the offloaded optimizer step's host rate."""
     config, extra = GPU_MODELS["llama_1b"]
     overrides = COMMON + extra + GPU_LAYOUTS["accum4"] + HOST_PROBE
     cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), 1)
@@ -140,18 +141,18 @@ def measure_host(gpu, steps: int, tmp: Path):
     inside = sum(count for count, _ in run.op_seconds.values()) - outside
     row = measure(config, overrides, steps, tmp, "host-probe", 1)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a torchrun rank runs the offloaded AdamW
+    torch.set_num_threads(1)  # as a torchrun rank runs the offloaded step
     try:
-        adam = host_adam_rate()
+        host_step = host_step_rate()
     finally:
         torch.set_num_threads(threads)
     print(f"host: the width-128 probe's pipeline {row['measured_pipeline_s'] * 1e3:.1f} ms over {inside:.0f} ops "
           f"({row['measured_pipeline_s'] / inside * 1e6:.1f} us per op), after it {row['measured_after_s'] * 1e3:.1f} "
           f"ms over {outside:.0f} ops ({row['measured_after_s'] / outside * 1e6:.1f} us); the table's "
-          f"{gpu.host_op_s * 1e6:.1f} / {gpu.host_step_op_s * 1e6:.1f} us; host AdamW {adam / 1e6:.0f} M params/s "
-          f"per thread (the table's {gpu.host_adam_params_per_s / 1e6:.0f})", flush=True)
+          f"{gpu.host_op_s * 1e6:.1f} / {gpu.host_step_op_s * 1e6:.1f} us; the offloaded optimizer step on the host "
+          f"{host_step / 1e6:.0f} M params/s per thread (the table's {gpu.host_step_params_per_s / 1e6:.0f})", flush=True)
     return dataclasses.replace(gpu, host_op_s=row["measured_pipeline_s"] / inside,
-                               host_step_op_s=row["measured_after_s"] / outside, host_adam_params_per_s=adam)
+                               host_step_op_s=row["measured_after_s"] / outside, host_step_params_per_s=host_step)
 
 
 def cuda_device():

@@ -262,8 +262,8 @@ def main(argv=None) -> int:
     for g in groups:
         if g not in GROUPS:
             ap.error(f"--only: unknown group {g!r}; known: {', '.join(GROUPS)}")
-    print(f"host AdamW (offload): {H100.host_adam_params_per_s / 1e9:.2f} G params/s per rank "
-          f"(planner/hardware.py: adamw_flat_ at one thread per torchrun rank)")
+    print(f"host optimizer step (offload): {H100.host_step_params_per_s / 1e9:.2f} G params/s per rank "
+          f"(planner/hardware.py: the offloaded step at one thread per torchrun rank)")
     rows: list = []
     t0 = time.perf_counter()
     for g in groups:

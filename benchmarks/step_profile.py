@@ -3,6 +3,7 @@ the device was over the step, and how many kernels ran. The diagnostic behind th
 comparison when a whole step is off (benchmarks/planner_accuracy.py --gpu).
 
     python benchmarks/step_profile.py [--model llama_1b] [--layout selective] [--steps 3] [--top 20] [--plan]
+                                      [--sort device|cpu]
 
 World 1 on this machine's device (CUDA when present), the real Trainer, the model and layout names of
 planner_accuracy.py (--gpu's on a GPU, else tiny with its CPU layouts' overrides where they apply).
@@ -41,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--override", nargs="*", default=[], help="extra key=value overrides")
     ap.add_argument("--plan", action="store_true", help="the planner's seconds per op beside the profile's")
+    ap.add_argument("--sort", choices=("device", "cpu"), default="device",
+                    help="order ops by device time (a GPU's default) or by host self time (where the host sets "
+                         "the pace: optimizer offload)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
     print(f"{model} {args.layout} on {torch.cuda.get_device_name() if cuda else 'cpu'}: step {wall * 1e3:.1f} ms "
           f"unprofiled; {'device busy' if cuda else 'CPU op time'} {busy * 1e3:.1f} ms in the profiled step"
           + (f" over {kernels} kernels" if cuda else ""), flush=True)
-    print(events.table(sort_by=key, row_limit=args.top), flush=True)
+    print(events.table(sort_by=key if args.sort == "device" else "self_cpu_time_total", row_limit=args.top),
+          flush=True)
     if args.plan:
         print(per_op_table(cfg, events, cuda, args.top), flush=True)
     return 0

@@ -2,24 +2,30 @@
 
     backend      what runs                                                  (out, lse) blocks for CP
     triton       our flash kernel (kernels.flash_attention)                 yes: forward and backward
-    sdpa         torch SDPA; on the CPU aten's fused flash attention        CPU: aten's flash op, which returns
-                 (`_scaled_dot_product_flash_attention_for_cpu`)            the lse and has a backward taking
-                                                                            (out, lse); CUDA: the Triton kernel
-    flash_attn   the flash-attn package (CUDA, fp16/bf16, head dim <= 256):   the Triton kernel (flash-attn has no
-                 `flash_attn_func` / `flash_attn_varlen_func`, (b, s, h, d)  public backward-from-(out, lse) API)
+    sdpa         torch SDPA; on the CPU aten's fused flash attention        aten's ops that return the lse and
+                 (`_scaled_dot_product_flash_attention_for_cpu`)            have a backward taking (out, lse):
+                                                                            CPU its flash op; CUDA its cuDNN op
+                                                                            on Hopper, else FlashAttention-2's
+                                                                            (`cuda_lse_op`), else the Triton kernel
+    flash_attn   the flash-attn package (CUDA, fp16/bf16, head dim <= 256):   as sdpa (flash-attn has no public
+                 `flash_attn_func` / `flash_attn_varlen_func`, (b, s, h, d)  backward-from-(out, lse) API)
     reference    exact einsum reference (fp64 for fp64 inputs): tests, and whatever no fused kernel covers
 
 `select_attention(backend, q, need_lse)` maps the model's setting to one of these. `backend` is the
 model.attention value, or model.kernels ("auto" | "triton" | "torch") when model.attention is "auto":
   auto   fp64 -> reference (exact); CUDA without lse -> flash_attn when `why_not_flash_attn` finds no reason
-         against it (installed, 16-bit, head dim <= 256), else sdpa; CUDA with lse (CP blocks) -> triton;
-         CPU -> sdpa; the meta stand-in -> what CUDA takes: triton with lse, else `library` (the stand-in op
-         of SDPA's / flash-attn's kernel: kernels/attention_standin.py); an explicit sdpa runs as on a CPU,
-         and torch with lse as the reference
+         against it (installed, 16-bit, head dim <= 256), else sdpa; CUDA with lse (CP blocks) -> sdpa
+         where one of SDPA's ops with the lse runs (16-bit, head dim <= 256, a multiple of 8), else triton;
+         documents with the lse take triton on CUDA (SDPA's ops mask none); CPU -> sdpa; the meta stand-in ->
+         what CUDA takes: `library` (kernels/attention_standin.py: the stand-in op of SDPA's / flash-attn's
+         kernel, or with the lse of cuDNN's op), triton where CUDA runs FlashAttention-2's op or ours (they
+         ran at the same rate); an explicit sdpa runs as on a CPU, and torch with lse as the reference
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
-The CPU flash op aligns a causal mask top-left and skips only whole 512-key blocks: a causal call (bottom-right
-aligned, sk >= sq: the ring's and the all-gather mode's blocks too) runs in bands of CAUSAL_BAND query rows,
-each a fully visible key prefix plus a causal square, the two partial results merged through their lse.
+Causal blocks are bottom-right aligned (sk >= sq). The CPU flash op aligns a causal mask top-left and skips
+only whole 512-key blocks: a causal call with sk > sq (the ring's and the all-gather mode's blocks too) runs
+in bands of CAUSAL_BAND query rows, each a fully visible key prefix plus a causal square, the two partial
+results merged through their lse. On CUDA the same split runs as one band, so that no op's own alignment
+matters.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ import os
 from typing import Optional
 
 import torch
+
+from parallel3d.kernels.attention_cuda import cuda_flash, cuda_flash_backward, cuda_lse_op
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
 # Rows per band of a causal call on the CPU. aten's CPU flash op skips only whole 512-key blocks above the
@@ -72,15 +80,19 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS + _KERNEL_SETTINGS}, got {backend!r}")
     exact = q.dtype == torch.float64
     if q.is_meta and not exact and backend not in ("reference", "sdpa"):
-        # the dry run stands in for CUDA, where every backend is a flash kernel (out + lse saved, no scores):
-        # with the lse (or asked for) ours, its custom op, whose fake implementation and FLOP formula
-        # (kernels/ops.py) the planner reads; without it a library's (SDPA / flash-attn, below), whose
-        # stand-in op (kernels/attention_standin.py) has the same shapes and FLOPs under its own name, priced
-        # at its own rate. An explicit sdpa runs as on a CPU (aten's CPU flash op in bands): the planner's
-        # stand-in for a CPU run asks for it (planner/host_kernels.py)
-        if backend == "triton" or (need_lse and backend != "torch"):
+        # the dry run stands in for CUDA (below), where every backend is a flash kernel (out + lse saved, no
+        # scores): ours is its custom op, whose fake implementation and FLOP formula (kernels/ops.py) the
+        # planner reads; a library's (SDPA's / flash-attn's) is a stand-in op (kernels/attention_standin.py)
+        # with the same shapes and FLOPs under its own name, priced at its own rate. An explicit sdpa runs
+        # as on a CPU (aten's CPU flash op in bands): the planner's stand-in for a CPU run asks for it
+        # (planner/host_kernels.py)
+        if backend == "torch":
+            return "reference" if need_lse else "library"   # torch with the lse: CUDA runs the reference
+        # with the lse CUDA takes cuDNN's op where it runs and FlashAttention-2's or ours elsewhere, which ran at
+        # the same rate (cuda_lse_op): those are priced as ours
+        if backend == "triton" or (need_lse and cuda_lse_op(q) != "cudnn"):
             return "triton"
-        return "reference" if need_lse else "library"   # torch with the lse: CUDA runs the reference (below)
+        return "library"
     if backend == "reference":
         return "reference"
     if backend == "triton":
@@ -88,21 +100,24 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
             raise RuntimeError("attention backend 'triton' on a CPU tensor needs TRITON_INTERPRET=1 in the "
                                "environment before kernels are imported (docs/models.md, Kernels)")
         return "triton"
+    if backend == "torch":
+        return "reference" if exact or (on_gpu(q) and need_lse) else "sdpa"
     if backend == "flash_attn":
         why_not = why_not_flash_attn(q)
         if why_not:
             raise ValueError(f"model.attention=flash_attn cannot run here: {why_not}")
-        return "triton" if need_lse else "flash_attn"
-    if backend == "sdpa":
-        return "triton" if on_gpu(q) and need_lse else "sdpa"
-    if backend == "torch":
-        return "reference" if exact or (on_gpu(q) and need_lse) else "sdpa"
+    if on_gpu(q) and need_lse:
+        # blocks that merge through their lse (CP): SDPA's CUDA ops return it and their backward takes the
+        # merged (out, lse); cuDNN's ran 1.2-1.6x ours forward, 1.5-1.9x backward on an H200 (cuda_lse_op)
+        if exact:
+            return "reference"
+        return "sdpa" if cuda_lse_op(q) else "triton"
+    if backend in ("flash_attn", "sdpa"):
+        return backend
     # auto
     if exact:
         return "reference"
     if on_gpu(q):
-        if need_lse:
-            return "triton"
         # SDPA's CUDA kernels (FlashAttention-2 / cuDNN) ran causal GQA at 3.6x (forward) and 4x (forward +
         # backward) our Triton kernel's speed on an H200 (benchmarks/RESULTS.md, kernels)
         return "flash_attn" if not why_not_flash_attn(q) else "sdpa"
@@ -129,13 +144,22 @@ def _cpu_flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
-def _bands(sq: int, sk: int) -> list[tuple[int, int, int]]:
-    """Causal (bottom-right) attention of sq queries on sk keys as bands [(q0, q1, kc)]: rows [q0, q1) see keys
-    [0, kc) fully and keys [kc, kc + q1 - q0) through a causal square (top-left = bottom-right on a square)."""
+def _flash(q, k, v, causal, scale):
+    return (cuda_flash if q.is_cuda else _cpu_flash)(q, k, v, causal, scale)
+
+
+def _flash_backward(do, q, k, v, out, lse, causal, scale):
+    return (cuda_flash_backward if q.is_cuda else _cpu_flash_backward)(do, q, k, v, out, lse, causal, scale)
+
+
+def _bands(sq: int, sk: int, band: int) -> list[tuple[int, int, int]]:
+    """Causal (bottom-right) attention of sq queries on sk keys as bands of `band` rows [(q0, q1, kc)]: rows
+    [q0, q1) see keys [0, kc) fully and keys [kc, kc + q1 - q0) through a causal square (top-left =
+    bottom-right on a square, so the result does not hang on the op's own alignment)."""
     if sk < sq:
         raise ValueError(f"causal block with fewer keys ({sk}) than queries ({sq}): rows without keys are "
                          f"not supported by the sdpa backend")
-    return [(q0, min(q0 + CAUSAL_BAND, sq), sk - sq + q0) for q0 in range(0, sq, CAUSAL_BAND)]
+    return [(q0, min(q0 + band, sq), sk - sq + q0) for q0 in range(0, sq, band)]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -144,24 +168,25 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def sdpa_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32) through aten's flash op, causal bottom-right.
-    A causal call runs band by band (module docstring): each band's full prefix and causal square merge
-    through their lse, lse = logaddexp(l1, l2), out = o1 + exp(l2 - lse) * (o2 - o1)."""
+    """(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32) through aten's flash op (CPU or CUDA), causal
+    bottom-right. A causal call runs band by band (module docstring; on CUDA one band of every row): each
+    band's full prefix and causal square merge through their lse, lse = logaddexp(l1, l2),
+    out = o1 + exp(l2 - lse) * (o2 - o1)."""
     if not causal:
-        return _cpu_flash(q, k, v, False, scale)
-    bands = _bands(q.shape[1], k.shape[1])
+        return _flash(q, k, v, False, scale)
+    bands = _bands(q.shape[1], k.shape[1], q.shape[1] if q.is_cuda else CAUSAL_BAND)
     if bands == [(0, q.shape[1], 0)]:
-        return _cpu_flash(q, k, v, True, scale)
+        return _flash(q, k, v, True, scale)
     b, sq, hq, _ = q.shape
     out = torch.empty_like(q)  # (b, sq, hq, d)
     lse = torch.empty((b, hq, sq), dtype=_acc(q.dtype), device=q.device)
     for q0, q1, kc in bands:
         rows, diag = slice(q0, q1), slice(kc, kc + q1 - q0)
-        o2, l2 = _cpu_flash(q[:, rows], k[:, diag], v[:, diag], True, scale)  # the band's causal square
+        o2, l2 = _flash(q[:, rows], k[:, diag], v[:, diag], True, scale)  # the band's causal square
         if kc == 0:
             out[:, rows], lse[..., rows] = o2, l2
             continue
-        o1, l1 = _cpu_flash(q[:, rows], k[:, :kc], v[:, :kc], False, scale)  # keys every row of the band sees
+        o1, l1 = _flash(q[:, rows], k[:, :kc], v[:, :kc], False, scale)  # keys every row of the band sees
         lse[..., rows] = torch.logaddexp(l1, l2)  # (b, hq, n): every row sees at least one key
         w2 = torch.exp(l2 - lse[..., rows]).transpose(1, 2)[..., None]  # (b, n, hq, 1)
         out[:, rows] = torch.lerp(o1.to(w2.dtype), o2.to(w2.dtype), w2)
@@ -176,10 +201,10 @@ def sdpa_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     so the per-piece gradients add up: per band, dq of the rows from both pieces, dk/dv summed per key)."""
     do, out = do.to(q.dtype), out.to(q.dtype)
     if not causal:
-        return _cpu_flash_backward(do, q, k, v, out, lse, False, scale)
-    bands = _bands(q.shape[1], k.shape[1])
+        return _flash_backward(do, q, k, v, out, lse, False, scale)
+    bands = _bands(q.shape[1], k.shape[1], q.shape[1] if q.is_cuda else CAUSAL_BAND)
     if bands == [(0, q.shape[1], 0)]:
-        return _cpu_flash_backward(do, q, k, v, out, lse, True, scale)
+        return _flash_backward(do, q, k, v, out, lse, True, scale)
     acc = _acc(q.dtype)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)  # (b, sq, hq, d)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # (b, sk, hk, d)
@@ -187,13 +212,13 @@ def sdpa_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     for q0, q1, kc in bands:
         rows, diag = slice(q0, q1), slice(kc, kc + q1 - q0)
         part = (do[:, rows], q[:, rows])
-        dq2, dk2, dv2 = _cpu_flash_backward(*part, k[:, diag], v[:, diag], out[:, rows], lse[..., rows], True, scale)
+        dq2, dk2, dv2 = _flash_backward(*part, k[:, diag], v[:, diag], out[:, rows], lse[..., rows], True, scale)
         dk[:, diag] += dk2
         dv[:, diag] += dv2
         if kc == 0:
             dq[:, rows] = dq2
             continue
-        dq1, dk1, dv1 = _cpu_flash_backward(*part, k[:, :kc], v[:, :kc], out[:, rows], lse[..., rows], False, scale)
+        dq1, dk1, dv1 = _flash_backward(*part, k[:, :kc], v[:, :kc], out[:, rows], lse[..., rows], False, scale)
         dq[:, rows] = dq1.to(acc) + dq2
         dk[:, :kc] += dk1
         dv[:, :kc] += dv1
@@ -201,7 +226,7 @@ def sdpa_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 class SdpaBlockFunction(torch.autograd.Function):
-    """(out, lse) of aten's CPU flash attention, differentiable through out (lse is not)."""
+    """(out, lse) of aten's flash attention (CPU or CUDA), differentiable through out (lse is not)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):

@@ -191,13 +191,16 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         doc_ids = None  # as in `attention`
     impl = select_attention(backend, q, need_lse=True)
     if doc_ids is not None:
-        if impl == "triton":
+        if impl == "triton" or (impl == "sdpa" and q.is_cuda):  # SDPA's flash op masks no documents
             from parallel3d.kernels.flash_attention import flash_attention
             return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
         return attention_reference(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
     if impl == "triton":
         from parallel3d.kernels import ops
         return ops.flash_attention(q, k, v, causal, scale)
-    if impl == "sdpa":
+    if impl == "library":   # the meta stand-in for SDPA's CUDA op with the lse (select_attention)
+        from parallel3d.kernels.attention_standin import library_attention
+        return library_attention(q, k, v, causal, scale, with_lse=True)
+    if impl == "sdpa":      # aten's flash op, CPU or CUDA
         return SdpaBlockFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5 if scale is None else scale)
     return attention_reference(q, k, v, causal, scale)

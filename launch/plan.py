@@ -62,7 +62,7 @@ def _table(result: Plan, gpu, world: int) -> str:
     off = b.get("offload") or {}
     if off.get("host_bytes") or off.get("exposed_s"):
         lines.append(f"  offload: {off['host_bytes'] / GiB:.2f} GiB in host memory, {off['exposed_s']:.3f} s per step "
-                     f"of PCIe / host AdamW / NVMe time not hidden (parallel3d/planner/offload.py)")
+                     f"of PCIe / host optimizer step / NVMe time not hidden (parallel3d/planner/offload.py)")
     lines.append("  share of the step: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in b["shares"].items()))
     for kernel, d in sorted(b.get("derated_kernels", {}).items()):
         lines.append(f"  kernel {kernel}: {d['warps_per_sm']} warps per SM (theoretical occupancy, "

@@ -3,6 +3,8 @@
 model through the Trainer with each backend (world 1 and cp=2 ring)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,11 +20,17 @@ def test_selector_on_this_cpu():
     assert select_attention("auto", f64, need_lse=True) == "reference"  # exact for tests
     assert select_attention("torch", f32, need_lse=True) == "sdpa"
     assert select_attention("sdpa", f32, need_lse=False) == "sdpa"
-    assert select_attention("triton", f32, need_lse=True) == "triton"  # TRITON_INTERPRET=1 (conftest)
-    # the dry run's stand-in for CUDA takes the stand-in op of the kernel CUDA would run: ours with the lse
-    # (or asked for), a library's (SDPA / flash-attn) without
+    if INTERPRETED:
+        assert select_attention("triton", f32, need_lse=True) == "triton"  # TRITON_INTERPRET=1 (conftest)
+    # the dry run's stand-in for CUDA takes the stand-in op of the kernel CUDA would run: a library's (SDPA /
+    # flash-attn; with the lse SDPA's flash op) where it runs (16 bits, head dim <= 256), ours where asked for
+    # or where the flash op cannot run
     meta = torch.zeros(1, 8, 2, 8, device="meta")
     assert select_attention("auto", meta, need_lse=True) == select_attention("flash_attn", meta, True) == "triton"
+    bf16, wide = (torch.zeros(1, 8, 2, d, device="meta", dtype=torch.bfloat16) for d in (64, 512))
+    assert select_attention("auto", bf16, need_lse=True) == select_attention("flash_attn", bf16, True) == "library"
+    assert select_attention("auto", wide, need_lse=True) == "triton"
+    assert select_attention("triton", bf16, need_lse=True) == "triton"
     assert select_attention("triton", meta, need_lse=False) == "triton"
     assert select_attention("torch", meta, need_lse=True) == "reference"   # as CUDA runs it: the scores kept
     for backend in ("auto", "torch", "flash_attn"):
@@ -39,6 +47,10 @@ def _qkv(sq, sk, hq=4, hk=2, d=16, dtype=torch.float32, seed=0):
             for s, h in ((sq, hq), (sk, hk), (sk, hk))]
 
 
+# the Triton kernel on CPU tensors runs under the interpreter, which conftest sets only where CUDA is absent
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernel on CPU tensors needs "
+                                       "TRITON_INTERPRET=1 (conftest sets it only without CUDA)")
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 
 
@@ -48,6 +60,8 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2
 def test_backend_with_lse_matches_fp64_reference(backend, sq, sk, causal, dtype):
     if backend == "triton" and dtype == torch.bfloat16 and sq != 24:
         pytest.skip("the interpreted Triton kernel is covered by test_kernels_flash_attention")
+    if backend == "triton" and not INTERPRETED:
+        pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 (conftest sets it only without CUDA)")
     q, k, v = _qkv(sq, sk, dtype=dtype)
     out, lse = dispatch.attention_with_lse(q, k, v, causal, None, backend)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -108,6 +122,7 @@ def _run(worker, overrides, steps):
     return run(worker, overrides, steps)
 
 
+@needs_interpreter
 def test_trainer_parity_across_backends():
     """The model through the Trainer: the Triton kernel (interpreted) gives the sdpa run's loss and weights
     (each is checked against the exact fp64 reference above; auto is sdpa on this CPU)."""
@@ -126,8 +141,9 @@ def test_trainer_cp2_ring_sdpa_blocks(worlds):
 
 
 def test_library_attention_stand_in_is_our_kernels_op_under_its_own_name():
-    """The meta stand-in of SDPA's / flash-attn's kernel: our custom op's shapes, saved tensors and FLOPs
-    (forward and backward), and it refuses a real tensor."""
+    """The meta stand-ins of SDPA's / flash-attn's kernel and of a CP block's op with the lse: our custom op's
+    shapes, saved tensors and FLOPs (forward and backward) under their own names, and they refuse a real
+    tensor."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from parallel3d.kernels import ops
@@ -138,12 +154,14 @@ def test_library_attention_stand_in_is_our_kernels_op_under_its_own_name():
         k = torch.empty(2, 64, 2, 16, device="meta", requires_grad=True)   # (b, s, hk, d): GQA, sk > sq
         v = torch.empty(2, 64, 2, 16, device="meta", requires_grad=True)
         with FlopCounterMode(display=False) as counter:
-            out, lse = fn(q, k, v, causal, None)
+            out, lse = fn(q, k, v, causal)
             out.backward(torch.empty_like(out))
         return out.shape, lse.shape, lse.dtype, q.grad.shape, k.grad.shape, counter.get_total_flops()
 
     for causal in (True, False):
-        assert run(library_attention, causal) == run(ops.flash_attention, causal)
+        ours = run(lambda *a: ops.flash_attention(*a, None), causal)
+        assert run(lambda *a: library_attention(*a, None), causal) == ours
+        assert run(lambda *a: library_attention(*a, None, with_lse=True), causal) == ours
     assert dispatch.attention(*(torch.empty(1, 8, 2, 8, device="meta") for _ in range(3))).shape == (1, 8, 2, 8)
     with pytest.raises(RuntimeError, match="stand-in on the meta device"):
         library_attention(*(torch.zeros(1, 8, 2, 8) for _ in range(3)))

@@ -43,7 +43,7 @@ def test_standin_follows_the_documented_contract():
     assert (probs[0, 0] != 0).int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]  # seqlen_q=2, seqlen_k=5
     q, k, v = (torch.randn(1, s, 6, 8, dtype=torch.bfloat16) for s in (5, 2, 2))
     out = standin.flash_attn_func(q, k, v, causal=True)
-    assert out[0, :3].abs().max() == 0 and out[0, 3:].abs().min() > 0  # rows seeing no key give zeros
+    assert out[0, :3].abs().max() == 0 and out[0, 3:].abs().amax(-1).min() > 0  # rows seeing no key give zeros
     # "if Q has 6 heads and K, V have 2 heads, head 0, 1, 2 of Q will attention to head 0 of K, V"
     v = torch.ones(1, 2, 2, 8, dtype=torch.bfloat16) * torch.tensor([1.0, 2.0], dtype=torch.bfloat16)[:, None]
     k = torch.randn(1, 2, 2, 8, dtype=torch.bfloat16)
@@ -60,8 +60,9 @@ def test_standin_follows_the_documented_contract():
 
 
 def test_selection_rules(monkeypatch):
-    """auto: CPU -> sdpa; CUDA -> flash_attn when installed, 16-bit, head dim <= 256 and no lse needed, else
-    triton. Explicit flash_attn: refused with the reason, or the Triton kernel where the lse is needed."""
+    """auto: CPU -> sdpa; CUDA -> flash_attn when installed, 16-bit, head dim <= 256 and no lse needed; with
+    the lse (CP blocks) SDPA's CUDA flash op where it runs (16-bit, head dim <= 256), else the Triton kernel.
+    Explicit flash_attn: refused with the reason."""
     bf16, f32 = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 2, 64)
     wide = torch.zeros(1, 8, 2, 512, dtype=torch.bfloat16)
     assert select_attention("auto", bf16, need_lse=False) == "sdpa"  # CPU, package or not
@@ -73,12 +74,15 @@ def test_selection_rules(monkeypatch):
         select_attention("flash_attn", bf16, need_lse=False)
     monkeypatch.setattr(attention_backend, "on_gpu", lambda q: True)
     assert select_attention("auto", bf16, need_lse=False) == "flash_attn"
-    assert select_attention("auto", bf16, need_lse=True) == "triton"  # CP blocks need the lse
+    assert select_attention("auto", bf16, need_lse=True) == "sdpa"  # CP blocks need the lse: SDPA's flash op
+    assert select_attention("auto", f32, need_lse=True) == "triton"  # which takes 16 bits only
+    assert select_attention("auto", wide, need_lse=True) == "triton"  # and head dims up to 256
     assert select_attention("auto", f32, need_lse=False) == "sdpa"   # SDPA's CUDA kernels beat our Triton one
     assert select_attention("auto", wide, need_lse=False) == "sdpa"
     assert select_attention("flash_attn", bf16, need_lse=False) == "flash_attn"
-    assert select_attention("flash_attn", bf16, need_lse=True) == "triton"
-    assert select_attention("sdpa", bf16, need_lse=True) == "triton"
+    assert select_attention("flash_attn", bf16, need_lse=True) == "sdpa"
+    assert select_attention("sdpa", bf16, need_lse=True) == "sdpa"
+    assert select_attention("triton", bf16, need_lse=True) == "triton"
     with pytest.raises(ValueError, match="fp16/bf16 activations only"):
         select_attention("flash_attn", f32, need_lse=False)
     with pytest.raises(ValueError, match="head dims up to 256"):

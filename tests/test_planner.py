@@ -326,7 +326,7 @@ def test_dry_run_flops_follow_the_model_formula(moe):
 def test_offload_copies_hide_behind_the_compute_beside_them():
     """The code overlaps each gradient bucket's copy down with the last backward and each parameter bucket's
     copy up with the next forward (offload/streams.py); the plan exposes only what exceeds that compute,
-    at least one bucket each way, and the host AdamW in full."""
+    at least one bucket each way, and the host step in full."""
     from parallel3d.planner.offload import exposed_offload
     moved = {"offload_s": 7.0, "grads_down_s": 4.0, "params_up_s": 2.0, "host_s": 1.0, "bucket_copy_s": 0.1,
              "param_fetch_s": 0.0}
@@ -490,8 +490,9 @@ def test_a_plans_notes_name_each_simplification_the_config_meets():
 
 
 def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes():
-    """Without the lse (no CP, Ulysses) a CUDA run takes SDPA's kernel, whose stand-in op the dry run
-    records; ring CP blocks, which merge their lse, take ours. On Hopper each is priced at its measured share of the peak
+    """A CUDA run takes SDPA's kernels, whose stand-in ops the dry run records: without the lse (no CP,
+    Ulysses) its attention, with it (ring CP blocks, which merge their lse) its cuDNN op; ours where that op
+    cannot run (fp32). On Hopper each is priced at its measured share of the peak
     (hardware.HOPPER_ATTENTION, from the H200 tile sweep); the A100, where none was measured, keeps the
     matmul's efficiency with our kernel's occupancy derate."""
     from parallel3d.planner.hardware import HOPPER_ATTENTION
@@ -501,10 +502,13 @@ def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes
         return {k for k in run.op_seconds if k.endswith(("attention_fwd", "attention_bwd"))}
 
     library = {"library_attention_fwd", "library_attention_bwd"}
+    library_lse = {"library_lse_attention_fwd", "library_lse_attention_bwd"}
     ours = {"flash_attention_fwd", "flash_attention_bwd"}
     assert attention_ops(["parallel.tp=1"], 1) == library
     assert attention_ops(["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ulysses"], 2) == library
-    assert attention_ops(["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ring"], 2) == ours
+    ring = ["parallel.tp=1", "parallel.cp=2", "parallel.cp_mode=ring"]
+    assert attention_ops([*ring, "train.precision=bf16"], 2) == library_lse
+    assert attention_ops([*ring, "train.precision=fp32"], 2) == ours
     # model.kernels=torch: CUDA's ring blocks run the exact reference (the scores kept), and so does the stand-in
     assert attention_ops(["parallel.tp=1", "parallel.cp=2", "model.kernels=torch"], 2) == set()
     flops = 1e12
@@ -513,7 +517,8 @@ def test_attention_is_priced_at_the_measured_rate_of_the_kernel_a_cuda_run_takes
         for name, share in HOPPER_ATTENTION.items():
             assert op_time(flops, 0.0, 989e12, device, 0.5, torch.bfloat16, name) == pytest.approx(
                 flops / (989e12 * share))   # the occupancy argument is inside the measured share
-    assert HOPPER_ATTENTION["library_attention_fwd"] > HOPPER_ATTENTION["flash_attention_fwd"]
+    assert HOPPER_ATTENTION["library_attention_fwd"] > HOPPER_ATTENTION["library_lse_attention_fwd"] \
+        > HOPPER_ATTENTION["flash_attention_fwd"]
     a100 = gpu("a100")
     assert op_time(flops, 0.0, 312e12, a100, 0.5, torch.bfloat16, "flash_attention_fwd") == pytest.approx(
         flops / (312e12 * 0.75 * 0.5))

@@ -1,5 +1,5 @@
 """The planner against real runs (issue 29): this machine's profile and its cache, the accuracy benchmark's
-smoke run, `launch/plan.py --compare` on a real CPU run, one table of GPU peaks, the host AdamW rate of
+smoke run, `launch/plan.py --compare` on a real CPU run, one table of GPU peaks, the host step rate of
 offload, and `--search`'s dry-run budget. No speed figure is asserted: bytes are, and the structure."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ LINK = [1e-4, 1e9]
 def fake_profile(cores: int = 2, worlds=(1, 2, 4)) -> dict:
     """A profile file as profile.py writes it, with round numbers (no measuring in these tests)."""
     compute = {"matmul": {"fp32": CURVE, "bf16": CURVE}, "memory_bytes_per_s": 2e10, "op_overhead_s": 1e-5,
-               "host_adam_params_per_s": 3e8,
+               "host_step_params_per_s": 3e8,
                "attention": {"flash_attention_fwd": CURVE, "flash_attention_bwd": CURVE},
                "hot_bytes_per_s": 1e11, "memory_bytes_per_s_cold": 1e10, "cache_bytes": 32 * 2 ** 20}
     gloo = {str(w): {"collectives": {op: LINK for op in profile_gloo.COLLECTIVES}, "base_rss_bytes": 300 * 2 ** 20}
@@ -63,14 +63,14 @@ def test_profile_is_measured_once_then_read_from_its_cache(tmp_path, monkeypatch
 
 def test_ranks_sharing_cores_are_priced_as_they_run(tmp_path):
     """World 2 on 2 cores: one core per rank; world 4 on 2 cores: half a core each, so every compute rate
-    halves (matmul, bandwidth, per-op overhead, host AdamW) and collectives use world 4's measurement."""
+    halves (matmul, bandwidth, per-op overhead, host step) and collectives use world 4's measurement."""
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(fake_profile(cores=2)))
     two, four = profile.cpu_device(2, path=path), profile.cpu_device(4, path=path)
     assert two.peak_flops["fp32"] == pytest.approx(2 * four.peak_flops["fp32"])
     assert two.hbm_bytes_per_s == pytest.approx(2 * four.hbm_bytes_per_s)
     assert four.op_overhead_s == pytest.approx(2 * two.op_overhead_s)
-    assert two.host_adam_params_per_s == pytest.approx(3e8) and four.host_adam_params_per_s == pytest.approx(1.5e8)
+    assert two.host_step_params_per_s == pytest.approx(3e8) and four.host_step_params_per_s == pytest.approx(1.5e8)
     # ranks share the last-level cache; a byte from memory costs what an add measured beyond the cache
     assert (two.cache_bytes, four.cache_bytes) == (16 * 2 ** 20, 8 * 2 ** 20)
     assert two.cold_s_per_byte == pytest.approx(1 / 1e10 - 1 / 1e11)
@@ -133,7 +133,7 @@ def test_real_profile_measures_this_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(profile_gloo, "GROUPS", 1)
     g = profile.cpu_device(2, path=tmp_path / "hw.json")
     assert g.peak_flops["fp32"] > 0 and g.hbm_bytes_per_s > 0 and g.op_overhead_s > 0
-    assert g.host_adam_params_per_s > 0 and g.reserved_bytes > 0
+    assert g.host_step_params_per_s > 0 and g.reserved_bytes > 0
     assert set(profile_gloo.COLLECTIVES) <= set(g.collectives)
     assert all(a > 0 and b > 0 for a, b in g.collectives.values())
     found = json.loads((tmp_path / "hw.json").read_text())["gloo"]["2"]
@@ -186,8 +186,8 @@ def test_one_table_of_gpu_peaks_for_the_planner_and_the_run_mfu():
             assert gpu(name).peak_flops[precision] == lookup_peak_flops(device, precision)
 
 
-def test_offload_prices_host_adamw_at_the_devices_rate():
-    """Item 5: the host AdamW time is the shard's parameters over the device's stated host rate (one thread
+def test_offload_prices_the_host_step_at_the_devices_rate():
+    """Item 5: the host step's time is the shard's parameters over the device's stated host rate (one thread
     per rank on a GPU node; measured for --gpu cpu), not a fixed constant."""
     from parallel3d.planner.offload import apply_offload
     from parallel3d.training.config import ExperimentConfig
@@ -196,7 +196,7 @@ def test_offload_prices_host_adamw_at_the_devices_rate():
     cfg.parallel.offload_optimizer = "cpu"
     memory = {"params": 0, "grads": 0, "optimizer": 12e9, "activations": 0, "comm_buffers": 0, "peak": 20e9}
     for rate in (1.5e8, 3e8):
-        device = dataclasses.replace(gpu("h100"), host_adam_params_per_s=rate)
+        device = dataclasses.replace(gpu("h100"), host_step_params_per_s=rate)
         _, moved = apply_offload(cfg, memory, {"optimizer": 12e9, "grads": 4e9}, 0, device)
         assert moved["host_s"] == pytest.approx(1e9 / rate)
 
@@ -436,3 +436,25 @@ def test_the_dry_run_prices_the_clipping_pass():
     assert buckets > 1
     mul = {clip: r.op_seconds["mul_"][0] for clip, r in runs.items()}
     assert mul[1.0] - mul[0.0] == buckets, mul
+
+
+def test_host_step_rate_times_the_offloaded_step_the_code_runs(monkeypatch):
+    """profile.host_step_rate times the DistributedOptimizer's own step over host state: the unscale and norm
+    (grad_stats), the clipping (its threshold is always exceeded, as the dry run plans) and AdamW, in every
+    timed step; no rate figure is asserted."""
+    from parallel3d.data_parallel import step
+    from parallel3d.planner.profile import host_step_rate
+
+    calls = {"grad_stats": 0, "clip_": 0, "adamw_": 0}
+
+    def counting(name):
+        real = getattr(step, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+    for name in calls:
+        monkeypatch.setattr(step, name, counting(name))
+    assert host_step_rate(1 << 12) > 0
+    assert calls["grad_stats"] == calls["clip_"] == 4 and calls["adamw_"] >= 4   # one or more buckets a step

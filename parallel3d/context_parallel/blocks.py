@@ -60,8 +60,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) in acc dtype).
 
-    Goes through `dispatch.attention_with_lse` (kernels.attention_backend.select_attention: the Triton flash
-    kernel on CUDA / when forced, aten's CPU flash attention on the CPU, the exact reference for fp64).
+    Goes through `dispatch.attention_with_lse` (kernels.attention_backend.select_attention: aten's flash op
+    on CUDA and on the CPU, the Triton flash kernel where that op cannot run, with documents on CUDA or when
+    forced, the exact reference for fp64).
     """
     out, lse = dispatch.attention_with_lse(q, k, v, causal, scale, backend, q_doc, k_doc)
     return out, lse.to(acc_dtype(q.dtype))
@@ -80,6 +81,13 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if q.is_meta:
         q_doc = k_doc = None  # the dry run plans documents as plain causal blocks (dispatch.attention_with_lse)
     impl = dispatch.select_attention(backend, q, need_lse=True)
+    if impl == "sdpa" and q.is_cuda and q_doc is not None:
+        impl = "triton"  # SDPA's flash op masks no documents: the forward took ours too (dispatch)
+    if impl == "library":  # the meta stand-in for SDPA's CUDA op with the lse (select_attention)
+        from parallel3d.kernels.attention_standin import library_lse_attention_bwd
+        dq, dk, dv = library_lse_attention_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal,
+                                               scale)
+        return dq.to(dt), dk.to(dt), dv.to(dt)
     if impl == "triton" and q_doc is None:  # the kernel's custom op: also runs on the dry run's stand-in
         from parallel3d.kernels import ops
         dq, dk, dv = ops.flash_attention_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale,

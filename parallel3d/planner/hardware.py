@@ -21,12 +21,14 @@ Achievable fractions (the efficiencies), with their basis:
     all-reduces on DGX H100 (~360 of 450 GB/s) and across NDR (~45 of 50 GB/s);
   latency alpha: 10 us per collective step inside a node, 20 us across nodes (nccl-tests small-message
     latency is 10-30 us). PCIe Gen5 x16 (host offload) 64 GB/s nominal, 0.8 of it.
-Host AdamW (optimizer offload): the update the code runs (data_parallel/adamw.py `adamw_flat_`, exact
-  torch arithmetic, not a vectorised CPU-Adam) at the threads a rank gets: torchrun sets OMP_NUM_THREADS=1
-  and launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
-  `HOST_ADAM_PARAMS_PER_S_PER_THREAD`, measured on this project's CPU machine (2026-11-26, 64M-parameter
-  state, larger than any cache as an offloaded model's is, quiet: 0.29 G params/s; profile.host_adam_rate
-  measures it again for `--gpu cpu` and for `planner_accuracy.py --gpu`).
+Host optimizer step (optimizer offload): the DistributedOptimizer's step over host state as the code runs
+  it (unscale-and-check, norm, clipping, AdamW's exact torch arithmetic, not a vectorised CPU-Adam, and the
+  16-bit copy it publishes) at the threads a rank gets: torchrun sets OMP_NUM_THREADS=1 and
+  launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
+  `HOST_STEP_PARAMS_PER_S_PER_THREAD`, measured by profile.host_step_rate (64M parameters, larger than any
+  cache as an offloaded model's state is) on the H200's host (third GPU session, 2026-11-27); it measures
+  it again for `--gpu cpu` and for `planner_accuracy.py --gpu`. Pricing AdamW alone (0.3 G params/s there)
+  had left the offloaded step 1.7x its plan.
 Host issue time per op (GPUs only): the host's seconds to issue one op of the training step (Python,
   autograd, dispatch, launch), which the GPU's queue hides only while its kernels take longer
   (cost.queue_seconds). `HOST_OP_S` inside the pipeline's actions (66 us) and `HOST_STEP_OP_S` outside
@@ -47,15 +49,17 @@ import torch
 
 from parallel3d.hardware import PEAK_FLOPS
 
-HOST_ADAM_PARAMS_PER_S_PER_THREAD = 0.3e9
+HOST_STEP_PARAMS_PER_S_PER_THREAD = 0.186e9
 HOST_THREADS_PER_RANK = 1
 HOST_OP_S = 66e-6
 HOST_STEP_OP_S = 28e-6
 # Flash attention's share of the dense bf16 peak on Hopper (sm_90), measured on one H200 (bf16, b2 s4096
-# hq32 hk8 d128 causal; benchmarks/RESULTS.md, second GPU session, "Flash-attention tiles"): SDPA's kernels,
-# what a CUDA run takes without the lse (the dry run's library_attention stand-in), 569 TFLOP/s forward and
-# 447 backward; ours (context-parallel blocks), with the tiles it now takes, 329 and 247; over 989.
+# hq32 hk8 d128 causal; benchmarks/RESULTS.md): SDPA's kernels, what a CUDA run takes without the lse (the dry
+# run's library_attention stand-in), 569 TFLOP/s forward and 447 backward (second GPU session); a
+# context-parallel block with the lse, SDPA's cuDNN op with the kv heads expanded (library_lse_attention),
+# 0.45 and 0.39 of the peak (third); ours, with the tiles it now takes, 329 and 247 TFLOP/s (second).
 HOPPER_ATTENTION = {"library_attention_fwd": 569 / 989, "library_attention_bwd": 447 / 989,
+                    "library_lse_attention_fwd": 0.45, "library_lse_attention_bwd": 0.39,
                     "flash_attention_fwd": 329 / 989, "flash_attention_bwd": 247 / 989}
 
 
@@ -76,7 +80,7 @@ class GPU:
     network_latency_s: float = 20e-6
     sm_count: int = 132
     reserved_bytes: float = 2 * 2**30  # CUDA context, cuBLAS workspaces and NCCL channel buffers (~1-2 GiB)
-    host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S_PER_THREAD * HOST_THREADS_PER_RANK
+    host_step_params_per_s: float = HOST_STEP_PARAMS_PER_S_PER_THREAD * HOST_THREADS_PER_RANK
     # seconds the host takes to issue one op (GPUs: the queue runs behind it, cost.queue_seconds) inside the
     # pipeline's actions (modules, autograd) and outside them (optimizer, clipping: plain calls); on a CPU
     # the ops run on the host itself and op_overhead_s below is their per-op cost instead

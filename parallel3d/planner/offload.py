@@ -22,8 +22,9 @@ The stand-in device cannot copy to the host (meta tensors hold no values), so a 
 
 Rates, with their basis (per GPU; a DGX-class node shares its host among 8 GPUs):
   PCIe Gen4/Gen5 x16: `GPU.pcie_bytes_per_s` at 80% (pinned-memory copy benchmarks);
-  host AdamW: `GPU.host_adam_params_per_s`, the rate of the update the code runs (adamw_flat_) at the one
-    thread a torchrun rank gets (planner/hardware.py states the basis; `--gpu cpu` measures it);
+  host step: `GPU.host_step_params_per_s`, the rate of the optimizer step the code runs over host state
+    (unscale, norm, clipping, AdamW, the 16-bit publish copy) at the one thread a torchrun rank gets
+    (planner/hardware.py states the basis; `--gpu cpu` measures it);
   NVMe: 25 GB/s per node (8 drives of ~3.5 GB/s, as in ZeRO-Infinity's DGX-2 setup) shared by 8 GPUs.
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
         extra["grads_down_s"], extra["params_up_s"] = 4 * shard_params / pcie, 2 * shard_params / pcie
         bucket = 4 * bucket_elems(p.dp * p.cp, p.bucket_size, p.bucket_size_mb)   # fp32 gradient bytes
         extra["bucket_copy_s"] = min(bucket / pcie, extra["grads_down_s"])
-        extra["host_s"] = shard_params / gpu.host_adam_params_per_s
+        extra["host_s"] = shard_params / gpu.host_step_params_per_s
         if p.offload_optimizer == "nvme":
             extra["host_s"] += 2 * state / NVME_BYTES_PER_S   # read and write back master, m, v
         extra["offload_s"] = extra["grads_down_s"] + extra["params_up_s"] + extra["host_s"]  # all serial
@@ -85,7 +86,7 @@ def apply_offload(cfg: ExperimentConfig, memory: dict, model_state: dict, param_
 
 def exposed_offload(moved: dict, last_backward_s: float, first_forward_s: float, compute_s: float) -> float:
     """Seconds the offload adds to a step (module docstring): copies hidden behind the compute that runs
-    beside them, never less than one bucket's copy each way; host AdamW / NVMe time in full."""
+    beside them, never less than one bucket's copy each way; the host step / NVMe time in full."""
     if not moved["offload_s"] and not moved["param_fetch_s"]:
         return 0.0
     copies = 0.0

@@ -23,7 +23,8 @@ divides the threads by the local world size), so every rate is measured on one t
     the sizes we run this is a large part of a step (a GPU hides it behind its queue). Needs the stage
     builder the launch scripts use (the library does not import the models); without one, a bare
     nn.Sequential's forward + backward stands in (it underestimates: no hooks, no trainer);
-  - host AdamW: `adamw_flat_` (parallel3d/data_parallel/adamw.py, the update the code runs) in params/s;
+  - the host's optimizer step under optimizer offload: the DistributedOptimizer's own step over host state
+    (`host_step_rate`: unscale, norm, clipping, AdamW, the 16-bit publish copy) in params/s;
   - gloo: each collective as parallel3d.comm runs it (all-reduce, reduce-scatter, all-gather, all-to-all,
     batched send/recv), at 1 KiB and 4 MiB, each after a short matmul and averaged over calls as a step
     pays them (profile_gloo.py), on `world` spawned processes of one thread each, solved for the
@@ -53,6 +54,7 @@ import json
 import os
 import socket
 import statistics
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -76,7 +78,7 @@ MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # 13: gloo's figures the median over three groups of processes (profile_gloo.GROUPS); 14: the per-op
 # overhead net of the ops' times in order per action, as the dry run now prices them (op_replay.segments);
 # 15: net of replays kept at one speed of the machine (replay_speed.py)
-VERSION = 15
+VERSION = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -90,7 +92,7 @@ def cache_path() -> Path:
 
 
 def measure_compute(builder: Optional[tuple] = None) -> dict:
-    """Matmul and attention curves, bandwidth, per-op overhead and AdamW rate on one thread (seconds)."""
+    """Matmul and attention curves, bandwidth, per-op overhead and the offloaded optimizer step rate on one thread (seconds)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -103,7 +105,7 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
         # the hierarchy three times, spread over the profile, each figure the median: one sample had caught a
         # moment that gave half the bandwidth and half the cache of the minutes around it (see memory_hierarchy)
         samples = [memory_hierarchy()]
-        adam = host_adam_rate()
+        host_step = host_step_rate()
         samples.append(memory_hierarchy())
         overhead = _step_overhead(*builder) if builder is not None else _op_overhead()
         attention = _attention_curves()
@@ -111,7 +113,7 @@ def measure_compute(builder: Optional[tuple] = None) -> dict:
         hierarchy = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     finally:
         torch.set_num_threads(threads)
-    return {"matmul": curves, "op_overhead_s": overhead, "host_adam_params_per_s": adam, "attention": attention,
+    return {"matmul": curves, "op_overhead_s": overhead, "host_step_params_per_s": host_step, "attention": attention,
             **hierarchy}
 
 
@@ -136,16 +138,39 @@ def memory_hierarchy() -> dict:
             "cache_bytes": cache}
 
 
-def host_adam_rate() -> float:
-    """Parameters per second of the host AdamW the offload runs (adamw_flat_) on the calling thread(s), over
-    state far larger than a cache, as an offloaded model's is: 64M parameters (1 GiB of p, m, v, g). On the
-    project's CPU machine 2M parameters ran 1.5x faster (440 against 290 M/s on one thread) and, taken on
-    the H200's host, priced the offloaded step at half its measured time."""
-    from parallel3d.data_parallel.adamw import adamw_flat_
-    n = 1 << 26
-    p, m, v, g = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
-    adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1)  # the first call pages the state in
-    return n / best(lambda: adamw_flat_(p, m, v, g, [(0, n)], 1e-3, (0.9, 0.95), 1e-8, 0.1, 1), 3)
+def host_step_rate(params: int = 1 << 26) -> float:
+    """Parameters per second of the host's share of an optimizer step under `parallel.offload_optimizer=cpu`,
+    on the calling thread(s): the DistributedOptimizer itself (world 1, bf16, its default buckets) over one
+    linear of `params` weights with its state on the host, timed from `finish_grad_sync` through
+    `clip_grad_norm` and `step`. That is every pass the code makes over the held gradient and the state: the
+    unscale-and-check, the norm, the clipping (a threshold it always exceeds, as the dry run plans), AdamW
+    (adamw_flat_) and the 16-bit copy each updated bucket publishes. The copies between device and host are
+    not in it (planner/offload.py prices them on PCIe). 64M parameters, far larger than any cache as an
+    offloaded model's state is. On the project's CPU machine the step ran at 150 M params/s where AdamW
+    alone ran at 230; on the H200's host, pricing AdamW alone left the offloaded step 1.7x its plan."""
+    from torch import nn
+
+    from parallel3d.data_parallel.config import DataParallelConfig
+    from parallel3d.data_parallel.optimizer import DistributedOptimizer
+    from parallel3d.mesh import ParallelContext
+
+    side = int(round(params ** 0.5))
+    model = nn.Linear(side, side, bias=False).to(torch.bfloat16)
+    opt = DistributedOptimizer([model], ParallelContext.single(torch.device("cpu")),
+                               DataParallelConfig(precision="bf16", offload_optimizer="cpu"))
+    x = torch.ones(1, side, dtype=torch.bfloat16)
+    times = []
+    for _ in range(4):   # the first pages the state in
+        opt.zero_grad()
+        opt.set_last_microbatch(True)
+        opt.scale_loss(model(x).float().sum()).backward()
+        t0 = time.perf_counter()
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(1e-6)
+        opt.step(1e-4)
+        times.append(time.perf_counter() - t0)
+    opt.close()
+    return side * side / min(times[1:])
 
 
 def _linear_gemms_seconds(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -285,5 +310,5 @@ def cpu_device(world: int, reprofile: bool = False, path: Optional[Path] = None,
                collectives=links, comm_wake_s=gloo.get("wake"), comm_wake_gap_s=gloo.get("wake_gap_s", 0.0),
                op_times=ops, op_time_scale=mm, cache_bytes=c["cache_bytes"] / max(world, 1),  # a shared cache
                cold_s_per_byte=max(0.0, 1 / c["memory_bytes_per_s_cold"] - 1 / c["hot_bytes_per_s"]) * memory,
-               host_adam_params_per_s=c["host_adam_params_per_s"] * share,
+               host_step_params_per_s=c["host_step_params_per_s"] * share,
                overlaps_comm=profile["cores"] > world, comm_busy=gloo.get("busy"), runs_cpu_kernels=True)
