@@ -7,6 +7,7 @@
 #   tests_kernels  the kernel test files on the GPU (compiled Triton, odd shapes)
 #   tests_gpu      the other tests marked gpu (multigpu ones skip on one GPU)
 #   planner        benchmarks/planner_accuracy.py --gpu: predicted vs measured step and peak, world 1
+#                  (PLANNER_LAYOUTS, default none,accum4,offload; PLANNER_S seconds, default 200)
 #   profile        benchmarks/step_profile.py: where a step's time goes (kernels by time, device busy)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
 #   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
@@ -107,8 +108,8 @@ for p in $PHASES; do
     tests_gpu) phase tests_gpu 75 python3 -m pytest -q -rfEs --timeout 40 -m "gpu or multigpu" \
         tests/test_followups.py tests/test_gpu_async.py tests/test_offload_overlap.py tests/test_flash_attn_backend.py \
         tests/test_attention_cuda_flash.py ;;
-    planner) phase planner "${PLANNER_S:-160}" python3 benchmarks/planner_accuracy.py --gpu --steps 6 --json \
-        ${PLANNER_LAYOUTS:+--layouts $PLANNER_LAYOUTS} ;;
+    planner) phase planner "${PLANNER_S:-200}" python3 benchmarks/planner_accuracy.py --gpu --steps 6 --json \
+        --layouts "${PLANNER_LAYOUTS:-none,accum4,offload}" ;;
     profile) phase profile 60 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-accum4}" --top 25 ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
     attn_rates) phase attn_rates 100 python3 -c "$ATTN_RATES" ;;
