@@ -8,7 +8,8 @@
 #   tests_gpu      the other tests marked gpu (multigpu ones skip on one GPU)
 #   planner        benchmarks/planner_accuracy.py --gpu: predicted vs measured step and peak, world 1
 #                  (PLANNER_LAYOUTS, default none,accum4,offload; PLANNER_S seconds, default 200)
-#   profile        benchmarks/step_profile.py: where a step's time goes (kernels by time, device busy)
+#   profile        benchmarks/step_profile.py --plan: where a step's time goes (kernels by time, device busy) and
+#                  the planner's seconds per op beside the profiled ones (PROFILE_LAYOUT, default none)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
 #   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
 #   attn_rates     attention's share of the peak (SDPA's, ours, the CP block's) at four shapes, beside HOPPER_ATTENTION
@@ -110,7 +111,7 @@ for p in $PHASES; do
         tests/test_attention_cuda_flash.py ;;
     planner) phase planner "${PLANNER_S:-200}" python3 benchmarks/planner_accuracy.py --gpu --steps 6 --json \
         --layouts "${PLANNER_LAYOUTS:-none,accum4,offload}" ;;
-    profile) phase profile 60 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-accum4}" --top 25 ;;
+    profile) phase profile 90 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-none}" --top 25 --plan ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
     attn_rates) phase attn_rates 100 python3 -c "$ATTN_RATES" ;;
     opcost) phase opcost 40 python3 -c "$OPCOST" ;;

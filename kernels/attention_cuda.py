@@ -32,9 +32,16 @@ def cuda_lse_op(q: torch.Tensor) -> str:
     if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         return ""
     major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
-    if major >= 9 and d <= 128 and (not q.is_cuda or torch.backends.cuda.cudnn_sdp_enabled()):
+    if major >= 9 and d <= 128 and (not q.is_cuda or _cudnn_attention_on()):
         return "cudnn"
     return "flash" if major >= 8 else ""
+
+
+def _cudnn_attention_on() -> bool:
+    """SDPA's cuDNN attention is switched on and the cuDNN torch carries has it (9.x: the op and its
+    backward from a given (out, lse))."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return torch.backends.cuda.cudnn_sdp_enabled() and version is not None and version >= 90000
 
 
 def _expand_heads(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
