@@ -25,8 +25,8 @@ Host optimizer step (optimizer offload): the DistributedOptimizer's step over ho
   it (unscale-and-check, norm, clipping, AdamW's exact torch arithmetic, not a vectorised CPU-Adam, and the
   16-bit copy it publishes) at the threads a rank gets: torchrun sets OMP_NUM_THREADS=1 and
   launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
-  `HOST_STEP_PARAMS_PER_S_PER_THREAD`, measured by profile.host_step_rate (64M parameters, larger than any
-  cache as an offloaded model's state is) on the H200's host (third GPU session, 2026-11-27); it measures
+  `HOST_STEP_PARAMS_PER_S_PER_THREAD`, measured by profile.host_step_rate (then over 64M parameters, now
+  32M: larger than any cache, as an offloaded model's state is) on the H200's host (third GPU session, 2026-11-27); it measures
   it again for `--gpu cpu` and for `planner_accuracy.py --gpu`. Pricing AdamW alone (0.3 G params/s there)
   had left the offloaded step 1.7x its plan.
 Host issue time per op (GPUs only): the host's seconds to issue one op of the training step (Python,

@@ -138,16 +138,17 @@ def memory_hierarchy() -> dict:
             "cache_bytes": cache}
 
 
-def host_step_rate(params: int = 1 << 26) -> float:
+def host_step_rate(params: int = 1 << 25) -> float:
     """Parameters per second of the host's share of an optimizer step under `parallel.offload_optimizer=cpu`,
     on the calling thread(s): the DistributedOptimizer itself (world 1, bf16, its default buckets) over one
     linear of `params` weights with its state on the host, timed from `finish_grad_sync` through
     `clip_grad_norm` and `step`. That is every pass the code makes over the held gradient and the state: the
     unscale-and-check, the norm, the clipping (a threshold it always exceeds, as the dry run plans), AdamW
     (adamw_flat_) and the 16-bit copy each updated bucket publishes. The copies between device and host are
-    not in it (planner/offload.py prices them on PCIe). 64M parameters, far larger than any cache as an
-    offloaded model's state is. On the project's CPU machine the step ran at 150 M params/s where AdamW
-    alone ran at 230; on the H200's host, pricing AdamW alone left the offloaded step 1.7x its plan."""
+    not in it (planner/offload.py prices them on PCIe). 32M parameters (0.5 GiB of fp32 state and gradient):
+    far larger than any cache, as an offloaded model's state is (64M gave the same rate here in twice the
+    time). On the project's CPU machine the step ran at 126-150 M params/s where AdamW alone ran at 230; on
+    the H200's host, pricing AdamW alone left the offloaded step 1.7x its plan."""
     from torch import nn
 
     from parallel3d.data_parallel.config import DataParallelConfig
@@ -160,7 +161,7 @@ def host_step_rate(params: int = 1 << 26) -> float:
                                DataParallelConfig(precision="bf16", offload_optimizer="cpu"))
     x = torch.ones(1, side, dtype=torch.bfloat16)
     times = []
-    for _ in range(4):   # the first pages the state in
+    for _ in range(3):   # the first pages the state in
         opt.zero_grad()
         opt.set_last_microbatch(True)
         opt.scale_loss(model(x).float().sum()).backward()
