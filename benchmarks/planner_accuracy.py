@@ -132,7 +132,8 @@ def predict(config: str, overrides: list[str], gpu, world: int = WORLD, expert_l
 
 def measure_host(gpu, steps: int, tmp: Path):
     """`gpu` with this machine's host rates (see the module docstring): the issue time per dry-run op inside
-    the pipeline's actions and outside them, from the probe's timeline, and the offloaded optimizer step's host rate."""
+    the pipeline's actions and outside them, from the probe's timeline, and the offloaded optimizer step's
+    host rate."""
     config, extra = GPU_MODELS["llama_1b"]
     overrides = COMMON + extra + GPU_LAYOUTS["accum4"] + HOST_PROBE
     cfg = resolve_and_validate(load_config(str(ROOT / config), overrides, ModelConfig), 1)
@@ -150,7 +151,8 @@ def measure_host(gpu, steps: int, tmp: Path):
           f"({row['measured_pipeline_s'] / inside * 1e6:.1f} us per op), after it {row['measured_after_s'] * 1e3:.1f} "
           f"ms over {outside:.0f} ops ({row['measured_after_s'] / outside * 1e6:.1f} us); the table's "
           f"{gpu.host_op_s * 1e6:.1f} / {gpu.host_step_op_s * 1e6:.1f} us; the offloaded optimizer step on the host "
-          f"{host_step / 1e6:.0f} M params/s per thread (the table's {gpu.host_step_params_per_s / 1e6:.0f})", flush=True)
+          f"{host_step / 1e6:.0f} M params/s per thread (the table's {gpu.host_step_params_per_s / 1e6:.0f})",
+          flush=True)
     return dataclasses.replace(gpu, host_op_s=row["measured_pipeline_s"] / inside,
                                host_step_op_s=row["measured_after_s"] / outside, host_step_params_per_s=host_step)
 

@@ -11,7 +11,7 @@
                  `flash_attn_func` / `flash_attn_varlen_func`, (b, s, h, d)  backward-from-(out, lse) API)
     reference    exact einsum reference (fp64 for fp64 inputs): tests, and whatever no fused kernel covers
 
-`select_attention(backend, q, need_lse)` maps the model's setting to one of these. `backend` is the
+`select_attention(backend, q, need_lse, documents)` maps the model's setting to one of these. `backend` is the
 model.attention value, or model.kernels ("auto" | "triton" | "torch") when model.attention is "auto":
   auto   fp64 -> reference (exact); CUDA without lse -> flash_attn when `why_not_flash_attn` finds no reason
          against it (installed, 16-bit, head dim <= 256), else sdpa; CUDA with lse (CP blocks) -> sdpa
@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from parallel3d.kernels.attention_cuda import cuda_flash, cuda_flash_backward, cuda_lse_op
+from parallel3d.kernels.attention_cuda import bhsd, cuda_flash, cuda_flash_backward, cuda_lse_op
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
 # Rows per band of a causal call on the CPU. aten's CPU flash op skips only whole 512-key blocks above the
@@ -73,9 +73,10 @@ def attention_setting(attention: str, kernels: str) -> str:
     return kernels if attention == "auto" else attention
 
 
-def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
+def select_attention(backend: str, q: torch.Tensor, need_lse: bool, documents: bool = False) -> str:
     """-> "triton" | "sdpa" | "flash_attn" | "reference" (| "library" on meta) for q (b, s, h, d); see the
-    module docstring."""
+    module docstring. `documents`: the call masks packed documents, which SDPA's CUDA ops with the lse cannot
+    (the dry run drops the masks: they change no shape)."""
     if backend not in ATTENTION_BACKENDS + _KERNEL_SETTINGS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS + _KERNEL_SETTINGS}, got {backend!r}")
     exact = q.dtype == torch.float64
@@ -111,7 +112,7 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
         # merged (out, lse); cuDNN's ran 1.2-1.6x ours forward, 1.5-1.9x backward on an H200 (cuda_lse_op)
         if exact:
             return "reference"
-        return "sdpa" if cuda_lse_op(q) else "triton"
+        return "sdpa" if cuda_lse_op(q) and not documents else "triton"
     if backend in ("flash_attn", "sdpa"):
         return backend
     # auto
@@ -124,31 +125,29 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool) -> str:
     return "sdpa"
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2)  # (b, s, h, d) <-> (b, h, s, d)
-
-
 def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale)  # (b, hq, sq, d), (b, hq, sq); GQA native
-    return _bhsd(out), lse
+        bhsd(q), bhsd(k), bhsd(v), 0.0, causal, scale=scale)  # (b, hq, sq, d), (b, hq, sq); GQA native
+    return bhsd(out), lse
 
 
 def _cpu_flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, causal: bool, scale: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(q.dtype if q.dtype == torch.float64
+        bhsd(do), bhsd(q), bhsd(k), bhsd(v), bhsd(out), lse.to(q.dtype if q.dtype == torch.float64
                                                                       else torch.float32), 0.0, causal, scale=scale)
-    return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+    return bhsd(dq), bhsd(dk), bhsd(dv)
 
 
-def _flash(q, k, v, causal, scale):
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     return (cuda_flash if q.is_cuda else _cpu_flash)(q, k, v, causal, scale)
 
 
-def _flash_backward(do, q, k, v, out, lse, causal, scale):
+def _flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
     return (cuda_flash_backward if q.is_cuda else _cpu_flash_backward)(do, q, k, v, out, lse, causal, scale)
 
 

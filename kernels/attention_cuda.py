@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2)  # (b, s, h, d) <-> (b, h, s, d)
+def bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # (b, s, h, d) <-> (b, h, s, d): the aten ops' layout
 
 
 def cuda_lse_op(q: torch.Tensor) -> str:
@@ -54,12 +54,12 @@ def cuda_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if cuda_lse_op(q) == "cudnn":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            _bhsd(q), _bhsd(_expand_heads(q, k)), _bhsd(_expand_heads(q, v)), None, True, 0.0, causal, False,
+            bhsd(q), bhsd(_expand_heads(q, k)), bhsd(_expand_heads(q, v)), None, True, 0.0, causal, False,
             scale=scale)  # (b, hq, sq, d), (b, hq, sq, 1) fp32
-        return _bhsd(out), lse.squeeze(-1)
+        return bhsd(out), lse.squeeze(-1)
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale)  # (b, hq, sq, d), (b, hq, sq) fp32; GQA native
-    return _bhsd(out), lse
+        bhsd(q), bhsd(k), bhsd(v), 0.0, causal, scale=scale)  # (b, hq, sq, d), (b, hq, sq) fp32; GQA native
+    return bhsd(out), lse
 
 
 def cuda_flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -70,18 +70,18 @@ def cuda_flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     sq, sk = q.shape[1], k.shape[1]
     if cuda_lse_op(q) == "cudnn":
         b, _, hk, d = k.shape
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed = torch.empty((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            _bhsd(do), _bhsd(q), _bhsd(_expand_heads(q, k)), _bhsd(_expand_heads(q, v)), _bhsd(out),
+            bhsd(do), bhsd(q), bhsd(_expand_heads(q, k)), bhsd(_expand_heads(q, v)), bhsd(out),
             lse.float().unsqueeze(-1).contiguous(), seed, seed, None, None, None, sq, sk, 0.0, causal,
             scale=scale)  # (b, hq, sq, d), (b, hq, sk, d) x2
         rep = q.shape[2] // hk
         # GQA: q heads [i*rep, (i+1)*rep) share kv head i -> sum their contributions
-        dk, dv = (_bhsd(t).reshape(b, sk, hk, rep, d).sum(3) if rep > 1 else _bhsd(t) for t in (dk, dv))
-        return _bhsd(dq), dk, dv
+        dk, dv = (bhsd(t).reshape(b, sk, hk, rep, d).sum(3) if rep > 1 else bhsd(t) for t in (dk, dv))
+        return bhsd(dq), dk, dv
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        _bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.float().contiguous(), None, None,
+        bhsd(do), bhsd(q), bhsd(k), bhsd(v), bhsd(out), lse.float().contiguous(), None, None,
         sq, sk, 0.0, causal, seed, offset, scale=scale)  # (b, hq, sq, d), (b, hk, sk, d) x2
-    return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+    return bhsd(dq), bhsd(dk), bhsd(dv)

@@ -189,9 +189,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     (the Triton kernel, else the exact reference)."""
     if q.is_meta:
         doc_ids = None  # as in `attention`
-    impl = select_attention(backend, q, need_lse=True)
+    impl = select_attention(backend, q, need_lse=True, documents=doc_ids is not None)
     if doc_ids is not None:
-        if impl == "triton" or (impl == "sdpa" and q.is_cuda):  # SDPA's flash op masks no documents
+        if impl == "triton":
             from parallel3d.kernels.flash_attention import flash_attention
             return flash_attention(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)
         return attention_reference(q, k, v, causal, scale, q_doc=doc_ids, k_doc=k_doc_ids)

@@ -1,9 +1,10 @@
 """Context-parallel attention blocks on CUDA through SDPA's own ops, cuDNN's on Hopper
 (aten._scaled_dot_product_cudnn_attention) and FlashAttention-2's (aten._scaled_dot_product_flash_attention)
 where cuDNN's is off or cannot run: each returns the lse and its backward takes the merged (out, lse), which
-is what ring attention needs (kernels/attention_backend.py, cuda_lse_op). Each case against the exact fp64 reference: out,
-lse and gradients; a causal block with more keys than queries (bottom-right, run as one band); GQA; and the
-backward of two key blocks from their merged (out, lse) adding up to the full gradient (what the ring does).
+is what ring attention needs (kernels/attention_cuda.py, cuda_lse_op). Each case against the exact fp64
+reference: out, lse and gradients; a causal block with more keys than queries (bottom-right, run as one
+band); GQA; and the backward of two key blocks from their merged (out, lse) adding up to the full gradient
+(what the ring does).
 GPU only: on the CPU the same functions take aten's CPU flash op (tests/test_attention_backend.py)."""
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ def test_selection_rules(monkeypatch):
     monkeypatch.setattr(attention_backend, "on_gpu", lambda q: True)
     assert select_attention("auto", bf16, need_lse=False) == "flash_attn"
     assert select_attention("auto", bf16, need_lse=True) == "sdpa"  # CP blocks need the lse: SDPA's flash op
+    assert select_attention("auto", bf16, need_lse=True, documents=True) == "triton"  # which masks no documents
     assert select_attention("auto", f32, need_lse=True) == "triton"  # which takes 16 bits only
     assert select_attention("auto", wide, need_lse=True) == "triton"  # and head dims up to 256
     assert select_attention("auto", f32, need_lse=False) == "sdpa"   # SDPA's CUDA kernels beat our Triton one

@@ -80,9 +80,7 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dt = acc_dtype(q.dtype)
     if q.is_meta:
         q_doc = k_doc = None  # the dry run plans documents as plain causal blocks (dispatch.attention_with_lse)
-    impl = dispatch.select_attention(backend, q, need_lse=True)
-    if impl == "sdpa" and q.is_cuda and q_doc is not None:
-        impl = "triton"  # SDPA's flash op masks no documents: the forward took ours too (dispatch)
+    impl = dispatch.select_attention(backend, q, need_lse=True, documents=q_doc is not None)
     if impl == "library":  # the meta stand-in for SDPA's CUDA op with the lse (select_attention)
         from parallel3d.kernels.attention_standin import library_lse_attention_bwd
         dq, dk, dv = library_lse_attention_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal,

@@ -74,8 +74,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     vh = _seq_to_heads(v, group, to_global)
     doc = documents.ids if documents is not None else None  # (b, s)
     if not with_lse and doc is None:
-        # no lse wanted: the kernel plain attention takes (on CUDA SDPA's, which ran 1.7x ours forward and
-        # 1.8x backward on an H200; a block with the lse takes ours: kernels/attention_backend.py)
+        # no lse wanted: the kernel plain attention takes (on CUDA SDPA's own call, faster than its ops that
+        # return the lse, which a block takes: kernels/attention_backend.py)
         out = dispatch.attention(qh, kh, vh, causal=causal, scale=scale, backend=backend)  # (b, s, hq/cp, d)
         return _heads_to_seq(out, group, order), None  # (b, s/cp, hq, d)
     out, lse = block_attention(qh, kh, vh, causal, scale, backend, doc, doc)  # (b, s, hq/cp, d), (b, hq/cp, s)

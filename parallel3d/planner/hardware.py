@@ -14,7 +14,8 @@ Peaks (dense, no sparsity), vendor datasheets:
 Achievable fractions (the efficiencies), with their basis:
   matmul 0.75: large bf16 GEMMs in cuBLAS reach roughly 70-80% of the dense peak on A100/H100 (NVIDIA's
     published GEMM performance guides); attention on H100/H200 at its measured rates (HOPPER_ATTENTION:
-    SDPA's kernels 0.58 forward and 0.45 backward, ours 0.33 and 0.25), on A100 and B200, where no attention
+    SDPA's kernels 0.58 forward and 0.45 backward, the cuDNN CP block 0.45 and 0.39, ours 0.33 and 0.25),
+    on A100 and B200, where no attention
     was measured, at the matmul's 0.75 with our kernel's occupancy derate (planner/kernels.py);
   memory 0.85: STREAM-like copy kernels reach about 85-90% of HBM peak;
   NVLink 0.80 and InfiniBand 0.90 of the per-direction link bandwidth: nccl-tests' bus bandwidth for large
@@ -26,8 +27,8 @@ Host optimizer step (optimizer offload): the DistributedOptimizer's step over ho
   16-bit copy it publishes) at the threads a rank gets: torchrun sets OMP_NUM_THREADS=1 and
   launch/common.py divides the threads by the local world size, so one thread per rank. Per thread,
   `HOST_STEP_PARAMS_PER_S_PER_THREAD`, measured by profile.host_step_rate (then over 64M parameters, now
-  32M: larger than any cache, as an offloaded model's state is) on the H200's host (third GPU session, 2026-11-27); it measures
-  it again for `--gpu cpu` and for `planner_accuracy.py --gpu`. Pricing AdamW alone (0.3 G params/s there)
+  32M: larger than any cache, as an offloaded model's state is) on the H200's host (third GPU session,
+  2026-11-27); it measures it again for `--gpu cpu` and for `planner_accuracy.py --gpu`. Pricing AdamW alone (0.3 G params/s there)
   had left the offloaded step 1.7x its plan.
 Host issue time per op (GPUs only): the host's seconds to issue one op of the training step (Python,
   autograd, dispatch, launch), which the GPU's queue hides only while its kernels take longer

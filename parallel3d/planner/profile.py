@@ -92,7 +92,8 @@ def cache_path() -> Path:
 
 
 def measure_compute(builder: Optional[tuple] = None) -> dict:
-    """Matmul and attention curves, bandwidth, per-op overhead and the offloaded optimizer step rate on one thread (seconds)."""
+    """Matmul and attention curves, bandwidth, per-op overhead and the offloaded optimizer step's rate, on one
+    thread (seconds)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
