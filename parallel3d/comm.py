@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import gloo_collectives as gloo
+from parallel3d.comm_strict import LocalWork, StrictLedger
 from parallel3d.comm_simulated import (SimulatedProcessGroup, SimulatedWork, fill_all_gather,  # noqa: F401
                                        fill_all_to_all, fill_reduce_scatter, simulated_expert_load)
 from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
@@ -37,6 +38,13 @@ class CommStats:
     serial: int = 0                                       # calls recorded so far: the last call's number
     batch: int = 0   # the number of the first call of the last call's batch (start_batch_p2p posts several
                      # sends and receives as one batch, which travel together); a lone call is its own
+    strict: Optional[StrictLedger] = None   # the strict test backend's ledger (comm_strict.py), or None
+
+    def make_strict(self) -> StrictLedger:
+        """Keep NCCL's rules on this rank's groups (comm_strict.py); host reads report to the ledger."""
+        self.strict = StrictLedger()
+        self.syncs.on_read = self.strict.host_read
+        return self.strict
 
     def record(self, group: "Group", op: str, nbytes: int, joins_batch: bool = False) -> None:
         key = (group.name, op)
@@ -117,10 +125,13 @@ def check_placement(group: Group, op: str, *tensors: torch.Tensor) -> None:
                                   f"{tuple(t.shape)} is on {t.device}, the group's device is {group.device}")
 
 
-def _run(group: Group, op: str, fn: Callable[[], object], *tensors: torch.Tensor) -> object:
+def _run(group: Group, op: str, fn: Callable[[], object], *tensors: torch.Tensor, blocking: bool = False
+         ) -> object:
     check_placement(group, op, *tensors)
     if group.simulated:
         return None
+    if blocking and group.stats is not None and group.stats.strict is not None:
+        group.stats.strict.blocking(group, op)
     if group.pg is None:   # (torch.distributed would take None for the default group)
         raise CollectiveError(f"{op} on {group.name} group (ranks {group.ranks}) on rank {group.global_rank}: "
                               f"it has no process group (not built, or destroyed: ParallelContext.destroy)")
@@ -139,7 +150,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     if group.size == 1:
         return t
     group._record("all_reduce", _nbytes(t))
-    _run(group, "all_reduce", lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg), t)
+    _run(group, "all_reduce", lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg), t, blocking=True)
     return t
 
 
@@ -190,7 +201,7 @@ def all_to_all(t: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]
     group._record("all_to_all", _nbytes(t))
     _run(group, "all_to_all", lambda: dist.all_to_all_single(
         out, t, None if out_splits is None else list(out_splits),
-        None if in_splits is None else list(in_splits), group=group.pg), t)
+        None if in_splits is None else list(in_splits), group=group.pg), t, blocking=True)
     if group.simulated:
         fill_all_to_all(out, t)
     return out
@@ -201,7 +212,7 @@ def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     if group.size == 1:
         return t
     group._record("broadcast", _nbytes(t))
-    _run(group, "broadcast", lambda: dist.broadcast(t, group.ranks[src], group=group.pg), t)
+    _run(group, "broadcast", lambda: dist.broadcast(t, group.ranks[src], group=group.pg), t, blocking=True)
     return t
 
 
@@ -214,16 +225,43 @@ class P2P:
 
 
 # ---- asynchronous collectives (bucketed gradient reduction, ZeRO-3 prefetch) -------------------------
-# Same accounting as the blocking ones; a group of size 1 moves nothing, records nothing, returns None.
+# Same accounting as the blocking ones. Every start returns a work handle to `wait_work` before the output
+# is read, whatever the group: a group of size 1 moves and records nothing but still hands back a
+# LocalWork (comm_strict.py), so a caller on another stream orders itself after the copy that wrote it.
 
-def start_all_reduce(t: torch.Tensor, group: Group) -> Optional[object]:
-    """In-place sum over the group; returns the work handle to `wait_work` (None for size 1)."""
+def _started(group: Group, op: str, launch: Callable[[list, list], object], outputs: list, inputs: list) -> object:
+    """launch(outputs, inputs) -> its handle; under the strict backend into private copies (comm_strict)."""
+    ledger = group.stats.strict if group.stats is not None else None
+    if ledger is None or group.simulated:
+        return launch(outputs, inputs)
+    return ledger.start(group, op, launch, outputs, inputs)
+
+
+def local_work(group: Group, op: str, outputs: Sequence[torch.Tensor],
+               write: Optional[Callable[[], object]] = None) -> object:
+    """The handle of a result this rank writes itself, now, on the current stream (`write` writes
+    `outputs`): a size-1 group's copy, or a blocking path (qgZ, compression) that has already run. Under
+    the strict backend the outputs are hidden (NaN) until the handle is waited, as any started collective's."""
+    if write is not None:
+        write()
+    device = outputs[0].device if outputs else torch.device("cpu")
+    ledger = group.stats.strict if group.stats is not None else None
+    if ledger is None:
+        return LocalWork(device)
+    return ledger.start(group, op, lambda outs, ins: LocalWork(device), list(outputs), [])
+
+
+def start_all_reduce(t: torch.Tensor, group: Group) -> object:
+    """In-place sum over the group; returns the work handle to `wait_work`."""
     if group.size == 1:
-        return None
+        return local_work(group, "all_reduce", [t])
     group._record("all_reduce", _nbytes(t))
-    work = _run(group, "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg,
-                                                             async_op=True), t)
-    return group.simulated_work() if group.simulated else work
+
+    def launch(outs: list, _: list) -> object:
+        work = _run(group, "all_reduce", lambda: dist.all_reduce(outs[0], op=dist.ReduceOp.SUM, group=group.pg,
+                                                                 async_op=True), outs[0])
+        return group.simulated_work() if group.simulated else work
+    return _started(group, "all_reduce", launch, [t], [t])
 
 
 def on_gloo(group: Group) -> bool:
@@ -234,63 +272,71 @@ def on_gloo(group: Group) -> bool:
     return group.pg is not None and dist.get_backend(group.pg) == "gloo"
 
 
-def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
+def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> object:
     """out (n,) <- this rank's n-element block of the sum over ranks of inp (size * n,)."""
     if group.size == 1:
-        out.copy_(inp)
-        return None
+        return local_work(group, "reduce_scatter", [out], lambda: out.copy_(inp))
     group._record("reduce_scatter", _nbytes(inp))
-    if on_gloo(group):   # an all-to-all and a sum on wait (gloo_collectives.py), real or simulated
-        if group.simulated:
-            check_placement(group, "reduce_scatter", out, inp)
-            return group.simulated_work(gloo.simulate_reduce_scatter(out, inp, group.size, group.rank))
-        return _run(group, "reduce_scatter", lambda: gloo.start_reduce_scatter(out, inp, group.pg, group.size),
-                    out, inp)
-    work = _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(out, inp, group=group.pg,
-                                                                            async_op=True), out, inp)
     if group.simulated:
+        check_placement(group, "reduce_scatter", out, inp)
+        if on_gloo(group):   # the all-to-all's receive buffer and the sum on wait, as on gloo
+            return group.simulated_work(gloo.simulate_reduce_scatter(out, inp, group.size, group.rank))
         fill_reduce_scatter(out, inp, group.rank)
         return group.simulated_work()
-    return work
+
+    def launch(outs: list, ins: list) -> object:
+        if on_gloo(group):   # an all-to-all and a sum on wait (gloo_collectives.py)
+            return _run(group, "reduce_scatter", lambda: gloo.start_reduce_scatter(outs[0], ins[0], group.pg,
+                                                                                    group.size), outs[0], ins[0])
+        return _run(group, "reduce_scatter", lambda: _reduce_scatter_single()(outs[0], ins[0], group=group.pg,
+                                                                              async_op=True), outs[0], ins[0])
+    return _started(group, "reduce_scatter", launch, [out], [inp])
 
 
-def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Optional[object]:
+def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> object:
     """out (size * n,) <- every rank's inp (n,), in group-rank order; inp may be this rank's block of out."""
     if group.size == 1:
-        if not torch._C._is_alias_of(inp, out):
-            out.copy_(inp)
-        return None
+        return local_work(group, "all_gather", [out], None if torch._C._is_alias_of(inp, out) else
+                          lambda: out.copy_(inp))
     group._record("all_gather", _nbytes(out))
-    if on_gloo(group):   # (direct sends need no memory the simulation lacks)
-        if group.simulated:   # the local copy as on gloo, the peers' blocks filled by the stand-in
-            check_placement(group, "all_gather", out, inp)
-            fill_all_gather(out, gloo.own_block(out, inp, group.size, group.rank), group.size)
-            return group.simulated_work()
-        return _run(group, "all_gather", lambda: gloo.start_all_gather(out, inp, group.pg, group.ranks, group.rank),
-                    out, inp)
-    work = _run(group, "all_gather", lambda: _all_gather_single()(out, inp, group=group.pg, async_op=True),
-                out, inp)
     if group.simulated:
-        fill_all_gather(out, inp, group.size)
+        check_placement(group, "all_gather", out, inp)
+        if on_gloo(group):   # the local copy as on gloo, the peers' blocks filled by the stand-in
+            fill_all_gather(out, gloo.own_block(out, inp, group.size, group.rank), group.size)
+        else:
+            fill_all_gather(out, inp, group.size)
         return group.simulated_work()
-    return work
+
+    def launch(outs: list, ins: list) -> object:
+        if on_gloo(group):   # (direct sends need no memory the simulation lacks)
+            return _run(group, "all_gather", lambda: gloo.start_all_gather(outs[0], ins[0], group.pg, group.ranks,
+                                                                            group.rank), outs[0], ins[0])
+        return _run(group, "all_gather", lambda: _all_gather_single()(outs[0], ins[0], group=group.pg,
+                                                                      async_op=True), outs[0], ins[0])
+    return _started(group, "all_gather", launch, [out], [inp])
 
 
 def orders_on_device(group: Group) -> bool:
     """Whether waiting for this group's work orders the device instead of blocking the host: NCCL's
     work.wait() makes the current CUDA stream wait for the collective, so what follows a collective can be
     queued right after it and runs when it is done. gloo's wait() blocks the calling thread (and the
-    simulated backend has no work), so follow-ups there wait for `is_completed()` polls instead."""
+    simulated backend has no work), so follow-ups there wait for `is_completed()` polls instead. The strict
+    test backend (comm_strict.py) answers as NCCL, so gloo runs NCCL's paths."""
     if group.pg is None or group.simulated:
         return False
-    return dist.get_backend(group.pg) == "nccl"
+    return dist.get_backend(group.pg) == "nccl" or (group.stats is not None and group.stats.strict is not None)
 
 
-def wait_work(work: Optional[object], group: Group, op: str) -> None:
-    """Wait for a handle from a start_* call; a failure or timeout names the op and the group."""
-    if work is not None and group.simulated:
-        work.wait()   # SimulatedWork: the stand-in's sum on wait (as on gloo), and the planner's wait mark
-    elif work is not None:
+def wait_work(work: object, group: Group, op: str) -> None:
+    """Wait for a handle from a start_* call before reading its output (on CUDA: order the current stream
+    after the stream that wrote it; comm_strict.py owns the rule); a failure or timeout names the op and the
+    group."""
+    if work is None:
+        raise CollectiveError(f"{op} on {group.name} group (ranks {group.ranks}): no work handle to wait for "
+                              f"(every comm.start_* returns one)")
+    if group.simulated or group.pg is None:
+        work.wait()   # SimulatedWork (the stand-in's sum on wait, the planner's wait mark) or a local result
+    else:
         _run(group, op, work.wait)
 
 
@@ -336,7 +382,7 @@ def barrier(group: Group) -> None:
     if group.size == 1:
         return
     group._record("barrier", 0)
-    _run(group, "barrier", lambda: dist.barrier(group=group.pg))
+    _run(group, "barrier", lambda: dist.barrier(group=group.pg), blocking=True)
 
 
 def transfer_stand_ins() -> tuple:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -50,11 +50,14 @@ PER_LAYER = ("moe_splits",)  # categories that scale with MoE layers x microbatc
 class HostSyncs:
     """Host syncs per category since the last reset (one per rank, on `CommStats.syncs`)."""
     counts: dict = field(default_factory=lambda: defaultdict(int))
+    on_read: Optional[Callable[[str], None]] = None   # the strict test backend's check (comm_strict.py)
 
     def add(self, category: str, n: int = 1) -> None:
         if category not in CATEGORIES:
             raise ValueError(f"unknown host-sync category {category!r}; one of {CATEGORIES}")
         self.counts[category] += n
+        if self.on_read is not None:
+            self.on_read(category)
 
     def reset(self) -> None:
         self.counts.clear()

@@ -135,12 +135,16 @@ class ParallelContext:
 
     @classmethod
     def build(cls, spec: MeshSpec, device: Optional[torch.device] = None,
-              timeout_s: float = 600.0) -> "ParallelContext":
-        """Create the process groups of `spec` on an initialised default group (every rank must call)."""
+              timeout_s: float = 600.0, strict: bool = False) -> "ParallelContext":
+        """Create the process groups of `spec` on an initialised default group (every rank must call).
+        strict: keep NCCL's ordering rules on these groups (comm_strict.py, the test backend over gloo)."""
         import torch.distributed as dist
 
         if spec.world_size == 1 and not dist.is_initialized():
-            return cls.single(device or "cpu")
+            ctx = cls.single(device or "cpu")
+            if strict:
+                ctx.stats.make_strict()
+            return ctx
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
         if dist.get_world_size() != spec.world_size:
@@ -152,6 +156,8 @@ class ParallelContext:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         ctx = cls.create(spec, rank, device, backend)
         ctx.timeout_s = timeout_s
+        if strict:
+            ctx.stats.make_strict()
         timeout = datetime.timedelta(seconds=timeout_s)
         aliases = cls._aliases(spec)
         for dim in ALL_DIMS:

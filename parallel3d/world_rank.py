@@ -62,16 +62,20 @@ class Worker:
     _contexts: dict = field(default_factory=dict)
     _collective: Optional[str] = None  # parallel3d's name of the collective being entered (group and ranks)
 
-    def context(self, spec: Any) -> Any:
-        """The ParallelContext of `spec` on this world (built once per spec, stats reset every call)."""
+    def context(self, spec: Any, strict: bool = False) -> Any:
+        """The ParallelContext of `spec` on this world (built once per spec and strictness, stats reset every
+        call). strict: the strict test backend (comm_strict.py) with a fresh ledger."""
         from parallel3d.mesh import ParallelContext
 
-        ctx = self._contexts.pop(spec, None)
+        key = (spec, strict)
+        ctx = self._contexts.pop(key, None)
         if ctx is None:
-            ctx = ParallelContext.build(spec, device=self.device)
+            ctx = ParallelContext.build(spec, device=self.device, strict=strict)
             ctx.stats.on_op = self._enter_collective
-        self._contexts[spec] = ctx          # the most recently used last
+        self._contexts[key] = ctx          # the most recently used last
         ctx.stats.reset()
+        if strict:
+            ctx.stats.make_strict()
         return ctx
 
     def trim_contexts(self, keep: int = CACHED_CONTEXTS) -> None:

@@ -39,12 +39,13 @@ def build_trainer(cfg, ctx):
     return Trainer(cfg, ctx, build)
 
 
-def context_for(cfg, worker=None) -> ParallelContext:
+def context_for(cfg, worker=None, strict: bool = False) -> ParallelContext:
+    """strict: the strict test backend (parallel3d/comm_strict.py: NCCL's ordering rules over gloo)."""
     p = cfg.parallel
     if worker is None:
         return ParallelContext.single()
     return worker.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node))
+                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), strict=strict)
 
 
 def train(worker, overrides: Sequence[str], steps: int, save_root: Optional[str] = None,

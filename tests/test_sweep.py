@@ -1,6 +1,9 @@
 """Option-combination sweep through the real Trainer and DistributedOptimizer (issue: every option works).
 
-Each case (tests/sweep_cases.py) trains 3 steps on 4 gloo ranks and at world size 1 from the same config.
+Each case (tests/sweep_cases.py) trains 3 steps on 4 gloo ranks and at world size 1 from the same config. The
+4 ranks run on the strict test backend (parallel3d/comm_strict.py), so a read of a collective's output before
+its wait sees NaN, gloo takes NCCL's paths, and a host read that NCCL would make wait behind work in flight
+fails the case.
   fp32        loss rel 1e-5 per step, every rank's logged grad_norm rel 1e-4 per step (clipping and Adam
               cancel a uniform gradient scale in the weights; tests/parity.py), weights after the 3 AdamW
               steps rtol 1e-4 (atol 1e-5; tests/parity.py)
@@ -47,10 +50,14 @@ def refusal(case: dict):
 
 
 def run(worker, overrides: list[str]) -> dict:
+    """The case's run; on 4 ranks on the strict backend (parallel3d/comm_strict.py: outputs NaN until waited,
+    NCCL's paths, host reads that would wait behind work in flight reported)."""
     torch.set_num_threads(1)
     cfg = make_config([*PARITY, *overrides], 1 if worker is None else worker.world_size)
-    trainer = build_trainer(cfg, context_for(cfg, worker))
+    ctx = context_for(cfg, worker, strict=True)
+    trainer = build_trainer(cfg, ctx)
     records = [trainer.train_step() for _ in range(STEPS)]
+    assert ctx.stats.strict is None or not ctx.stats.strict.reports, ctx.stats.strict.reports
     # the fp32 master weights: every element held by exactly one rank under any layout and ZeRO stage
     weights = {name.split("/", 1)[1]: (t.detach().clone(), slices, shape)
                for name, (t, shape, slices) in trainer.optimizer.state_tensors().items() if name.startswith("master/")}

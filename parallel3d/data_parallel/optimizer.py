@@ -100,8 +100,13 @@ class DistributedOptimizer:
         self.grads = GradientSync(seqs, len(self.modules), ctx, self.zero, self.grad_dtype, self.per_microbatch,
                                   self.compressor, c.quant_block if c.quantized_gradients else 0,
                                   self.homes.host_grads, zero3)
+        # overlap_param_gather: the gathers stay in flight into the next step, so they run on clones of the
+        # shard groups; on NCCL a group's collectives run in issue order, and the next step's token count,
+        # loss and MoE telemetry on DP x CP would otherwise wait behind every gather (and the host with them)
+        gather_groups = ({e: ctx.clone("edp_shard" if e else "dp_shard") for e in (False, True)}
+                         if c.overlap_param_gather and self.zero in (1, 2) else None)
         self.publisher = ParamPublisher(self.buckets, self.modules, self.zero, self.dtype, self.homes, zero3,
-                                        c.overlap_param_gather)
+                                        c.overlap_param_gather, gather_groups)
         self.stepper = OptimizerStep(self.buckets, ctx, config, self.publisher, self.homes)
         self.scaler: Optional[LossScaler] = self.stepper.scaler
         self._synced = False

@@ -29,12 +29,17 @@ from parallel3d.offload.homes import OffloadHomes
 
 class ParamPublisher:
     def __init__(self, buckets: Sequence[Bucket], modules: Sequence[nn.Module], zero: int, dtype: torch.dtype,
-                 homes: OffloadHomes, zero3: Optional[Zero3] = None, overlap: bool = False) -> None:
+                 homes: OffloadHomes, zero3: Optional[Zero3] = None, overlap: bool = False,
+                 gather_groups: Optional[dict] = None) -> None:
         """overlap (ZeRO-1/2, `overlap_param_gather`): step() leaves each bucket's all-gather in flight and
         the first forward use of the bucket waits for it (a forward pre-hook on the modules owning its
         parameters), so the gathers travel beside the next forward, as Megatron's overlap_param_gather.
-        Each gather lands in its bucket's parameter buffer, so none needs memory of its own."""
+        Each gather lands in its bucket's parameter buffer, so none needs memory of its own. The optimizer
+        step updates the buckets in forward order (step.py), so the gathers are issued in the order the
+        forward waits for them. gather_groups: {expert: Group}, the clones of the shard groups the gathers
+        run on (their own queue: nothing the next step issues on DP x CP waits behind them); None: b.group."""
         self.buckets, self.zero, self.dtype, self.zero3 = list(buckets), zero, dtype, zero3
+        self.gather_groups = gather_groups
         self.published, self.param_home, self.nvme = homes.published, homes.param_home, homes.nvme
         self._staged: set[int] = set()                # ZeRO-1/2: buckets whose segment holds this step's master
         self._gathers: dict[int, tuple] = {}          # overlap: id(bucket) -> (bucket, work)
@@ -148,8 +153,12 @@ class ParamPublisher:
         self._staged.discard(id(b))
         if self.published is not None:   # offload: the segment's copy from the host, in flight
             self.published.wait(b)
-        return b, start_all_gather(b.param_flat, self._segment(b), b.group)
+        group = self._gather_group(b)
+        return b, start_all_gather(b.param_flat, self._segment(b), group)
+
+    def _gather_group(self, b: Bucket):
+        return b.group if self.gather_groups is None else self.gather_groups[b.expert]
 
     def _finish_publish(self, pending: list[tuple]) -> None:
         for b, work in pending:
-            wait_work(work, b.group, "all_gather")
+            wait_work(work, self._gather_group(b), "all_gather")

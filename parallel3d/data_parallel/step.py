@@ -77,9 +77,12 @@ class OptimizerStep:
             self.homes.drain(self.buckets)
             return False
         self.step_count += 1
-        # offload: forward order (buckets are in backward order), so the first layers' parameters are
-        # back on the device first and the next forward can start on them (offload/publish.py)
-        order = self.buckets if self.homes.copies is None else self.buckets[::-1]
+        # forward order (buckets are in backward order) where the next forward may start before the
+        # step's publishing is done: offload's device copies (offload/publish.py) and overlap_param_gather's
+        # gathers, which are then issued in the order the forward waits for them (on NCCL a group's
+        # collectives complete in issue order: gathers issued last layers first would hold the first block)
+        ahead = self.homes.copies is not None or self.publisher.overlap_param_gather
+        order = forward_order(self.buckets) if ahead else self.buckets
         if self.homes.nvme is not None:  # streamed: each updated master chunk is published as it is produced
             self.homes.nvme.step(order, lr, self.betas, self.eps, self.weight_decay, self.step_count,
                                  self.publisher.publish_chunk)
@@ -109,3 +112,9 @@ class OptimizerStep:
         self.step_count = int(d.get("step", 0))
         if self.scaler is not None:
             self.scaler.load(d)
+
+
+def forward_order(buckets: Sequence[Bucket]) -> list[Bucket]:
+    """The order in which the next forward reads the buckets: chunk by chunk, and within a chunk against the
+    launch order of its sequences (buckets pack parameters in reverse registration order, build.py)."""
+    return [b for _, b in sorted(enumerate(buckets), key=lambda ib: (ib[1].chunk, -ib[0]))]

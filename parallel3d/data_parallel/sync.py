@@ -206,13 +206,15 @@ class GradientSync:
             full = b.grad.full = grad_buffer(b.numel, self.grad_dtype, b.slots[0].param.device, zero=True)
         p = Pending(b, full, full)
         if self.compressor is not None and self.compressor.active(self.step_count):
-            self.compressor.reduce(b)   # synchronous: b.grad.full holds the (approximate) sum
             p.out = full[b.shard * b.seg: (b.shard + 1) * b.seg] if self.zero else full   # the held segment
+            # blocking: b.grad.full holds the (approximate) sum; its handle orders the follow-ups after it
+            p.work = comm.local_work(b.group, "compressed_all_reduce", [p.out], lambda: self.compressor.reduce(b))
         elif self.zero == 0:
             p.work = start_all_reduce(full, b.group)
-        elif self.qgz_block:            # qgZ (synchronous all-to-all of int8 blocks)
+        elif self.qgz_block:            # qgZ (a blocking all-to-all of int8 blocks), handed back as a handle
             p.out = grad_buffer(b.seg, self.grad_dtype, full.device)
-            quantized_reduce_scatter(p.out, full, b.group, self.qgz_block)
+            p.work = comm.local_work(b.group, "reduce_scatter", [p.out],
+                                     lambda: quantized_reduce_scatter(p.out, full, b.group, self.qgz_block))
         else:
             p.out = grad_buffer(b.seg, self.grad_dtype, full.device)
             p.work = start_reduce_scatter(p.out, full, b.group)
@@ -228,7 +230,7 @@ class GradientSync:
         with self.follow.context():
             while self._inflight:
                 head = self._inflight[0]
-                if not (block or self.follow.ordered or head.work is None or head.work.is_completed()):
+                if not (block or self.follow.ordered or head.work.is_completed()):
                     return
                 self._follow_up(self._inflight.popleft())
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from parallel3d.comm import Group, start_all_gather, wait_work
+from parallel3d.comm import Group, local_work, start_all_gather, wait_work
 from parallel3d.data_parallel.buffer import Bucket, copy_rows_out
 from parallel3d.data_parallel.fp8_gather import drop, fp8_all_gather, fp8_slots
 from parallel3d.data_parallel.quantize import quantized_all_gather
@@ -146,13 +146,15 @@ class Zero3:
             if backward and secondary is not None:     # hpZ: the backward copy comes from inside the node
                 group = self.pp.node[b.expert]
                 pend.append((b, full, group, start_all_gather(full, secondary, group), False))
-            elif self.fp8.get(id(b)):                # fp8 weights (synchronous: the scales need a reduction)
-                fp8_all_gather(b, shard, full, self.fp8[id(b)], group, backward)
-                pend.append((b, full, group, None, True))
-            elif self.pp.quant_block:                  # qwZ (synchronous: dequantised on arrival)
+            elif self.fp8.get(id(b)):                # fp8 weights (blocking: the scales need a reduction)
+                work = local_work(group, "all_gather", [full], lambda: fp8_all_gather(
+                    b, shard, full, self.fp8[id(b)], group, backward))
+                pend.append((b, full, group, work, True))
+            elif self.pp.quant_block:                  # qwZ (blocking: dequantised on arrival)
                 scale_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
-                quantized_all_gather(full, shard, group, self.pp.quant_block, scale_dtype)
-                pend.append((b, full, group, None, True))
+                work = local_work(group, "all_gather", [full], lambda: quantized_all_gather(
+                    full, shard, group, self.pp.quant_block, scale_dtype))
+                pend.append((b, full, group, work, True))
             else:
                 pend.append((b, full, group, start_all_gather(full, shard, group), True))
         unit.pending = pend

@@ -77,7 +77,8 @@ class P2PQueue:
         return None
 
     def wait(self, inc: Incoming) -> torch.Tensor:
-        comm.wait_work(inc.work, self.group, f"pipeline recv from rank {inc.peer}")
+        if inc.work is not None:   # (a second read of the same receive)
+            comm.wait_work(inc.work, self.group, f"pipeline recv from rank {inc.peer}")
         inc.work = None
         return inc.buf
 
