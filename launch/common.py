@@ -59,7 +59,8 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
         raise ConfigError(f"config file {config} does not exist")
     cfg = load_config(config, overrides, ModelConfig)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = resolve_and_validate(cfg, world)
+    local = os.environ.get("LOCAL_WORLD_SIZE")   # torchrun's ranks on this node
+    cfg = resolve_and_validate(cfg, world, int(local) if local else None)
     if cfg.data.path is not None and not os.path.isfile(cfg.data.path):
         raise DataError(f"data.path {cfg.data.path} does not exist")
     from parallel3d.training.data_sources import token_paths

@@ -15,9 +15,10 @@ run as strict as NCCL where gloo is loose:
     collective runs into a private buffer, copied out on wait, so a read that skipped its wait sees NaN;
   - a process group's collectives complete in issue order: waiting for one first completes every earlier
     one on that process group (groups that share a process group share one queue, as NCCL communicators);
-  - a host read (host_sync's counted reads) after the current stream was made to wait behind work still
-    in flight is reported: a blocking collective, or a wait out of issue order, on a process group with
-    earlier work not yet waited; on NCCL the read would wait for that work (`reports`, with the ops).
+  - a host read (host_sync's counted reads) is reported when the current stream was made to wait behind
+    work that the program has still not waited for: a blocking collective, or a wait out of issue order, on
+    a process group with earlier work in flight; on NCCL the read would hold the host until that work lands
+    (`reports`, with the ops). Work the program waited for before the read is no stall of the read's.
   - `orders_on_device` is true for its groups, so code takes NCCL's paths (the gradient sync's follow-ups
     queued right after each launch) and shows their faults here.
 """
@@ -80,7 +81,7 @@ class StrictWork:
         for w in earlier:          # NCCL: a wait orders behind everything issued before on the communicator
             w._complete()
         if any(not w.waited for w in earlier):
-            self.ledger.behind(self.queue, f"wait for {self.label}", [w.label for w in earlier if not w.waited])
+            self.ledger.behind(f"wait for {self.label}", [w for w in earlier if not w.waited])
         self._complete()
         for seen, private in self.reveal:
             seen.copy_(private)
@@ -95,7 +96,7 @@ class StrictLedger:
 
     def __init__(self) -> None:
         self.inflight: dict[int, list[StrictWork]] = {}
-        self.pending: list[str] = []   # why the current stream now waits behind work in flight
+        self.pending: list[tuple[str, list]] = []   # (why, works) the current stream now waits behind
         self.reports: list[str] = []
 
     @staticmethod
@@ -114,8 +115,10 @@ class StrictLedger:
             while q and q[0].waited:
                 q.pop(0)
 
-    def behind(self, queue: object, what: str, labels: list[str]) -> None:
-        self.pending.append(f"{what} waits behind {', '.join(labels)} still in flight")
+    def behind(self, what: str, works: list[StrictWork]) -> None:
+        """The current stream now waits behind `works` (issue order): a host read while any of them is still
+        unwaited by the program would, on NCCL, hold the host until it lands."""
+        self.pending.append((what, works))
 
     def start(self, group, op: str, run: Callable[[list[torch.Tensor]], object],
               outputs: list[torch.Tensor], inputs: Optional[list[torch.Tensor]] = None) -> StrictWork:
@@ -143,17 +146,19 @@ class StrictLedger:
     def blocking(self, group, op: str) -> None:
         """A blocking collective is issued: on NCCL the stream now waits behind the group's earlier work."""
         q = self.inflight.get(self.queue_of(group), [])
-        waiting = [w.label for w in q if not w.waited]
+        waiting = [w for w in q if not w.waited]
         if waiting:
-            self.behind(self.queue_of(group), f"blocking {op} on {group.name} group {group.ranks}", waiting)
+            self.behind(f"blocking {op} on {group.name} group {group.ranks}", waiting)
             for w in q:            # issue order: the blocking op completes after them
                 w._complete()
 
     def host_read(self, category: str) -> None:
         """A counted host read (host_sync): on NCCL it waits for everything the stream waits for."""
-        if self.pending:
-            self.reports.append(f"host read ({category}): {'; '.join(self.pending)}")
-            self.pending = []
+        stalls = [f"{what} waits behind {', '.join(w.label for w in works if not w.waited)} still in flight"
+                  for what, works in self.pending if any(not w.waited for w in works)]
+        if stalls:   # (work the program has waited for since is no stall of this read's: it asked for it)
+            self.reports.append(f"host read ({category}): {'; '.join(stalls)}")
+        self.pending = []
 
 
 def _same_view(t: torch.Tensor, base: torch.Tensor, private: torch.Tensor) -> torch.Tensor:

@@ -198,3 +198,15 @@ def check_hpz(spec: MeshSpec) -> None:
                 raise ValueError(f"parallel.zero_hpz: parallel.gpus_per_node={spec.gpus_per_node} splits the "
                                  f"ZeRO shard group {shard} unevenly across nodes ({parts}); choose "
                                  f"gpus_per_node so that every node holds the same run of each shard group")
+
+
+def check_node_size(gpus_per_node: int, world_size: int, ranks_per_node: int) -> None:
+    """parallel.gpus_per_node against the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE): a mesh
+    node (`gpus_per_node` consecutive ranks: hpZ's intra-node groups, the planner's NVLink domain) must lie
+    inside one launcher node, or its "intra-node" traffic crosses the network. Smaller mesh nodes that tile a
+    launcher node are allowed (a sub-node domain), and so is a world that fits in one launcher node."""
+    if world_size <= ranks_per_node or ranks_per_node % gpus_per_node == 0:
+        return
+    raise ValueError(f"parallel.gpus_per_node={gpus_per_node} does not fit the launcher's {ranks_per_node} ranks "
+                     f"per node (LOCAL_WORLD_SIZE) at world size {world_size}: a mesh node would span two "
+                     f"machines; set parallel.gpus_per_node={ranks_per_node} (or a divisor of it)")

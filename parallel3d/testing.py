@@ -21,8 +21,10 @@ fails with each stuck rank and the last collective it entered (parallel3d's own 
 torch.distributed calls a test makes itself); a rank that raises fails the call with its traceback.
 Either way the poisoned world is torn down and the next call spawns a fresh one.
 
-Backend: gloo on CPU; with `backend="auto"` and at least N CUDA GPUs, NCCL with one rank per GPU, so the
-same distributed tests double as multi-GPU integration tests.
+Backend: gloo, on CPU, for every test, also on a machine with GPUs (a test written for gloo keeps its CPU
+tensors and gloo's behaviour). A test marked `gpu` or `multigpu` runs its worlds with NCCL, one rank per GPU
+(`backend="auto"`: NCCL where the machine has a GPU for every rank), and builds on `worker.device`, the
+rank's GPU.
 """
 from __future__ import annotations
 
@@ -79,6 +81,19 @@ def _worlds_release_groups_after_each_module(request: pytest.FixtureRequest) -> 
     pool = request.config.stash.get(_POOL, None)
     if pool is not None:
         pool.release_groups()
+
+
+@pytest.fixture(autouse=True)
+def _worlds_backend_for_this_test(request: pytest.FixtureRequest) -> Any:
+    """gloo for every test; NCCL ("auto") for the duration of a test marked gpu or multigpu."""
+    pool = request.config.stash.get(_POOL, None)   # (session fixtures a test uses are built before this)
+    if pool is None:
+        yield
+        return
+    marked = any(request.node.get_closest_marker(m) is not None for m in ("gpu", "multigpu"))
+    pool.backend = "auto" if marked else "gloo"
+    yield
+    pool.backend = "gloo"
 
 
 @pytest.fixture

@@ -97,9 +97,12 @@ class World:
 
 
 class WorldPool:
-    """Keeps one World per (size, backend) alive across calls."""
+    """Keeps one World per (size, backend) alive across calls. `backend`: "gloo" (CPU ranks, the default,
+    whatever GPUs the machine has: tests written for gloo stay on gloo on a GPU node), "nccl", or "auto"
+    (NCCL with a GPU per rank where the machine has enough, else gloo). The pytest plugin sets "auto" for
+    the duration of each test marked `gpu` or `multigpu`."""
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str = "gloo") -> None:
         self.backend = backend
         self.worlds: dict[tuple[int, str], World] = {}
 

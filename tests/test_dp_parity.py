@@ -69,10 +69,13 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
     model_cls / model_opts: the model class (Llama or MoETransformer) and extra constructor options."""
     cfg = ModelConfig(**model_kwargs)
     mo = dict(model_opts or {}, sequence_parallel=sp)
-    if chunks:
-        models = [model_cls(cfg, ctx, layers=[0], post=False, **mo), model_cls(cfg, ctx, layers=[1], pre=False, **mo)]
-    else:
-        models = [model_cls(cfg, ctx, **mo)]
+    dev = ctx.device   # the rank's GPU on NCCL: parameters are created where they live, as the Trainer does
+    with torch.device(dev):
+        if chunks:
+            models = [model_cls(cfg, ctx, layers=[0], post=False, **mo),
+                      model_cls(cfg, ctx, layers=[1], pre=False, **mo)]
+        else:
+            models = [model_cls(cfg, ctx, **mo)]
     for m in models:
         m.init_weights(SEED)
     named = {n: p for m in models for n, p in m.named_parameters()}
@@ -85,8 +88,8 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
     def forward(ids, labels):
         x = ids
         for m in models[:-1]:
-            x = m(x, torch.arange(S))
-        return models[-1](x, torch.arange(S), labels)
+            x = m(x, torch.arange(S, device=dev))
+        return models[-1](x, torch.arange(S, device=dev), labels)
 
     dp, r = ctx.spec.dp, ctx.coords.dp
     out = {"losses": [], "norms": [], "ok": [], "scales": [], "tp": ctx.coords.tp}
@@ -94,7 +97,7 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
     for step in range(start, steps):
         tokens = batches[0 if repeat else step]
         per = tokens.shape[0] // dp
-        mine = tokens[r * per: (r + 1) * per]
+        mine = tokens[r * per: (r + 1) * per].to(dev)
         opt.zero_grad()
         total = 0.0
         for i, mb in enumerate(mine.chunk(acc)):
@@ -123,7 +126,18 @@ def train(ctx: ParallelContext, model_kwargs: dict, zero: int, acc: int, sp: boo
             assert torch.equal(local, t), key
     out["stats"] = ctx.stats.summary()
     out["memory"] = opt.memory_bytes()
-    return out
+    return _on_host(out)
+
+
+def _on_host(obj):
+    """Tensors copied to the CPU (a GPU rank's results travel to the test process, which compares on CPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 # ---- parity ----------------------------------------------------------------------------------------------

@@ -83,6 +83,10 @@ def _strict_semantics(w):
     read_float(torch.ones(1), ctx.stats.syncs, "logging")
     comm.wait_work(work, g, "all_reduce")
     read_float(torch.ones(1), ctx.stats.syncs, "logging")     # nothing in flight: no report
+    work = comm.start_all_reduce(torch.zeros(2), g)
+    comm.all_reduce(torch.ones(1), g)                         # behind it, but the program waits for it
+    comm.wait_work(work, g, "all_reduce")                     # before reading: the read asked for no more
+    read_float(torch.ones(1), ctx.stats.syncs, "logging")
     return reports, ctx.stats.strict.reports
 
 
@@ -106,15 +110,18 @@ CASES = {   # the issue's list: ZeRO 1-3, HSDP, offload, overlap_param_gather, M
 }
 
 
-def _train(worker, overrides, world):
+def _train(worker, overrides, world, strict: bool = True, device: str = "cpu"):
+    """The layout's run (worker None: world size 1 on `device`); strict: on the strict backend (gloo)."""
     torch.set_num_threads(1)
     cfg = make_config([*PARITY, f"train.global_batch_size={2 * world}", "model.num_layers=2", *overrides],
                       1 if worker is None else worker.world_size)
-    ctx = context_for(cfg, worker, strict=worker is not None)
+    ctx = context_for(cfg, worker, strict=strict and worker is not None)
+    if worker is None and device != "cpu":
+        ctx = ParallelContext.single(device)
     trainer = build_trainer(cfg, ctx)
     records = [trainer.train_step() for _ in range(STEPS)]
     trainer.optimizer.wait_params()
-    weights = {name.split("/", 1)[1]: (t.detach().clone(), slices, shape)
+    weights = {name.split("/", 1)[1]: (t.detach().cpu().clone(), slices, shape)
                for name, (t, shape, slices) in trainer.optimizer.state_tensors().items() if name.startswith("master/")}
     reports = list(ctx.stats.strict.reports) if ctx.stats.strict is not None else []
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],

@@ -17,7 +17,7 @@ from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.tensor_parallel.fp8 import RECIPES as FP8_RECIPES, check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
 from parallel3d.data_parallel.quantize import check_zeropp
-from parallel3d.mesh_spec import MeshSpec, check_hpz
+from parallel3d.mesh_spec import MeshSpec, check_hpz, check_node_size
 from parallel3d.data_parallel.fp8_gather import check_fp8_gather
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import check_schedule_config
@@ -72,9 +72,12 @@ def require_package(module: str, feature: str, pip_name: Optional[str] = None) -
         raise ConfigError(f"{feature} needs the {name!r} package, which is not installed: pip install {name}")
 
 
-def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentConfig:
+def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
+                         ranks_per_node: Optional[int] = None) -> ExperimentConfig:
     """Return a resolved copy of `cfg` (dp and train.num_microbatches filled in; sp turned off when
     tp == 1, where it is a no-op) after checking every cross-field constraint for `world_size`.
+    ranks_per_node: the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE), checked against
+    parallel.gpus_per_node (mesh_spec.check_node_size); None outside a launcher (plans, tests).
 
     Raises ConfigError with one message naming the first broken constraint. `cfg` itself is left
     untouched, so the unresolved config stays portable to other world sizes.
@@ -130,6 +133,8 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int) -> ExperimentCo
     spec = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp, p.dp_shard,
                                              p.gpus_per_node))
     p.dp = spec.dp   # dp_shard stays as given (0: all of dp), so a saved config stays portable
+    if ranks_per_node is not None:
+        _owned(lambda: check_node_size(p.gpus_per_node, world_size, ranks_per_node))
     _owned(lambda: check_compression(p.grad_compression, p.zero, p.powersgd_rank, p.topk_ratio,
                                      p.compression_start_step, spec.hsdp, t.precision, spec.dp * spec.cp))
     _owned(lambda: check_zeropp(p.zero, p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients,
