@@ -87,6 +87,11 @@ class Group:
         return isinstance(self.pg, SimulatedProcessGroup)
 
     @property
+    def strict(self) -> Optional[StrictLedger]:
+        """The strict test backend's ledger of this rank (comm_strict.py), or None."""
+        return self.stats.strict if self.stats is not None else None
+
+    @property
     def size(self) -> int:
         return len(self.ranks)
 
@@ -130,8 +135,8 @@ def _run(group: Group, op: str, fn: Callable[[], object], *tensors: torch.Tensor
     check_placement(group, op, *tensors)
     if group.simulated:
         return None
-    if blocking and group.stats is not None and group.stats.strict is not None:
-        group.stats.strict.blocking(group, op)
+    if blocking and group.strict is not None:
+        group.strict.blocking(group, op)
     if group.pg is None:   # (torch.distributed would take None for the default group)
         raise CollectiveError(f"{op} on {group.name} group (ranks {group.ranks}) on rank {group.global_rank}: "
                               f"it has no process group (not built, or destroyed: ParallelContext.destroy)")
@@ -231,10 +236,9 @@ class P2P:
 
 def _started(group: Group, op: str, launch: Callable[[list, list], object], outputs: list, inputs: list) -> object:
     """launch(outputs, inputs) -> its handle; under the strict backend into private copies (comm_strict)."""
-    ledger = group.stats.strict if group.stats is not None else None
-    if ledger is None or group.simulated:
+    if group.strict is None or group.simulated:
         return launch(outputs, inputs)
-    return ledger.start(group, op, launch, outputs, inputs)
+    return group.strict.start(group, op, launch, outputs, inputs)
 
 
 def local_work(group: Group, op: str, outputs: Sequence[torch.Tensor],
@@ -245,10 +249,9 @@ def local_work(group: Group, op: str, outputs: Sequence[torch.Tensor],
     if write is not None:
         write()
     device = outputs[0].device if outputs else torch.device("cpu")
-    ledger = group.stats.strict if group.stats is not None else None
-    if ledger is None:
+    if group.strict is None:
         return LocalWork(device)
-    return ledger.start(group, op, lambda outs, ins: LocalWork(device), list(outputs), [])
+    return group.strict.start(group, op, lambda outs, ins: LocalWork(device), list(outputs), [])
 
 
 def start_all_reduce(t: torch.Tensor, group: Group) -> object:
@@ -324,7 +327,7 @@ def orders_on_device(group: Group) -> bool:
     test backend (comm_strict.py) answers as NCCL, so gloo runs NCCL's paths."""
     if group.pg is None or group.simulated:
         return False
-    return dist.get_backend(group.pg) == "nccl" or (group.stats is not None and group.stats.strict is not None)
+    return dist.get_backend(group.pg) == "nccl" or group.strict is not None
 
 
 def wait_work(work: object, group: Group, op: str) -> None:

@@ -174,3 +174,27 @@ def test_the_strict_backend_catches_a_host_read_behind_the_parameter_gathers(mul
     world, overrides = CASES["overlap-zero1"]
     got = multirank(_train_with_gathers_on_dp, world, overrides, world)
     assert any("all_gather on dp_cp" in r for r in got[0]["reports"]), got[0]["reports"]
+
+
+def _loop(worker, overrides, world):
+    """The run loop (training/loop.py): the step, MoE telemetry after it, evaluation, on the strict backend."""
+    from parallel3d.models.moe import MoETransformer
+    from parallel3d.training.loop import run_training
+
+    torch.set_num_threads(1)
+    cfg = make_config([*PARITY, f"train.global_batch_size={2 * world}", "model.num_layers=2", "train.steps=3",
+                       "train.eval_interval=2", "train.eval_steps=1", *overrides], worker.world_size)
+    ctx = context_for(cfg, worker, strict=True)
+
+    def build(layers, pre, post):
+        return MoETransformer(cfg.model, ctx, layers=layers, pre=pre, post=post)
+    records = run_training(cfg, ctx, build)
+    return ctx.stats.strict.reports, [r["loss"] for r in records]
+
+
+def test_the_run_loop_reads_nothing_behind_the_overlapped_gathers(multirank):
+    """Defect 2's other read: MoE's load statistics (a DP x CP all-reduce read on the host) right after
+    opt.step, with the gathers in flight; and evaluation after a step."""
+    overrides = ["parallel.dp=2", "parallel.ep=2", "parallel.zero=1", "parallel.overlap_param_gather=true", *MOE]
+    for reports, losses in multirank(_loop, 2, overrides, 2):
+        assert not reports and len(losses) == 3 and all(math.isfinite(x) for x in losses), reports

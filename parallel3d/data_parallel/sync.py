@@ -16,8 +16,10 @@ When buckets are reduced (`per_microbatch`):
 
 Follow-ups of a finished reduction (`_follow_up`: the HSDP replica all-reduce, accumulating into the held
 gradient, freeing the buffer, the offload copy): on a backend whose work orders the device (NCCL,
-comm.orders_on_device) they are queued right after the collective, on a side stream that waits for it,
-so neither the host nor the compute stream waits; elsewhere (gloo) each launch polls the oldest
+comm.orders_on_device) they are queued right after the collective, on a side stream that waits for its
+work handle, so neither the host nor the compute stream waits. Every reduction hands back a handle, the
+ones this rank computes itself too (a size-1 group, compression, qgZ: comm.local_work), and waiting it is
+what orders the side stream after the stream that wrote the output (comm_strict.py owns the rule); elsewhere (gloo) each launch polls the oldest
 reductions with is_completed() and follows up the finished ones, and finish_grad_sync waits for the rest.
 
 `GradientSync` owns this: the buckets' gradient state (`b.grad`), the hooks, the launch order, the
