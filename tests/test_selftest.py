@@ -53,6 +53,15 @@ def test_selftest_passes_at_world_4_with_one_table(tmp_path):
     assert out.stdout.rstrip().splitlines()[-1].endswith("0 failed, 2 skipped"), out.stdout[-500:]
 
 
+@pytest.mark.sweep
+def test_selftest_passes_at_world_8(tmp_path):
+    """Every layout at 8 ranks, the two world-8 combinations included (3-4 minutes on 2 cores: make sweep)."""
+    out = _selftest(["--quick", "--bandwidth-mib", "1", "--json", str(tmp_path / "t.json")], ranks=8, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert [row["result"] for row in json.loads((tmp_path / "t.json").read_text())["layouts"]] == ["ok"] * len(
+        layouts.LAYOUTS)
+
+
 def test_selftest_exits_non_zero_naming_the_layout_that_differs():
     """At world 2 (the start-up is most of its time): tp2's gradients doubled, zero1 untouched."""
     out = _selftest(["--quick", "--only", "zero1,tp2", "--inject-mismatch", "tp2", "--bandwidth-mib", "0"], ranks=2)
