@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         keep_freed_memory()
     mib = args.bandwidth_mib if args.bandwidth_mib is not None else (64 if device.type == "cuda" else 4)
     sizes = (int(mib * MIB / (16 if args.quick else 1)), 2 if args.quick else 5)
-    planner = bandwidth.planner_device(backend, device, world)
+    planner = bandwidth.planner_device(device, world)
     references: dict = {}
     rows, bandwidths = [], []
     started = time.perf_counter()
@@ -161,9 +161,9 @@ def main(argv=None) -> int:
             fail(f"[rank {rank}] selftest layout {layout.name} failed: {type(e).__name__}: {e}", code=1,
                  every_rank=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    shape = layouts.reference_overrides(layouts.LAYOUTS[0], world)
-    header = (f"parallel3d selftest: world {world} ({backend}, {name}), {args.steps} steps per layout, "
-              f"tiny Llama ({', '.join(o.split('.', 1)[1] for o in shape[:3])}, seq 16, global batch {2 * world}) "
+    m, t = (c := make_config(layouts.reference_overrides(layouts.LAYOUTS[0], world), 1)).model, c.train
+    header = (f"parallel3d selftest: world {world} ({backend}, {name}), {args.steps} steps per layout of a Llama "
+              f"(hidden {m.hidden_size}, {m.num_layers} layers, seq {t.seq_len}, global batch {t.global_batch_size}) "
               f"vs world size 1; {time.perf_counter() - started:.0f} s")
     failed = [r["name"] for r in rows if r["result"] == "MISMATCH" or r["result"].startswith("error")]
     if rank == 0:

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _selftest(args: list[str], ranks: int = 4, timeout: int = 240) -> subprocess.CompletedProcess:
-    """launch/selftest.py under torchrun with `ranks` gloo ranks (0: plain python, no torchrun)."""
+    """launch/selftest.py under torchrun with `ranks` gloo ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    cmd = (torchrun if ranks else [sys.executable]) + ["launch/selftest.py", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "launch/selftest.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,11 +71,17 @@ def test_selftest_exits_non_zero_naming_the_layout_that_differs():
     assert "step 0 rank 0: grad_norm" in out.stdout and "vs world size 1" in out.stdout
 
 
-def test_bad_arguments_exit_2_naming_them():
-    out = _selftest(["--only", "tp2,tp9"], ranks=0)
-    assert out.returncode == 2 and "no layout named tp9" in out.stderr, out.stderr
-    assert _selftest(["--only", "pp2-*", "--list"], ranks=0).stdout.split() == [
-        f"pp2-{s}" for s in SCHEDULE_NAMES]
+def test_bad_arguments_exit_2_naming_them(capsys):
+    """The command's own main, in process (what it does before any process group)."""
+    from launch.selftest import main
+
+    for argv, words in ((["--only", "tp2,tp9"], "no layout named tp9"), (["--steps", "0"], "--steps must be"),
+                        (["--inject-mismatch", "tp3"], "no layout named tp3")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+    assert main(["--only", "pp2-*", "--list"]) == 0
+    assert capsys.readouterr().out.split() == [f"pp2-{s}" for s in SCHEDULE_NAMES]
 
 
 def test_layouts_cover_every_dimension_and_validate_at_worlds_4_and_8():
@@ -83,8 +89,11 @@ def test_layouts_cover_every_dimension_and_validate_at_worlds_4_and_8():
     from launch.selftest import make_config
 
     words = " ".join(o for layout in layouts.LAYOUTS for o in layout.overrides)
-    for option in [f"parallel.schedule={s}" for s in SCHEDULE_NAMES] + ["parallel.sp=true", "parallel.dp_shard"] + \
-            [f"parallel.zero={z}" for z in (1, 2, 3)] + [f"parallel.cp_mode={m}" for m in ("ring", "allgather", "ulysses")]:
+    options = [f"parallel.schedule={s}" for s in SCHEDULE_NAMES] + [f"parallel.zero={z}" for z in (1, 2, 3)]
+    options += [f"parallel.cp_mode={m}" for m in ("ring", "allgather", "ulysses")]
+    options += ["parallel.sp=true", "parallel.dp_shard", "parallel.overlap_param_gather=true",
+                "parallel.offload_optimizer=cpu"]
+    for option in options:
         assert option in words, option
     assert {"moe", "documents"} <= {layout.model for layout in layouts.LAYOUTS}
     for world in (4, 8):

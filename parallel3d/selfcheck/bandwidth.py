@@ -98,7 +98,7 @@ def measure(ctx: ParallelContext, dim: str, op: str, nbytes: int, iters: int) ->
             "seconds": seconds, "busbw": algbw * bus_factor(op, group.size) if group.size > 1 else 0.0}
 
 
-def planner_device(backend: str, device: torch.device, world: int) -> tuple[Optional[object], str]:
+def planner_device(device: torch.device, world: int) -> tuple[Optional[object], str]:
     """(the planner's GPU for this machine or None, its name or why there is none). On a CPU only a cached
     profile is read (planner/profile.py): measuring one takes minutes (launch/plan.py --gpu cpu does it)."""
     from parallel3d.planner import profile
