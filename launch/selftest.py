@@ -74,13 +74,11 @@ def build_trainer(cfg, ctx: ParallelContext):
 
 
 def double_gradients(trainer) -> None:
-    """--inject-mismatch: this run's loss doubled on its way into backward, so every gradient is x2 (the losses
-    and clipped AdamW weights cannot see it; the grad norm must)."""
-    opt = trainer.optimizer
-    if not getattr(opt, "_selftest_doubled", False):
-        scale = opt.scale_loss
-        opt.scale_loss = lambda loss: 2 * scale(loss)
-        opt._selftest_doubled = True
+    """--inject-mismatch: this trainer's loss doubled on its way into backward (its optimizer's scale_loss,
+    which every Trainer path calls), so every gradient is x2: the losses and the clipped AdamW weights
+    cannot see it; the grad norm must."""
+    scale = trainer.optimizer.scale_loss
+    trainer.optimizer.scale_loss = lambda loss: 2 * scale(loss)
 
 
 def run_layout(layout, world: int, device: torch.device, args, references: dict, bandwidths: list,
@@ -103,8 +101,9 @@ def run_layout(layout, world: int, device: torch.device, args, references: dict,
     ctx = ParallelContext.build(spec_of(cfg), device=device, timeout_s=args.timeout_s)
     start = time.perf_counter()
     trainer = build_trainer(cfg, ctx)
-    inject = double_gradients if layout.name == args.inject_mismatch else None
-    run = parity.train(trainer, args.steps, before_step=inject)
+    if layout.name == args.inject_mismatch:
+        double_gradients(trainer)
+    run = parity.train(trainer, args.steps)
     row["seconds"] = time.perf_counter() - start
     summaries = comm.all_gather_json(parity.local_summary(run, reference), ctx.world)
     row["mismatches"], row["errors"] = parity.verdict(summaries, reference)

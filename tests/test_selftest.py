@@ -114,7 +114,10 @@ def _ws1(overrides: list[str] = (), double: bool = False) -> dict:
     torch.set_num_threads(1)
     layout = layouts.LAYOUTS[0]
     cfg = make_config([*layouts.reference_overrides(layout, 4), *overrides], 1)
-    return parity.train(build_trainer(cfg, ParallelContext.single()), 2, double_gradients if double else None)
+    trainer = build_trainer(cfg, ParallelContext.single())
+    if double:
+        double_gradients(trainer)
+    return parity.train(trainer, 2)
 
 
 @pytest.fixture(scope="module")

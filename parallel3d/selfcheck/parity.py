@@ -12,8 +12,6 @@ losses and weights; only the norm sees it), weights |got - ref| <= WEIGHT_ATOL +
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import torch
 
 from parallel3d.data_parallel.state import base_name
@@ -24,13 +22,10 @@ WEIGHT_RTOL = 1e-4
 WEIGHT_ATOL = 1e-5  # about 0.3% of one step at lr 3e-3
 
 
-def train(trainer, steps: int, before_step: Optional[Callable] = None) -> dict:
-    """`steps` optimizer steps: {"losses", "norms", "weights": {name: (held master piece, slices)}}."""
-    records = []
-    for _ in range(steps):
-        if before_step is not None:
-            before_step(trainer)
-        records.append(trainer.train_step())
+def train(trainer, steps: int) -> dict:
+    """`steps` optimizer steps of a Trainer: {"losses", "norms", "weights": {name: [(held master piece, its
+    global shape, its global slices), ...]}}."""
+    records = [trainer.train_step() for _ in range(steps)]
     master = "master/"
     weights: dict[str, list] = {}
     for key, (t, shape, slices) in trainer.optimizer.state_tensors().items():
@@ -52,8 +47,9 @@ def weight_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / (WEIGHT_ATOL / WEIGHT_RTOL + |ref|): at most WEIGHT_RTOL exactly where every element
     passes |got - ref| <= WEIGHT_ATOL + WEIGHT_RTOL |ref| (torch.testing.assert_close's rule), so one number
     says how close a tensor came, on the rtol scale, without dividing by weights near zero."""
-    diff = (got.float() - ref.float()).abs()  # (piece,)
-    return float((diff / (WEIGHT_ATOL / WEIGHT_RTOL + ref.float().abs())).max()) if diff.numel() else 0.0
+    ref = ref.float()
+    diff = (got.to(ref.device, torch.float32) - ref).abs()  # (piece,): an offloaded master lives on the host
+    return float((diff / (WEIGHT_ATOL / WEIGHT_RTOL + ref.abs())).max()) if diff.numel() else 0.0
 
 
 def local_summary(run: dict, reference: dict) -> dict:
