@@ -81,48 +81,76 @@ def double_gradients(trainer) -> None:
     trainer.optimizer.scale_loss = lambda loss: 2 * scale(loss)
 
 
-def run_layout(layout, world: int, device: torch.device, args, references: dict, bandwidths: list,
-               sizes: tuple[int, int], planner) -> dict:
-    row = {"name": layout.name, "mesh": "", "result": "", "errors": {}, "seconds": 0.0, "mismatches": []}
-    reason = layout.skip_reason(world)
-    if reason:
-        return {**row, "result": reason}
-    try:
-        cfg = make_config(layouts.overrides_at(layout, world), world)
-        ref_overrides = layouts.reference_overrides(layout, world)
-        ref_cfg = make_config(ref_overrides, 1)
-    except ConfigError as e:   # the same on every rank: the layout list is wrong for this world
-        return {**row, "result": f"error: refused: {e}"}
-    row["mesh"] = layouts.mesh_words(cfg.parallel)
-    key = tuple(ref_overrides)
-    if key not in references:   # world size 1 on this rank's own device, shared by layouts of one model
-        references[key] = parity.train(build_trainer(ref_cfg, ParallelContext.single(device)), args.steps)
-    reference = references[key]
-    ctx = ParallelContext.build(spec_of(cfg), device=device, timeout_s=args.timeout_s)
-    start = time.perf_counter()
-    trainer = build_trainer(cfg, ctx)
-    if layout.name == args.inject_mismatch:
-        double_gradients(trainer)
-    run = parity.train(trainer, args.steps)
-    row["seconds"] = time.perf_counter() - start
-    summaries = comm.all_gather_json(parity.local_summary(run, reference), ctx.world)
-    row["mismatches"], row["errors"] = parity.verdict(summaries, reference)
-    row["result"] = "MISMATCH" if row["mismatches"] else "ok"
-    nbytes, iters = sizes
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    for item in (layout.bandwidth if nbytes else ()):
-        dim, op = item.split(":")
-        if getattr(ctx, dim).size < 2:
-            continue
-        measured = bandwidth.measure(ctx, dim, op, nbytes, iters)
-        bandwidths.append({**measured, "layout": layout.name,
-                           "link": bandwidth.link_words(measured["ranks"], gpus_per_node),
-                           "planner_busbw": bandwidth.planner_busbw(measured, planner[0], gpus_per_node)})
-    del trainer, run
-    gc.collect()
-    comm.barrier(ctx.world)    # every rank is done with the groups before any destroys them
-    ctx.destroy()
-    return row
+class Session:
+    """One rank's selftest: the world-size-1 runs (one per model and batch, on this rank's device), the context
+    of the last mesh (consecutive layouts of one mesh share its process groups, as the test harness's worlds
+    do), and the bandwidth rows."""
+
+    def __init__(self, args, world: int, device: torch.device, sizes: tuple[int, int], planner) -> None:
+        self.args, self.world, self.device, self.sizes, self.planner = args, world, device, sizes, planner
+        self.references: dict = {}
+        self.bandwidths: list[dict] = []
+        self.spec, self.ctx = None, None
+        self.gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+    def context(self, spec: MeshSpec) -> ParallelContext:
+        if spec != self.spec:
+            self.close()
+            self.spec, self.ctx = spec, ParallelContext.build(spec, device=self.device, timeout_s=self.args.timeout_s)
+        return self.ctx
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            gc.collect()                   # the last trainer's hooks hold the groups
+            comm.barrier(self.ctx.world)   # every rank is done with the groups before any destroys them
+            self.ctx.destroy()
+        self.spec, self.ctx = None, None
+
+    def reference(self, overrides: list[str]) -> dict:
+        key = tuple(overrides)
+        if key not in self.references:
+            cfg = make_config(overrides, 1)
+            self.references[key] = parity.train(build_trainer(cfg, ParallelContext.single(self.device)),
+                                                self.args.steps)
+        return self.references[key]
+
+    def run(self, layout) -> dict:
+        row = {"name": layout.name, "mesh": "", "result": "", "errors": {}, "seconds": 0.0, "mismatches": []}
+        reason = layout.skip_reason(self.world)
+        if reason:
+            return {**row, "result": reason}
+        try:
+            cfg = make_config(layouts.overrides_at(layout, self.world), self.world)
+            ref_overrides = layouts.reference_overrides(layout, self.world)
+            make_config(ref_overrides, 1)
+        except ConfigError as e:   # the same on every rank: the layout list is wrong for this world
+            return {**row, "result": f"error: refused: {e}"}
+        row["mesh"] = layouts.mesh_words(cfg.parallel)
+        reference = self.reference(ref_overrides)
+        ctx = self.context(spec_of(cfg))
+        start = time.perf_counter()
+        trainer = build_trainer(cfg, ctx)
+        if layout.name == self.args.inject_mismatch:
+            double_gradients(trainer)
+        run = parity.train(trainer, self.args.steps)
+        row["seconds"] = time.perf_counter() - start
+        del trainer
+        summaries = comm.all_gather_json(parity.local_summary(run, reference), ctx.world)
+        row["mismatches"], row["errors"] = parity.verdict(summaries, reference)
+        row["result"] = "MISMATCH" if row["mismatches"] else "ok"
+        self.measure(layout, ctx)
+        return row
+
+    def measure(self, layout, ctx: ParallelContext) -> None:
+        nbytes, iters = self.sizes
+        for item in (layout.bandwidth if nbytes else ()):
+            dim, op = item.split(":")
+            if getattr(ctx, dim).size < 2:
+                continue
+            row = bandwidth.measure(ctx, dim, op, nbytes, iters)
+            self.bandwidths.append({**row, "layout": layout.name,
+                                    "link": bandwidth.link_words(row["ranks"], self.gpus_per_node),
+                                    "planner_busbw": bandwidth.planner_busbw(row, self.planner[0], self.gpus_per_node)})
 
 
 def main(argv=None) -> int:
@@ -148,17 +176,19 @@ def main(argv=None) -> int:
     mib = args.bandwidth_mib if args.bandwidth_mib is not None else (64 if device.type == "cuda" else 4)
     sizes = (int(mib * MIB / (16 if args.quick else 1)), 2 if args.quick else 5)
     planner = bandwidth.planner_device(device, world)
-    references: dict = {}
-    rows, bandwidths = [], []
+    session = Session(args, world, device, sizes, planner)
+    rows = []
     started = time.perf_counter()
     for layout in chosen:
         try:
-            rows.append(run_layout(layout, world, device, args, references, bandwidths, sizes, planner))
+            rows.append(session.run(layout))
         except Exception as e:   # peers may be stuck in a collective: say which layout, and let torchrun end them
             import traceback
             traceback.print_exc()
             fail(f"[rank {rank}] selftest layout {layout.name} failed: {type(e).__name__}: {e}", code=1,
                  every_rank=True)
+    session.close()
+    bandwidths = session.bandwidths
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     m, t = (c := make_config(layouts.reference_overrides(layouts.LAYOUTS[0], world), 1)).model, c.train
     header = (f"parallel3d selftest: world {world} ({backend}, {name}), {args.steps} steps per layout of a Llama "

@@ -64,22 +64,23 @@ def _schedule(name: str) -> tuple[str, ...]:
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# (layouts of one mesh stay together: they share its process groups, built once)
 LAYOUTS: tuple[Layout, ...] = (
     Layout("dp", (), bandwidth=tuple(f"dp:{op}" for op in (*COLLECTIVES, "all_to_all"))),
-    Layout("tp2", ("parallel.tp=2",), multiple_of=2, bandwidth=tuple(f"tp:{op}" for op in COLLECTIVES)),
-    Layout("tp2-sp", ("parallel.tp=2", "parallel.sp=true"), multiple_of=2),
-    *(Layout(f"pp2-{s}", _schedule(s), multiple_of=2, bandwidth=("pp:p2p",) if s == "1f1b" else ())
-      for s in SCHEDULE_NAMES),
     *(Layout(f"zero{z}", (f"parallel.zero={z}",)) for z in (1, 2, 3)),
     # the paths with side streams and gathers in flight across steps (issue 48's NCCL defects)
     Layout("zero1-overlap-gather", ("parallel.zero=1", "parallel.overlap_param_gather=true")),
     Layout("zero3-offload-cpu", ("parallel.zero=3", "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu")),
     Layout("hsdp-zero3", ("parallel.zero=3", "parallel.dp_shard={half_world}"), multiple_of=2, min_world=4),
+    Layout("tp2", ("parallel.tp=2",), multiple_of=2, bandwidth=tuple(f"tp:{op}" for op in COLLECTIVES)),
+    Layout("tp2-sp", ("parallel.tp=2", "parallel.sp=true"), multiple_of=2),
+    *(Layout(f"pp2-{s}", _schedule(s), multiple_of=2, bandwidth=("pp:p2p",) if s == "1f1b" else ())
+      for s in SCHEDULE_NAMES),
     *(Layout(f"cp2-{mode}", ("parallel.cp=2", f"parallel.cp_mode={mode}"), multiple_of=2,
              bandwidth=("cp:all_gather",) if mode == "allgather" else ())
       for mode in ("ring", "allgather", "ulysses")),
-    Layout("ep-eq-dp", ("parallel.ep={world}", "parallel.zero=1"), model="moe", bandwidth=("ep:all_to_all",)),
     Layout("documents-cp2", ("parallel.cp=2",), model="documents", multiple_of=2),
+    Layout("ep-eq-dp", ("parallel.ep={world}", "parallel.zero=1"), model="moe", bandwidth=("ep:all_to_all",)),
     Layout("ep-eq-dp-tp2-sp", ("parallel.tp=2", "parallel.sp=true", "parallel.ep={half_world}"), model="moe",
            multiple_of=2, min_world=4),
     Layout("documents-cp2-tp2-sp", ("parallel.cp=2", "parallel.tp=2", "parallel.sp=true"), model="documents",
