@@ -167,6 +167,9 @@ def main(argv=None) -> int:
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(max(1, torch.get_num_threads() // local))   # the cores shared, as pretrain.py's ranks
     rank, world = init_distributed(timeout_s=args.timeout_s)
+    if world < 2:
+        fail("the selftest compares layouts of 2 or more ranks with world size 1: start it under torchrun, "
+             "e.g. torchrun --nproc_per_node=8 launch/selftest.py")
     import torch.distributed as dist
     backend = dist.get_backend() if dist.is_initialized() else "none"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -71,12 +71,14 @@ def test_selftest_exits_non_zero_naming_the_layout_that_differs():
     assert "step 0 rank 0: grad_norm" in out.stdout and "vs world size 1" in out.stdout
 
 
-def test_bad_arguments_exit_2_naming_them(capsys):
-    """The command's own main, in process (what it does before any process group)."""
+def test_bad_arguments_exit_2_naming_them(capsys, monkeypatch):
+    """The command's own main, in process (what it does before any process group; one rank: no torchrun)."""
     from launch.selftest import main
 
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
     for argv, words in ((["--only", "tp2,tp9"], "no layout named tp9"), (["--steps", "0"], "--steps must be"),
-                        (["--inject-mismatch", "tp3"], "no layout named tp3")):
+                        (["--inject-mismatch", "tp3"], "no layout named tp3"), ([], "start it under torchrun")):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
