@@ -120,7 +120,8 @@ class Session:
         if reason:
             return {**row, "result": reason}
         try:
-            cfg = make_config(layouts.overrides_at(layout, self.world), self.world)
+            node = [f"parallel.gpus_per_node={self.gpus_per_node}"]   # the launcher's node, as a run's
+            cfg = make_config(layouts.overrides_at(layout, self.world) + node, self.world)
             ref_overrides = layouts.reference_overrides(layout, self.world)
             make_config(ref_overrides, 1)
         except ConfigError as e:   # the same on every rank: the layout list is wrong for this world

@@ -4,8 +4,8 @@
     tp2                      tp2 dp2                 ok           max rel err loss 4.1e-08 grad_norm 1.1e-07 ...
     pp2-zb-v                 dp2 pp2                 ok           ...
     tp2-sp-pp2-zero1         -                       skipped: needs world >= 8
-    bus bandwidth (NCCL-tests' busbw, the slowest rank's time) beside the planner's: H200-SXM-141GB
-    busbw tp all_reduce      ranks 0,1 intra-node    152 GB/s     planner 360 GB/s; 64 MiB in 0.8 ms, in tp2
+    bus bandwidth (NCCL-tests' busbw, the slowest rank's time) beside the planner's: <its GPU, or why none>
+    busbw tp all_reduce      ranks 0,1 intra-node    <B> GB/s     planner <P> GB/s; 64 MiB in <T> ms, in tp2
 
 A layout's result is "ok", "MISMATCH" (its detail names the first difference; every one is listed under the
 table), "skipped: ..." or "error: ...". Only MISMATCH and error rows fail the selftest.
