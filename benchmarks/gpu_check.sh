@@ -17,6 +17,9 @@
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
 #   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
+#   selftest2      launch/selftest.py at world 2 on ONE GPU, two NCCL ranks sharing it (NCCL_MULTI_RANK_GPU_ENABLE=1,
+#                  NCCL 2.30 or newer; else it says why not): the first real NCCL run on a one-GPU session
+#   selftest       launch/selftest.py on every GPU of the node (at least 2), one rank each
 #
 # OUTDIR/env.log holds the device, driver, torch and triton versions and the commit; each phase's output
 # is OUTDIR/<phase>.log, and its last lines and exit code also go to stdout.
@@ -93,6 +96,23 @@ for b, s, hq, hk, d in ((2, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 
               f"backward {2.5 * fwd / ((ms_both - ms) * 1e-3) / peak:.2f}")
 '
 
+# the selftest at world 2 on one GPU: NCCL lets two ranks share a GPU from 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1)
+SELFTEST2='
+version=$(python3 -c "import torch
+v = torch.cuda.nccl.version()   # (major, minor, patch), or major*10000 + minor*100 + patch on older torch
+v = v if isinstance(v, tuple) else (v // 10000, v // 100 % 100, v % 100)
+print(*v, sep=\".\")")
+echo "NCCL ${version:-none}, $(python3 -c "import torch; print(torch.cuda.device_count())") GPU(s)"
+if [ -z "$version" ]; then
+    echo "selftest2 not run: this torch has no NCCL"
+elif python3 -c "import sys; sys.exit(0 if tuple(map(int, \"$version\".split(\".\"))) >= (2, 30, 0) else 1)"; then
+    NCCL_MULTI_RANK_GPU_ENABLE=1 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+        launch/selftest.py --json "$1/selftest2.json"
+else
+    echo "selftest2 not run: NCCL $version is older than 2.30, the first that lets two ranks share one GPU"
+fi
+'
+
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -121,6 +141,10 @@ for p in $PHASES; do
     train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
         --impl parallel3d+compile transformers+compile ;;
     kernels) phase kernels 90 python3 benchmarks/kernels.py --markdown ;;
+    selftest2) TAIL=45 phase selftest2 240 bash -c "$SELFTEST2" selftest2 "$OUTDIR" ;;
+    selftest) TAIL=45 phase selftest 300 python3 -m torch.distributed.run --standalone \
+        --nproc_per_node="$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")" \
+        launch/selftest.py --json "$OUTDIR/selftest.json" ;;
     *) echo "unknown phase $p" ;;
     esac
 done

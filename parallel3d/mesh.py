@@ -196,8 +196,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
         return 0, 1
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if backend == "nccl":   # round robin: NCCL refuses two ranks on one GPU unless it allows them
+            # (NCCL_MULTI_RANK_GPU_ENABLE=1 from NCCL 2.30: benchmarks/gpu_check.sh's selftest2 phase)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         timeout = datetime.timedelta(seconds=timeout_s)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun shares one store across restarts (--max-restarts): give every attempt its own key

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from parallel3d.params import real_part
+from parallel3d.selfcheck.parity import NORM_RTOL, WEIGHT_ATOL  # noqa: F401 (the parity tolerances' owner)
 
 # AdamW for parity runs. Adam's first update g / (|g| + eps) is nearly sign(g), so an element with a tiny
 # gradient moves by up to lr * |dg| / eps for a gradient difference dg. A layout changes fp32 summation
@@ -15,7 +16,6 @@ from parallel3d.params import real_part
 # size 1e-2; eps=1e-4 keeps that below 1e-6 while the update stays Adam's. Weights are compared with
 # rtol 1e-4 and an absolute tolerance of 1e-5.
 PARITY_ADAM = dict(lr=3e-3, eps=1e-4, weight_decay=0.1)
-WEIGHT_ATOL = 1e-5  # about 0.3% of one step (lr)
 
 
 def local_slices(model: torch.nn.Module, what: str = "grad") -> dict:
@@ -74,8 +74,8 @@ def load_imported(ckpt_dir: str, model_cls: type, **overrides) -> torch.nn.Modul
 # The logged grad_norm, per step, against world size 1. Clipping and Adam's normalisation cancel a uniform
 # scale of every gradient: doubling every gradient leaves the losses and the weights after clipped AdamW
 # steps unchanged (grad_norm 2.84 vs 1.42 passed both), so every parity harness compares the norm too, with
-# the weights' relative tolerance (the norm is one fp32 sum of squares over a layout's shards).
-NORM_RTOL = 1e-4
+# the weights' relative tolerance (the norm is one fp32 sum of squares over a layout's shards): NORM_RTOL,
+# owned by parallel3d/selfcheck/parity.py with WEIGHT_ATOL, which launch/selftest.py holds layouts to.
 
 
 def assert_grad_norms(got: list[list[float]], ref: list[float], rtol: float = NORM_RTOL, what: str = "") -> None:
