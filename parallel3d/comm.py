@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from parallel3d import gloo_collectives as gloo
 from parallel3d.comm_simulated import (SimulatedProcessGroup, SimulatedWork, fill_all_gather,  # noqa: F401
-                                       fill_all_to_all, fill_reduce_scatter, simulated_expert_load)
+                                       fill_all_to_all, fill_received, fill_reduce_scatter, simulated_expert_load)
 from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
 
 
@@ -324,6 +324,10 @@ def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
     works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops), *(o.tensor for o in ops)) if ops else []
+    if group.simulated:   # a simulated rank with values: no peer writes its receives (comm_simulated)
+        for o in ops:
+            if o.op == "recv" and has_values(o.tensor):
+                fill_received(o.tensor, group.pg.generator(o.tensor.device))
     return PendingP2P(group, list(works or []), [o.tensor for o in ops], simulated)
 
 
@@ -344,7 +348,7 @@ def transfer_stand_ins() -> tuple:
     simulated backend): their copies are the transfer's own work, which the collective's price covers, so
     the planner's tracker does not price them as compute. Not among them: gloo's sum on wait (real
     arithmetic, run as on gloo)."""
-    return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, gloo.simulate_reduce_scatter)
+    return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, fill_received, gloo.simulate_reduce_scatter)
 
 
 # ---- reading device values on the host: parallel3d.host_sync (read_float, read_list, read_tensor), counted

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+RECEIVE_SEED = 20_250_048   # fill_received's samples: any fixed seed
+
 
 class SimulatedProcessGroup:
     """Stands in for a process group in a dry run of one rank (the off-CPU step tests, the planner): no peer exists,
@@ -22,6 +24,15 @@ class SimulatedProcessGroup:
 
     def __init__(self, backend: str = "nccl", expert_load: float = 1.0) -> None:
         self.backend, self.expert_load = backend, expert_load
+        self._generators: dict = {}   # device -> the seeded generator of fill_received's samples
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This group's generator on `device`, seeded alike on every run (a simulated rank's receives are
+        the same from run to run)."""
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device).manual_seed(RECEIVE_SEED)
+        return self._generators[key]
 
     def __repr__(self) -> str:
         return f"SimulatedProcessGroup({self.backend!r}, expert_load={self.expert_load})"
@@ -82,3 +93,18 @@ def fill_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
     for start in range(0, n if rows else 0, max(rows, 1)):  # in place, a block of rows at a time
         take = min(rows, n - start)
         out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
+
+
+def fill_received(buf: torch.Tensor, generator: torch.Generator) -> None:
+    """A point-to-point receive of a simulated rank on a device with values (`launch/pretrain.py
+    --simulate-rank`; a meta dry run has none to fill: comm.start_batch_p2p): standard normal samples from the
+    group's seeded `generator`, whatever the message (a stage's input hidden states, the gradient of its
+    output, a ring's K/V block or its gradient). Unit scale is a plausible residual stream, so RMSNorm and MoE
+    routing see tokens spread as a real stage's are (zeros would tie every router logit and send every token to
+    the same experts; a copy of a send in the same batch mixes activations with gradients); a gradient of
+    unit scale is larger than a real one but finite, and clipping takes the rest. In place, no temporary, so
+    the rank's memory is the real one."""
+    if buf.is_floating_point():
+        buf.normal_(generator=generator)
+    else:
+        buf.zero_()
