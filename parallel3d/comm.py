@@ -92,7 +92,7 @@ class Group:
 
     def simulated_work(self, then: Optional[object] = None) -> SimulatedWork:
         """The dry-run handle of the call just recorded (SimulatedWork)."""
-        return SimulatedWork(self.stats, self.stats.serial if self.stats is not None else 0, then)
+        return SimulatedWork(self.stats, self.stats.serial if self.stats is not None else 0, then, self.device)
 
 
 class CollectiveError(RuntimeError):
@@ -280,8 +280,12 @@ def orders_on_device(group: Group) -> bool:
     """Whether waiting for this group's work orders the device instead of blocking the host: NCCL's
     work.wait() makes the current CUDA stream wait for the collective, so what follows a collective can be
     queued right after it and runs when it is done. gloo's wait() blocks the calling thread (and the
-    simulated backend has no work), so follow-ups there wait for `is_completed()` polls instead."""
-    if group.pg is None or group.simulated:
+    simulated backend's dry run has no work), so follow-ups there wait for `is_completed()` polls instead. A
+    simulated rank standing for NCCL on a real GPU (pretrain.py --simulate-rank) orders it as NCCL does
+    (comm_simulated.SimulatedWork), so its side streams run as a real rank's."""
+    if group.simulated:
+        return group.pg.backend == "nccl" and group.device is not None and group.device.type == "cuda"
+    if group.pg is None:
         return False
     return dist.get_backend(group.pg) == "nccl"
 
@@ -315,6 +319,10 @@ class PendingP2P:
 def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
     """Post sends and receives together (batch_isend_irecv) and return at once, so the caller can compute
     while they travel (ring attention overlaps the next K/V block's transfer with this block's math)."""
+    if group.simulated:   # a simulated rank with values: no peer writes its receives (comm_simulated); filled
+        for o in ops:     # before the handles, which (on CUDA) order the device after the fills
+            if o.op == "recv" and has_values(o.tensor):
+                fill_received(o.tensor, group.pg.generator(o.tensor.device))
     p2p_ops, simulated = [], []
     for i, o in enumerate(ops):
         group._record(o.op, _nbytes(o.tensor), joins_batch=i > 0)
@@ -324,10 +332,6 @@ def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p_ops.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
     works = _run(group, "batch_p2p", lambda: dist.batch_isend_irecv(p2p_ops), *(o.tensor for o in ops)) if ops else []
-    if group.simulated:   # a simulated rank with values: no peer writes its receives (comm_simulated)
-        for o in ops:
-            if o.op == "recv" and has_values(o.tensor):
-                fill_received(o.tensor, group.pg.generator(o.tensor.device))
     return PendingP2P(group, list(works or []), [o.tensor for o in ops], simulated)
 
 

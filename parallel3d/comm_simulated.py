@@ -44,10 +44,18 @@ class SimulatedWork:
     the planner hides a collective only behind the compute between its start and its wait. A handle the
     caller polled complete first (`is_completed`, as the gradient sync follows its reductions up) is not
     waited on: on a real backend the caller reaches its wait only once the transfer is done. `then`: the
-    stand-in's own work on wait (gloo's sum of a reduce-scatter)."""
+    stand-in's own work on wait (gloo's sum of a reduce-scatter). On CUDA (a simulated rank standing for NCCL:
+    `launch/pretrain.py --simulate-rank` on a GPU) the handle orders the device as NCCL's does: made once the
+    stand-in's fills are queued, it records an event on the current stream, and `wait` makes the waiting
+    stream wait for it, so a side stream that reads an output after its wait reads it filled (comm.orders_on_device)."""
 
-    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None) -> None:
+    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.stats, self.serial, self.then, self.polled = stats, serial, then, False
+        self.event, self.device = None, device
+        if device is not None and device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
 
     def is_completed(self) -> bool:
         self.polled = True
@@ -57,6 +65,8 @@ class SimulatedWork:
         if self.then is not None:
             self.then.wait()
             self.then = None
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
         if not self.polled and self.stats is not None and self.stats.on_wait is not None:
             self.stats.on_wait(self.serial)
         self.polled = True   # (a second wait is no stall)

@@ -163,3 +163,31 @@ def test_simulated_receives_are_filled_with_finite_seeded_values():
     again = exchange("cpu")
     assert torch.equal(again[2], acts) and torch.equal(again[3], grads)   # seeded: every run alike
     exchange("meta")   # no values: nothing filled, nothing raised
+
+
+@pytest.mark.gpu
+def test_simulated_work_orders_the_device_as_nccl_does():
+    """On a GPU a simulated group stands for NCCL: comm.orders_on_device holds (so the gradient sync's side
+    stream runs as on a real rank), and a wait on another stream makes that stream wait for the fill."""
+    ctx = ParallelContext.simulated(MeshSpec(dp=4), 1, "cuda", "nccl")
+    assert comm.orders_on_device(ctx.dp)
+    inp = torch.arange(4 * 2 ** 20, dtype=torch.float32, device="cuda")
+    out = torch.full((2 ** 20,), float("nan"), device="cuda")
+    work = comm.start_reduce_scatter(out, inp, ctx.dp)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        comm.wait_work(work, ctx.dp, "reduce_scatter")
+        copy = out.clone()   # (2**20,) read on the side stream after its wait
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(copy, inp[2 ** 20: 2 ** 21])   # this rank's block (fill_reduce_scatter)
+    meta = ParallelContext.simulated(MeshSpec(dp=4), 1, "meta", "nccl")
+    assert not comm.orders_on_device(meta.dp)   # the planner's dry run: no device to order
+
+
+@pytest.mark.gpu
+def test_simulated_rank_on_the_gpu(tmp_path):
+    """A world-64 rank of each of the CPU test's layouts on the GPU: finite, and the peak is CUDA's."""
+    for layout, (_, ranks) in LAYOUTS.items():
+        for r in _simulate(tmp_path, layout, ranks[-1], ("model.kernels=auto",)):
+            assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and not r["skipped"]
+            assert r["simulated"]["device"].startswith("cuda") and r["peak_mem_bytes"] > 0
