@@ -24,7 +24,7 @@
 #                  (8192), Mixtral 8x7B at its preset's EP 8 (32); SIMRANK_S per run, default 150; SIMRANK_GPU h200)
 #   sanitizer      TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer) over simulated ranks of a 4-layer
 #                  llama_100m, 2 steps each: ZeRO 1-3, HSDP, offload, overlap_param_gather, MoE with ep == dp, TP+PP
-#                  (SANITIZER_LAYOUTS; SANITIZER_S per layout, default 60). A race ends the run: exit 1, "CSAN" in the log
+#                  (SANITIZER_LAYOUTS; SANITIZER_S per layout, default 90). A race ends the run: exit 1, "CSAN" in the log
 #
 # OUTDIR/env.log holds the device, driver, torch and triton versions and the commit; each phase's output
 # is OUTDIR/<phase>.log, and its last lines and exit code also go to stdout.
@@ -184,7 +184,7 @@ for p in $PHASES; do
             read -r world rank ov <<<"$(sanitizer_layout "$name")"
             [ -n "$world" ] || { echo "unknown sanitizer layout $name"; continue; }
             # shellcheck disable=SC2086
-            TORCH_CUDA_SANITIZER=1 phase "sanitizer_$name" "${SANITIZER_S:-60}" python3 launch/pretrain.py \
+            TORCH_CUDA_SANITIZER=1 phase "sanitizer_$name" "${SANITIZER_S:-90}" python3 launch/pretrain.py \
                 --config configs/llama_100m.yaml --simulate-rank "$rank" --world-size "$world" $SANITIZER_BASE $ov
             echo "    sanitizer_$name: $(grep -c 'CSAN' "$OUTDIR/sanitizer_$name.log") lines naming CSAN"
         done ;;

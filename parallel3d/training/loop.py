@@ -40,6 +40,10 @@ def write_run_timeline(trainer: Trainer, recorded: list[tuple[int, list]]) -> No
                       "measured": to_rows(measured.records())})
     path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})",
                           step=step, steps=steps if len(steps) > 1 else None)
+    if trainer.ctx.is_simulated:   # one rank's actions: the other stages' rows are empty, so no bubble to read
+        print(f"timeline of step {step} ({p.schedule}, pp={p.pp}): simulated rank {trainer.ctx.rank}'s own actions "
+              f"(pipeline stage {trainer.ctx.coords.pp}) -> {path}", flush=True)
+        return
     print(f"timeline of step {step} ({p.schedule}, pp={p.pp}): measured bubble "
           f"{float(measured.bubble_fraction):.1%}, simulated with the measured costs "
           f"{float(simulated.bubble_fraction):.1%} -> {path}"
