@@ -17,11 +17,11 @@
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
 #   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
-#   simrank        launch/pretrain.py --simulate-rank: one rank of a large layout alone on this GPU, 3 steps, then
+#   simrank        launch/pretrain.py --simulate-rank: one rank of a large layout alone on this GPU, 4 steps, then
 #                  launch/plan.py --compare (on the CPU, beside the next run): its measured peak memory, step and
 #                  stage compute beside the plan (SIMRANK_LAYOUTS, default "8b 70b 405b moe": Llama 3 8B at
 #                  TorchTitan's 128-GPU FSDP, 70B at FSDP32 x TP8 (256), 405B at TP8 PP16 as the planner fits it
-#                  (8192), Mixtral 8x7B at its preset's EP 8 (32); SIMRANK_S per run, default 150; SIMRANK_GPU h200)
+#                  (8192), Mixtral 8x7B at its preset's EP 8 (32); SIMRANK_S per run, default 180; SIMRANK_GPU h200)
 #   sanitizer      TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer) over simulated ranks of a 4-layer
 #                  llama_100m, 2 steps each: ZeRO 1-3, HSDP, offload, overlap_param_gather, MoE with ep == dp, TP+PP
 #                  (SANITIZER_LAYOUTS; SANITIZER_S per layout, default 90). A race ends the run: exit 1, "CSAN" in the log
@@ -170,9 +170,10 @@ for p in $PHASES; do
             run="$OUTDIR/simrank_$name"
             rm -f "$run.jsonl" "$run.timeline.json"   # (the JSONL is appended to)
             # shellcheck disable=SC2086
-            phase "simrank_$name" "${SIMRANK_S:-150}" python3 launch/pretrain.py --config "configs/$cfg.yaml" \
-                --simulate-rank "$rank" --world-size "$world" $ov train.steps=3 train.warmup_steps=1 \
-                train.eval_interval=0 log.interval=1 "log.jsonl=$run.jsonl" "log.timeline=$run.timeline.json"
+            phase "simrank_$name" "${SIMRANK_S:-180}" python3 launch/pretrain.py --config "configs/$cfg.yaml" \
+                --simulate-rank "$rank" --world-size "$world" $ov train.steps=4 train.warmup_steps=1 \
+                train.eval_interval=0 log.interval=1 "log.jsonl=$run.jsonl" "log.timeline=$run.timeline.json" \
+                log.timeline_step=1   # the timeline's step synchronises per action: not one the step time is read from
             # shellcheck disable=SC2086
             [ -s "$run.jsonl" ] && TAIL=40 phase "simrank_${name}_plan" "${SIMRANK_PLAN_S:-240}" python3 launch/plan.py \
                 --config "configs/$cfg.yaml" --world-size "$world" --gpu "${SIMRANK_GPU:-h200}" $ov \
