@@ -201,3 +201,30 @@ def test_simulated_rank_on_the_gpu(tmp_path):
         for r in _simulate(tmp_path, layout, ranks[-1], ("model.kernels=auto",)):
             assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and not r["skipped"]
             assert r["simulated"]["device"].startswith("cuda") and r["peak_mem_bytes"] > 0
+
+
+def test_a_data_parallel_rank_alone_trains_as_world_size_1_on_its_data():
+    """Where the stand-in is exact, a simulated rank is the real rank: at ZeRO-0 every collective of DP rank 0
+    of 64 is an all-reduce, which a rank alone leaves at its local value, so its step is the world-size-1
+    step on that rank's own microbatches (the token count is its own, and rank 0 counts every gradient
+    element in the norm). Loss, logged gradient norm and weights after three AdamW steps must match."""
+    from ckpt_helpers import build_trainer, make_config
+    from parity import NORM_RTOL, PARITY_ADAM
+
+    torch.set_num_threads(1)
+    adam = [f"train.lr={PARITY_ADAM['lr']}", f"train.eps={PARITY_ADAM['eps']}",
+            f"train.weight_decay={PARITY_ADAM['weight_decay']}", "parallel.zero=0", "train.steps=3"]
+    sim_cfg = make_config([*adam, "train.global_batch_size=128", "train.micro_batch_size=1"], WORLD)
+    ctx = ParallelContext.simulated(MeshSpec(dp=WORLD), 0, "cpu", "gloo")
+    alone = build_trainer(sim_cfg, ctx)
+    ref = build_trainer(make_config([*adam, "train.global_batch_size=2", "train.micro_batch_size=1"], 1),
+                        ParallelContext.single())
+    assert sim_cfg.train.num_microbatches == ref.cfg.train.num_microbatches == 2
+    ref._microbatches = alone._microbatches   # world size 1 reads what DP rank 0 of 64 reads
+    for _ in range(3):
+        got, want = alone.train_step(), ref.train_step()
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_RTOL)
+        assert got["comm_bytes"]["dp_cp.all_reduce"] > 0 and not want["comm_bytes"]   # it did communicate
+    for p, q in zip((p for c in alone.chunks for p in c.parameters()), (q for c in ref.chunks for q in c.parameters())):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
