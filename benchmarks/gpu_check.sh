@@ -20,6 +20,14 @@
 #   selftest2      launch/selftest.py at world 2 on ONE GPU, two NCCL ranks sharing it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #                  NCCL 2.30 or newer; else it says why not): the first real NCCL run on a one-GPU session
 #   selftest       launch/selftest.py on every GPU of the node (at least 2), one rank each
+#   simrank        launch/pretrain.py --simulate-rank: one rank of a large layout alone on this GPU, 4 steps, then
+#                  launch/plan.py --compare (on the CPU, beside the next run): its measured peak memory, step and
+#                  stage compute beside the plan (SIMRANK_LAYOUTS, default "8b 70b 405b moe": Llama 3 8B at
+#                  TorchTitan's 128-GPU FSDP, 70B at FSDP32 x TP8 (256), 405B at TP8 PP16 as the planner fits it
+#                  (8192), Mixtral 8x7B at its preset's EP 8 (32); SIMRANK_S per run, default 180; SIMRANK_GPU h200)
+#   sanitizer      TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer) over simulated ranks of a 4-layer
+#                  llama_100m, 2 steps each: ZeRO 1-3, HSDP, offload, overlap_param_gather, MoE with ep == dp, TP+PP
+#                  (SANITIZER_LAYOUTS; SANITIZER_S per layout, default 90). A race ends the run: exit 1, "CSAN" in the log
 #
 # OUTDIR/env.log holds the device, driver, torch and triton versions and the commit; each phase's output
 # is OUTDIR/<phase>.log, and its last lines and exit code also go to stdout.
@@ -112,6 +120,39 @@ else
     echo "selftest2 not run: NCCL $version is older than 2.30, the first that lets two ranks share one GPU"
 fi
 '
+# simrank: "config world rank overrides" per layout (the published plans' overrides: planner_published.py)
+simrank_layout() {
+    case $1 in
+    8b) echo "llama3_8b 128 0 parallel.tp=1 parallel.pp=1 parallel.sp=false parallel.zero=3 parallel.dp=0" \
+        "train.seq_len=8192 train.micro_batch_size=2 train.global_batch_size=256 train.activation_checkpointing=selective" ;;
+    70b) echo "llama3_70b 256 0 parallel.tp=8 parallel.pp=1 parallel.sp=true parallel.zero=3 parallel.dp=0" \
+        "parallel.schedule=1f1b parallel.virtual_stages=1 train.seq_len=8192 train.micro_batch_size=16" \
+        "train.global_batch_size=512 train.activation_checkpointing=full train.fp8=tensorwise" ;;
+    405b) echo "llama3_405b 8192 0 parallel.tp=8 parallel.pp=16 parallel.sp=true parallel.zero=1 train.seq_len=8192" \
+        "train.micro_batch_size=1 train.global_batch_size=2048 parallel.dp=0 parallel.schedule=interleaved" \
+        "parallel.virtual_stages=2 train.activation_checkpointing=selective train.recompute_layers=2" ;;
+    moe) echo "mixtral_8x7b 32 0 parallel.tp=1 parallel.pp=4 parallel.ep=8 parallel.zero=1" ;;
+    *) echo "" ;;
+    esac
+}
+
+# sanitizer: "world rank overrides" per layout, on a 4-layer llama_100m with small buckets (several in flight)
+SANITIZER_BASE="model.num_layers=4 train.seq_len=512 train.micro_batch_size=1 train.global_batch_size=8
+    parallel.bucket_size=5000000 train.steps=2 train.warmup_steps=1 train.eval_interval=0 log.interval=1"
+sanitizer_layout() {
+    case $1 in
+    zero1) echo "8 3 parallel.zero=1" ;;
+    zero2) echo "8 3 parallel.zero=2" ;;
+    zero3) echo "8 3 parallel.zero=3" ;;
+    hsdp) echo "8 3 parallel.zero=3 parallel.dp_shard=4" ;;
+    offload) echo "8 3 parallel.zero=1 parallel.offload_optimizer=cpu" ;;
+    offload3) echo "8 3 parallel.zero=3 parallel.offload_params=cpu parallel.offload_optimizer=cpu" ;;
+    overlap) echo "8 3 parallel.zero=1 parallel.overlap_param_gather=true" ;;
+    moe) echo "8 3 parallel.zero=1 parallel.ep=8 model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=512" ;;
+    tp_pp) echo "16 15 parallel.zero=1 parallel.tp=2 parallel.pp=2 parallel.sp=true" ;;
+    *) echo "" ;;
+    esac
+}
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv
@@ -145,6 +186,32 @@ for p in $PHASES; do
     selftest) TAIL=45 phase selftest 300 python3 -m torch.distributed.run --standalone \
         --nproc_per_node="$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")" \
         launch/selftest.py --json "$OUTDIR/selftest.json" ;;
+    simrank)   # each run on the GPU, then its plan on the CPU in the background while the next runs
+        for name in ${SIMRANK_LAYOUTS:-8b 70b 405b moe}; do
+            read -r cfg world rank ov <<<"$(simrank_layout "$name")"
+            [ -n "$cfg" ] || { echo "unknown simrank layout $name"; continue; }
+            run="$OUTDIR/simrank_$name"
+            rm -f "$run.jsonl" "$run.timeline.json"   # (the JSONL is appended to)
+            # shellcheck disable=SC2086
+            phase "simrank_$name" "${SIMRANK_S:-180}" python3 launch/pretrain.py --config "configs/$cfg.yaml" \
+                --simulate-rank "$rank" --world-size "$world" $ov train.steps=4 train.warmup_steps=1 \
+                train.eval_interval=0 log.interval=1 "log.jsonl=$run.jsonl" "log.timeline=$run.timeline.json" \
+                log.timeline_step=1   # the timeline's step synchronises per action: not one the step time is read from
+            # shellcheck disable=SC2086
+            [ -s "$run.jsonl" ] && TAIL=40 phase "simrank_${name}_plan" "${SIMRANK_PLAN_S:-240}" python3 launch/plan.py \
+                --config "configs/$cfg.yaml" --world-size "$world" --gpu "${SIMRANK_GPU:-h200}" $ov \
+                --compare "$run.jsonl" --timeline "$run.timeline.json" &
+        done
+        wait ;;
+    sanitizer)
+        for name in ${SANITIZER_LAYOUTS:-zero1 zero2 zero3 hsdp offload offload3 overlap moe tp_pp}; do
+            read -r world rank ov <<<"$(sanitizer_layout "$name")"
+            [ -n "$world" ] || { echo "unknown sanitizer layout $name"; continue; }
+            # shellcheck disable=SC2086
+            TORCH_CUDA_SANITIZER=1 phase "sanitizer_$name" "${SANITIZER_S:-90}" python3 launch/pretrain.py \
+                --config configs/llama_100m.yaml --simulate-rank "$rank" --world-size "$world" $SANITIZER_BASE $ov
+            echo "    sanitizer_$name: $(grep -c 'CSAN' "$OUTDIR/sanitizer_$name.log") lines naming CSAN"
+        done ;;
     *) echo "unknown phase $p" ;;
     esac
 done

@@ -5,7 +5,7 @@ import argparse
 import os
 import signal
 import sys
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,7 +17,8 @@ from parallel3d.comm import CollectiveError  # noqa: E402
 from parallel3d.host_memory import keep_freed_memory  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
 from parallel3d.training.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from parallel3d.training.validate import resolve_and_validate  # noqa: E402
+from parallel3d.training.validate import (check_simulated_config, check_simulated_rank,  # noqa: E402
+                                          resolve_and_validate)
 from parallel3d.training.data import DataError  # noqa: E402
 from parallel3d.training.trainer import NonFiniteError  # noqa: E402
 
@@ -35,20 +36,34 @@ def fail(message: str, code: int = 2, every_rank: bool = False) -> NoReturn:
     sys.exit(code)
 
 
-def parse_args(description: str, argv=None) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(description: str, argv=None, simulate: bool = False) -> tuple[argparse.Namespace, list[str]]:
+    """`simulate`: also --simulate-rank K --world-size N (launch/pretrain.py: one rank of a layout alone)."""
     parser = argparse.ArgumentParser(description=description,
                                      epilog="Overrides are dotted key=value pairs, e.g. parallel.tp=2 train.steps=10")
     parser.add_argument("--config", help="YAML preset, e.g. configs/tiny.yaml (or CKPT/config.yaml)")
+    if simulate:
+        parser.add_argument("--simulate-rank", type=int, default=None, metavar="K",
+                            help="run rank K of a --world-size N layout alone on this machine's device (no "
+                                 "torchrun): its real step, every collective answered locally")
+        parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                            help="--simulate-rank: the world size of the layout the rank belongs to")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come before or after options
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"overrides must look like key=value, got {bad}")
     return args, args.overrides
 
 
-def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentConfig:
-    """Everything that can be checked without processes; raises a user error with one clear message."""
+def load_and_validate(config: str | None, overrides: list[str], simulate_rank: Optional[int] = None,
+                      world_size: Optional[int] = None) -> ExperimentConfig:
+    """Everything that can be checked without processes; raises a user error with one clear message.
+    `simulate_rank`, `world_size`: pretrain.py's --simulate-rank K --world-size N (validate.check_simulated_rank):
+    the layout is then checked against N instead of torchrun's WORLD_SIZE."""
+    launcher_world = int(os.environ.get("WORLD_SIZE", "1"))
+    simulated = simulate_rank is not None or world_size is not None
+    if simulated:
+        check_simulated_rank(simulate_rank, world_size, launcher_world)
     if config is None:
         load_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.load_dir=")), None)
         if load_dir and os.path.isdir(load_dir):
@@ -58,9 +73,11 @@ def load_and_validate(config: str | None, overrides: list[str]) -> ExperimentCon
     if config is not None and not os.path.isfile(config):
         raise ConfigError(f"config file {config} does not exist")
     cfg = load_config(config, overrides, ModelConfig)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = os.environ.get("LOCAL_WORLD_SIZE")   # torchrun's ranks on this node
-    cfg = resolve_and_validate(cfg, world, int(local) if local else None)
+    local = os.environ.get("LOCAL_WORLD_SIZE")   # torchrun's ranks on this node (none when simulated)
+    cfg = resolve_and_validate(cfg, world_size if simulated else launcher_world,
+                               None if simulated or not local else int(local))
+    if simulated:
+        check_simulated_config(cfg)
     if cfg.data.path is not None and not os.path.isfile(cfg.data.path):
         raise DataError(f"data.path {cfg.data.path} does not exist")
     from parallel3d.training.data_sources import token_paths
@@ -80,12 +97,20 @@ def exit_cleanly_on_sigterm(cfg: ExperimentConfig) -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def build_context(cfg: ExperimentConfig) -> ParallelContext:
+def build_context(cfg: ExperimentConfig, simulate_rank: Optional[int] = None) -> ParallelContext:
+    """The run's context: torchrun's process groups, or (`simulate_rank`, validated) that rank of the layout
+    alone on this machine's device (the first GPU, else the CPU), its groups answered by the simulated backend
+    standing for the backend a real run there takes (NCCL on CUDA, gloo on CPU)."""
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     p = cfg.parallel
-    init_distributed(timeout_s=p.timeout_s)
-    ctx = ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                         dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), timeout_s=p.timeout_s)
+    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    if simulate_rank is not None:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        ctx = ParallelContext.simulated(spec, simulate_rank, device, "nccl" if cuda else "gloo")
+    else:
+        init_distributed(timeout_s=p.timeout_s)
+        ctx = ParallelContext.build(spec, timeout_s=p.timeout_s)
     if ctx.device.type == "cpu":   # the tensors live in host memory: reuse it as CUDA's caching allocator would
         keep_freed_memory()
     return ctx

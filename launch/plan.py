@@ -132,8 +132,12 @@ def main(argv=None) -> None:
                 print(json.dumps([r.to_json() for r in results]))
             return
         cfg = resolve_and_validate(cfg, args.world_size)
-        result = plan(cfg, stage_builder, gpu, args.gpus_per_node, expert_load=args.moe_load)
         run = read_run(args.compare, args.timeline, cfg.parallel.ep) if args.compare else None
+        simulated = (run or {}).get("simulated")
+        if simulated and simulated["world_size"] != args.world_size:
+            raise ConfigError(f"--compare {args.compare} simulated rank {simulated['rank']} of world size "
+                              f"{simulated['world_size']}; plan it at --world-size {simulated['world_size']}")
+        result = plan(cfg, stage_builder, gpu, args.gpus_per_node, expert_load=args.moe_load)
     except (ConfigError, ValueError, DryRunError) as e:
         fail(str(e))
     print(_table(result, gpu, args.world_size))
@@ -141,7 +145,9 @@ def main(argv=None) -> None:
         recorded = run.get("timeline_steps")
         timed = f"; the pipeline rows over the timeline's {recorded} recorded step{'s' * (recorded > 1)}" if recorded else ""
         print(f"\nplan beside the run {args.compare} ({run['steps']} steps; medians of the later half{timed}):")
-        print(compare_table(result, run, gpu.reserved_bytes))
+        # what the run's peak_mem_bytes holds besides tensors: a CPU run logs its peak RSS (the process before
+        # the model included), a CUDA run torch.cuda.max_memory_allocated (the CUDA context outside it)
+        print(compare_table(result, run, gpu.reserved_bytes if gpu.runs_cpu_kernels else 0.0))
         if abs(run.get("moe_load", result.expert_load) - result.expert_load) > 0.05:
             print(f"the run routed its busiest EP rank {run['moe_load']:.2f}x the balanced share; the plan assumed "
                   f"{result.expert_load:.2f}x: plan again with --moe-load {run['moe_load']:.2f} to put the rest of "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from parallel3d import gloo_collectives as gloo
 from parallel3d.comm_strict import LocalWork, StrictLedger
 from parallel3d.comm_simulated import (SimulatedProcessGroup, SimulatedWork, fill_all_gather,  # noqa: F401
-                                       fill_all_to_all, fill_reduce_scatter, simulated_expert_load)
+                                       fill_all_to_all, fill_received, fill_reduce_scatter, simulated_expert_load)
 from parallel3d.host_sync import HostSyncs, has_values, read_list, read_tensor, upload  # noqa: F401 (has_values)
 
 
@@ -105,7 +105,7 @@ class Group:
 
     def simulated_work(self, then: Optional[object] = None) -> SimulatedWork:
         """The dry-run handle of the call just recorded (SimulatedWork)."""
-        return SimulatedWork(self.stats, self.stats.serial if self.stats is not None else 0, then)
+        return SimulatedWork(self.stats, self.stats.serial if self.stats is not None else 0, then, self.device)
 
 
 class CollectiveError(RuntimeError):
@@ -323,9 +323,13 @@ def orders_on_device(group: Group) -> bool:
     """Whether waiting for this group's work orders the device instead of blocking the host: NCCL's
     work.wait() makes the current CUDA stream wait for the collective, so what follows a collective can be
     queued right after it and runs when it is done. gloo's wait() blocks the calling thread (and the
-    simulated backend has no work), so follow-ups there wait for `is_completed()` polls instead. The strict
-    test backend (comm_strict.py) answers as NCCL, so gloo runs NCCL's paths."""
-    if group.pg is None or group.simulated:
+    simulated backend's dry run has no work), so follow-ups there wait for `is_completed()` polls instead. A
+    simulated rank standing for NCCL on a real GPU (pretrain.py --simulate-rank) orders it as NCCL does
+    (comm_simulated.SimulatedWork), so its side streams run as a real rank's. The strict test backend
+    (comm_strict.py) answers as NCCL, so gloo runs NCCL's paths."""
+    if group.simulated:
+        return group.pg.backend == "nccl" and group.device is not None and group.device.type == "cuda"
+    if group.pg is None:
         return False
     return dist.get_backend(group.pg) == "nccl" or group.strict is not None
 
@@ -364,6 +368,10 @@ class PendingP2P:
 def start_batch_p2p(ops: Sequence[P2P], group: Group) -> PendingP2P:
     """Post sends and receives together (batch_isend_irecv) and return at once, so the caller can compute
     while they travel (ring attention overlaps the next K/V block's transfer with this block's math)."""
+    if group.simulated:   # a simulated rank with values: no peer writes its receives (comm_simulated); filled
+        for o in ops:     # before the handles, which (on CUDA) order the device after the fills
+            if o.op == "recv" and has_values(o.tensor):
+                fill_received(o.tensor, group.pg.generator(o.tensor.device))
     p2p_ops, simulated = [], []
     for i, o in enumerate(ops):
         group._record(o.op, _nbytes(o.tensor), joins_batch=i > 0)
@@ -393,7 +401,7 @@ def transfer_stand_ins() -> tuple:
     simulated backend): their copies are the transfer's own work, which the collective's price covers, so
     the planner's tracker does not price them as compute. Not among them: gloo's sum on wait (real
     arithmetic, run as on gloo)."""
-    return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, gloo.simulate_reduce_scatter)
+    return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, fill_received, gloo.simulate_reduce_scatter)
 
 
 # ---- reading device values on the host: parallel3d.host_sync (read_float, read_list, read_tensor), counted

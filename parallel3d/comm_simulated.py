@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+RECEIVE_SEED = 20_250_048   # fill_received's samples: any fixed seed
+
 
 class SimulatedProcessGroup:
     """Stands in for a process group in a dry run of one rank (the off-CPU step tests, the planner): no peer exists,
@@ -22,6 +24,15 @@ class SimulatedProcessGroup:
 
     def __init__(self, backend: str = "nccl", expert_load: float = 1.0) -> None:
         self.backend, self.expert_load = backend, expert_load
+        self._generators: dict = {}   # device -> the seeded generator of fill_received's samples
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This group's generator on `device`, seeded alike on every run (a simulated rank's receives are
+        the same from run to run)."""
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device).manual_seed(RECEIVE_SEED)
+        return self._generators[key]
 
     def __repr__(self) -> str:
         return f"SimulatedProcessGroup({self.backend!r}, expert_load={self.expert_load})"
@@ -33,10 +44,18 @@ class SimulatedWork:
     the planner hides a collective only behind the compute between its start and its wait. A handle the
     caller polled complete first (`is_completed`, as the gradient sync follows its reductions up) is not
     waited on: on a real backend the caller reaches its wait only once the transfer is done. `then`: the
-    stand-in's own work on wait (gloo's sum of a reduce-scatter)."""
+    stand-in's own work on wait (gloo's sum of a reduce-scatter). On CUDA (a simulated rank standing for NCCL:
+    `launch/pretrain.py --simulate-rank` on a GPU) the handle orders the device as NCCL's does: made once the
+    stand-in's fills are queued, it records an event on the current stream, and `wait` makes the waiting
+    stream wait for it, so a side stream that reads an output after its wait reads it filled (comm.orders_on_device)."""
 
-    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None) -> None:
+    def __init__(self, stats: Optional[CommStats], serial: int, then: Optional[object] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.stats, self.serial, self.then, self.polled = stats, serial, then, False
+        self.event, self.device = None, device
+        if device is not None and device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
 
     def is_completed(self) -> bool:
         self.polled = True
@@ -46,6 +65,8 @@ class SimulatedWork:
         if self.then is not None:
             self.then.wait()
             self.then = None
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
         if not self.polled and self.stats is not None and self.stats.on_wait is not None:
             self.stats.on_wait(self.serial)
         self.polled = True   # (a second wait is no stall)
@@ -82,3 +103,18 @@ def fill_all_to_all(out: torch.Tensor, t: torch.Tensor) -> None:
     for start in range(0, n if rows else 0, max(rows, 1)):  # in place, a block of rows at a time
         take = min(rows, n - start)
         out.narrow(0, start, take).copy_(t.narrow(0, 0, take))
+
+
+def fill_received(buf: torch.Tensor, generator: torch.Generator) -> None:
+    """A point-to-point receive of a simulated rank on a device with values (`launch/pretrain.py
+    --simulate-rank`; a meta dry run has none to fill: comm.start_batch_p2p): standard normal samples from the
+    group's seeded `generator`, whatever the message (a stage's input hidden states, the gradient of its
+    output, a ring's K/V block or its gradient). Unit scale is a plausible residual stream, so RMSNorm and MoE
+    routing see tokens spread as a real stage's are (zeros would tie every router logit and send every token to
+    the same experts; a copy of a send in the same batch mixes activations with gradients); a gradient of
+    unit scale is larger than a real one but finite, and clipping takes the rest. In place, no temporary, so
+    the rank's memory is the real one."""
+    if buf.is_floating_point():
+        buf.normal_(generator=generator)
+    else:
+        buf.zero_()

@@ -72,6 +72,11 @@ class ParallelContext:
         return {} if spec.hsdp else {"dp_shard": "dp_cp", "edp_shard": "edp"}
 
     @property
+    def is_simulated(self) -> bool:
+        """Whether this is one rank alone (`simulated`): its groups answered by the simulated backend."""
+        return self.backend == "simulated"
+
+    @property
     def world_size(self) -> int:
         return self.spec.world_size
 

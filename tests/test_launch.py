@@ -114,7 +114,7 @@ def test_bad_input_gives_one_clear_error(overrides, message, where, capsys, monk
     else:
         from launch import pretrain
 
-        def no_context(cfg):
+        def no_context(cfg, *rest):
             raise AssertionError("the config check let the bad input through")
         monkeypatch.setattr(pretrain, "build_context", no_context)
         with pytest.raises(SystemExit) as end:

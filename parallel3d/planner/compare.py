@@ -27,6 +27,9 @@ from parallel3d.expert_parallel.dispatch import rank_load
 from parallel3d.planner.estimate import Plan
 
 
+COMPUTE_KINDS = ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
+
+
 def steady_rows(rows: list) -> list:
     """The steps a steady state is read from: the later half (at least all but the first). A run warms up
     over more than its first step: a CPU run of llama_100m with 4 experts at EP 2 took 8.4, 6.0, 4.7, 4.6,
@@ -65,6 +68,8 @@ def read_run(jsonl: str, timeline: Optional[str] = None, ep: int = 1) -> dict:
            "tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady),
            "comm_bytes": dict(rows[-1].get("comm_bytes") or {}),
            "peak_mem_bytes": max(int(r.get("peak_mem_bytes", 0)) for r in rows)}
+    if rows[-1].get("simulated"):   # launch/pretrain.py --simulate-rank: which rank of which world it ran
+        run["simulated"] = dict(rows[-1]["simulated"])
     loads = [x for x in (routing_load(r, ep) for r in steady) if x is not None]
     if loads:
         run["moe_load"] = statistics.median(loads)
@@ -81,21 +86,24 @@ def read_timeline(data: dict, by_step: dict) -> dict:
     steps = data.get("steps") or [{"step": data.get("step"), "measured": data["measured"],
                                    "measured_bubble": data.get("measured_bubble", 0.0)}]
     spent: dict = defaultdict(list)
-    spans, bubbles, after = [], [], []
+    spans, bubbles, after, computed = [], [], [], []
     for recorded in steps:
-        starts, ends = [], []
+        starts, ends, busy = [], [], 0.0
         for rank, kind, _mb, _chunk, _peer, start, end in recorded["measured"]:
             starts.append(start)
             ends.append(end)
-            if kind in ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+            if kind in COMPUTE_KINDS:
                 spent[kind].append(end - start)
+                busy += end - start
         span = max(ends) - min(starts) if starts else 0.0
         spans.append(span)
+        computed.append(busy)
         bubbles.append(recorded.get("measured_bubble", 0.0))
         row = by_step.get(recorded["step"]) if recorded["step"] is not None else None
         if row is not None and starts:
             after.append(row["step_time_s"] - span)
     out = {"action_s": {k: statistics.mean(v) for k, v in spent.items()}, "pipeline_s": statistics.median(spans),
+           "compute_s": statistics.median(computed),
            "bubble": statistics.median(bubbles), "timeline_steps": len(steps)}
     if after:
         out["after_pipeline_s"] = statistics.median(after)
@@ -113,6 +121,9 @@ def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, s
         out.append((name, p, m, ratio))
 
     b = plan.breakdown
+    if run.get("simulated"):
+        simulated_rows(plan, run, reserved_bytes, add, out)
+        return out
     add("step time", plan.step_time_s, run["step_time_s"])
     q1, q3 = run["step_time_q1_s"], run["step_time_q3_s"]   # how far one run's median can move
     out.append(("step time, middle half of the steps", "", f"{q1:.4f}-{q3:.4f} s",
@@ -125,7 +136,7 @@ def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, s
     for key, seconds in b.get("action_s", {}).items():   # "KIND.chunk" -> seconds of one action
         chunks[key.split(".")[0]].append(seconds)
     per_kind = {k: statistics.mean(v) for k, v in chunks.items()}
-    for kind in ("FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+    for kind in COMPUTE_KINDS:
         if kind in per_kind or kind in run.get("action_s", {}):
             add(f"one {kind.lower()} action (a microbatch of a chunk)", per_kind.get(kind), run.get("action_s", {}).get(kind))
     add("pipeline bubble", plan.bubble, run.get("bubble"), "{:.1%}")
@@ -138,6 +149,43 @@ def rows(plan: Plan, run: dict, reserved_bytes: float) -> list[tuple[str, str, s
             out.append((f"comm {key} modeled time", f"{comm_s[key]:.4f} s", "(not logged)", "-"))
     add("peak memory (GiB)", (plan.memory["peak"] + reserved_bytes) / 2 ** 30, run["peak_mem_bytes"] / 2 ** 30,
         "{:.3f}")
+    return out
+
+
+def simulated_rows(plan: Plan, run: dict, reserved_bytes: float, add, out: list) -> None:
+    """The rows of a simulated rank's run (launch/pretrain.py --simulate-rank K): rank K alone, its collectives
+    answered locally, so nothing waits for a peer or the network. Its step is its own stage's compute of every
+    microbatch (plan: that stage's priced compute, without communication) and what follows the pipeline; no
+    bubble. Memory is set beside the plan of K's own stage, not the fullest. `add(name, plan, run, fmt)`
+    appends a row to `out` (rows())."""
+    sim = run["simulated"]
+    role = next((r for r in plan.roles if r["pp_rank"] == sim["pp_rank"]), None)
+    if role is None:
+        raise ValueError(f"--compare: the run simulated rank {sim['rank']} of pipeline stage {sim['pp_rank']}, "
+                         f"which the plan's layout (pp={plan.layout['pp']}) does not have")
+    stage = f"stage {sim['pp_rank']}"
+    out.append((f"simulated rank {sim['rank']} of {sim['world_size']} ({stage}, {sim.get('device', '?')}), "
+                f"alone: no waits", "", "", ""))
+    after = plan.breakdown["outside_actions_s"]
+    add(f"step time: {stage}'s compute + after the pipeline", role["compute_s"] + after, run["step_time_s"])
+    q1, q3 = run["step_time_q1_s"], run["step_time_q3_s"]
+    out.append(("step time, middle half of the steps", "", f"{q1:.4f}-{q3:.4f} s", ""))
+    add(f"{stage} compute, all microbatches (timeline)", role["compute_s"], run.get("compute_s"))
+    add("after the pipeline (grad sync tail, clip, optimizer)", after, run.get("after_pipeline_s"))
+    kinds: dict = defaultdict(list)
+    for key, seconds in role["action_compute_s"].items():   # "KIND.chunk" -> compute seconds of one action
+        kinds[key.split(".")[0]].append(seconds)
+    for kind in COMPUTE_KINDS:
+        if kind in kinds or kind in run.get("action_s", {}):
+            planned = statistics.mean(kinds[kind]) if kind in kinds else None
+            add(f"one {kind.lower()} action of {stage} (compute)", planned, run.get("action_s", {}).get(kind))
+    if "moe_load" in run:
+        add("MoE routing load (busiest EP rank / balanced)", plan.expert_load, run["moe_load"], "{:.2f}")
+    for key in sorted(set(plan.comm_bytes) | set(run["comm_bytes"])):  # the plan's: its fullest rank's
+        add(f"comm {key} bytes (plan: fullest rank)", plan.comm_bytes.get(key), run["comm_bytes"].get(key),
+            "{:,.0f}")
+    add(f"peak memory of {stage} (GiB)", (role["memory"]["peak"] + reserved_bytes) / 2 ** 30,
+        run["peak_mem_bytes"] / 2 ** 30, "{:.3f}")
     return out
 
 

@@ -210,7 +210,12 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
             moved["exposed_s"] += moved["activations_s"]
         if not offload or moved["exposed_s"] > offload["exposed_s"]:
             offload = moved
-        roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full})
+        # the stage's own compute (no communication) as a simulated rank of it measures it alone (compare.py)
+        stage_compute = {k: c.compute_s for k, c in priced[r].items()}
+        roles.append({"pp_rank": r, "rank": run.rank, "memory": memory, "in_flight": full,
+                      "compute_s": sum(stage_compute.get((a.kind.name, a.chunk), 0.0) for a in schedule[r]
+                                       if a.kind.is_compute),
+                      "action_compute_s": {f"{kind}.{chunk}": v for (kind, chunk), v in stage_compute.items()}})
         if worst is None or memory["peak"] > worst[0]["peak"]:
             worst = (memory, run)
     memory, worst_run = worst

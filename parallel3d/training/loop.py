@@ -40,10 +40,21 @@ def write_run_timeline(trainer: Trainer, recorded: list[tuple[int, list]]) -> No
                       "measured": to_rows(measured.records())})
     path = write_timeline(cfg.log.timeline, measured, simulated, title=f" ({p.schedule}, pp={p.pp})",
                           step=step, steps=steps if len(steps) > 1 else None)
+    if trainer.ctx.is_simulated:   # one rank's actions: the other stages' rows are empty, so no bubble to read
+        print(f"timeline of step {step} ({p.schedule}, pp={p.pp}): simulated rank {trainer.ctx.rank}'s own actions "
+              f"(pipeline stage {trainer.ctx.coords.pp}) -> {path}", flush=True)
+        return
     print(f"timeline of step {step} ({p.schedule}, pp={p.pp}): measured bubble "
           f"{float(measured.bubble_fraction):.1%}, simulated with the measured costs "
           f"{float(simulated.bubble_fraction):.1%} -> {path}"
           + (f"; the JSON keeps steps {steps[0]['step']}-{step}" if len(steps) > 1 else ""), flush=True)
+
+
+def simulated_fields(ctx: ParallelContext) -> dict:
+    """The JSONL's `simulated` field of a simulated rank's rows: which rank of which world they measured
+    (planner/compare.py reads it to set the rank's own stage beside the plan)."""
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "pp_rank": ctx.coords.pp,
+            "device": str(ctx.device)}
 
 
 def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: BuildStage) -> list[dict]:
@@ -55,7 +66,8 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
     checkpoints.resume()
     eval_data = make_dataset(cfg, cfg.data.eval_path, seed_offset=1) if cfg.train.eval_interval else None
     records, timelines = [], []   # timelines: the recorded steps' (step, rows), written after the last
-    is_rank0 = ctx.rank == 0
+    is_rank0 = ctx.rank == 0 or ctx.is_simulated   # a simulated rank (pretrain.py --simulate-rank) reports alone
+    simulated = simulated_fields(ctx) if ctx.is_simulated else None
     logger = MetricsLogger(cfg.log.jsonl, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
                            world_size=ctx.world_size, peak_flops=cfg.log.peak_flops, precision=cfg.train.precision,
                            device=ctx.device, tensorboard_dir=cfg.log.tensorboard, is_rank0=is_rank0,
@@ -69,6 +81,8 @@ def run_training(cfg: ExperimentConfig, ctx: ParallelContext, build_stage: Build
                     extra.update(chunk.moe_load_stats())
             # the step's host syncs by category (parallel3d.host_sync) with the MoE telemetry read above
             extra["host_syncs"] = ctx.stats.syncs.summary()
+            if simulated is not None:
+                extra["simulated"] = simulated
             if eval_data is not None and trainer.step % cfg.train.eval_interval == 0:
                 extra["eval_loss"], _ = trainer.evaluate(eval_data, cfg.train.eval_steps)
             records.append(logger.log(out["step"], loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],

@@ -193,7 +193,9 @@ class Trainer:
             print(f"[rank {ctx.rank}] step {self.step}: non-finite loss {loss_value} / grad norm {grad_norm}; "
                   f"step skipped (train.nan_policy=skip)", flush=True)
         timeline = None
-        if gather:  # every pipeline rank's events, gathered (one JSON all-gather per pipeline)
+        if gather and ctx.is_simulated:  # a rank alone: its own events (its peers' would be copies of them)
+            timeline = to_rows(record)
+        elif gather:  # every pipeline rank's events, gathered (one JSON all-gather per pipeline)
             timeline = [row for rows in comm.all_gather_json(to_rows(record), ctx.pp) for row in rows]
         self.step += 1
         moved = self.activation_offload.offloaded_bytes if self.activation_offload else 0

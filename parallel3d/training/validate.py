@@ -215,3 +215,28 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     if m.attention == "flash_attn":
         require_package("flash_attn", "model.attention=flash_attn", "flash-attn")
     return cfg
+
+
+def check_simulated_rank(rank: Optional[int], world_size: Optional[int], launcher_world: int) -> None:
+    """launch/pretrain.py's --simulate-rank K --world-size N: one rank of an N-rank layout alone, no torchrun.
+    `launcher_world`: torchrun's WORLD_SIZE (1 without it). Whether N fits the layout is the mesh's rule
+    (resolve_and_validate at world size N); this owns the flags."""
+    _require(rank is not None, f"--world-size {world_size} goes with --simulate-rank K (the rank to run alone); "
+                               f"under torchrun the world size is torchrun's")
+    _require(world_size is not None, f"--simulate-rank {rank} needs --world-size N: the world of the layout "
+                                     f"rank {rank} belongs to")
+    _require(launcher_world == 1, f"--simulate-rank runs one rank alone, without torchrun; this process is one "
+                                  f"of WORLD_SIZE={launcher_world} launched ranks (run it with plain python)")
+    _require(world_size >= 1, f"--world-size must be >= 1, got {world_size}")
+    _require(0 <= rank < world_size, f"--simulate-rank {rank} is outside the world of size {world_size} "
+                                     f"(ranks 0 to {world_size - 1})")
+
+
+def check_simulated_config(cfg: ExperimentConfig) -> None:
+    """What a simulated rank (check_simulated_rank) cannot do: its weights train on stand-ins for its peers'
+    messages, so a checkpoint of them is worth nothing, and a checkpoint's other shards have no process to
+    load them (a load is collective over every rank)."""
+    for key in ("save_dir", "load_dir"):
+        value = getattr(cfg.checkpoint, key)
+        _require(value is None, f"checkpoint.{key}={value}: --simulate-rank saves and loads no checkpoints (one "
+                                f"rank alone, its peers' messages stood in for); leave checkpoint.{key} unset")
