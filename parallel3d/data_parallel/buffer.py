@@ -59,6 +59,7 @@ class Slot:
     scalar: bool = False     # the parameter is 0-d
     local_copy: bool = False  # a tied copy whose source is on this rank too (V pipeline placement)
     contiguous: bool = False  # the bucket's layout (module docstring)
+    muon: bool = False       # train.optimizer=muon orthogonalises it (muon_step.py; exp_avg is its momentum)
     h_seg: int = 0
     h_param: int = 0
     h_len: int = 0

