@@ -214,3 +214,50 @@ def test_blockwise_is_an_approximation(worlds, ref_dense):
         assert_parity(got, ref_dense)
     losses = [r["loss"] for r in got[0]["records"]]
     assert abs(losses[0] - ref_dense["records"][0]["loss"]) <= 1e-5 * losses[0]   # the same start
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+def test_checkpoint_reshards_muon_momentum(worlds, tmp_path):
+    """Saved at dp2 ZeRO-2 (ranges cutting matrices), resumed at dp2 ZeRO-3 and at world size 1: the
+    losses and grad norms of the uninterrupted world-size-1 run (the momentum reshards like Adam's state)."""
+    from ckpt_helpers import train
+    from test_checkpoint import _assert_close, _assert_tiled
+    from parity import assert_grad_norms
+    layout, steps, save_at = [*MUON, "parallel.bucket_size=2000"], 4, 2
+    ref, ref_norms = train(None, layout, steps, norms=True)
+    root = str(tmp_path / "ckpt")
+    full = worlds.run(2, train, [*layout, "parallel.zero=2"], steps, root, (save_at,))[0]
+    _assert_close(full, ref, 1e-5, "saving run")
+    _assert_tiled(f"{root}/step_{save_at:08d}")
+    from parallel3d.checkpoint import CheckpointReader
+    names = CheckpointReader(f"{root}/step_{save_at:08d}").meta["tensors"]
+    assert "optim.momentum.layers.0.attn.q_proj.weight" in names and "optim.exp_avg.embed.weight" in names
+    assert "optim.exp_avg.layers.0.attn.q_proj.weight" not in names
+    for other, world in ((["parallel.zero=3"], 2), ([], 1)):
+        got, norms = (worlds.run(world, train, [*layout, *other], steps, None, (), root, norms=True)[0] if world > 1
+                      else train(None, layout, steps, load=root, norms=True))
+        _assert_close(got, ref[save_at:], 1e-4, f"resumed under {other or 'world size 1'}")
+        assert_grad_norms([norms], ref_norms[save_at:], what=f"resumed under {other}")
+
+
+def test_other_optimizers_checkpoint_is_a_clear_error(tmp_path):
+    """An AdamW checkpoint has no Muon momentum (and a Muon one no exp_avg_sq for the matrices): loading
+    it into the other optimizer names the missing tensor instead of reading Adam's m as the momentum."""
+    from ckpt_helpers import train
+    from parallel3d.checkpoint import CheckpointError
+    for saved, loaded, missing in (([], MUON, "optim.momentum."), (MUON, [], "optim.exp_avg")):
+        root = str(tmp_path / ("muon" if saved else "adamw"))
+        train(None, saved, 1, root, (1,))
+        with pytest.raises(CheckpointError, match=f"{missing}.*saved by another optimizer"):
+            train(None, loaded, 2, load=root)
+
+
+def test_bf16_iteration_tracks_fp32_over_a_run():
+    """The bf16 iteration (torch.optim.Muon's default) is lossy: over 24 steps of tiny its losses stay
+    within 1e-3 (relative) of the fp32 iteration's (measured: 1.4e-5), and both train."""
+    from ckpt_helpers import train
+    steps = ["train.steps=24"]
+    fp32 = train(None, [*MUON, *steps], 24)
+    bf16 = train(None, ["train.optimizer=muon", *steps], 24)
+    assert max(abs(a - b) / b for a, b in zip(fp32, bf16)) < 1e-3
+    assert fp32 != bf16 and bf16[-1] < bf16[0] - 1.0
