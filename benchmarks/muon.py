@@ -1,7 +1,7 @@
 """Muon against AdamW: a step's time and optimizer memory at world size 1 and dp2, and the loss after N steps.
 
     python benchmarks/muon.py [--preset tiny] [--what loss time] [--steps 60] [--lrs 3e-4,1e-3,3e-3]
-                              [--time-steps 5] [--zero 1]
+                              [--time-steps 5] [--zero 1] [key=value ...]
 
 loss: the real Trainer at world size 1 on the built-in synthetic demo data (data.path unset), train.steps
 =N, constant lr, one row per (optimizer, lr): the first, the middle and the last step's loss. Muon uses
@@ -37,10 +37,10 @@ def _trainer(preset: str, overrides: list[str], worker=None):
     return build_trainer(cfg, context_for(cfg, worker))
 
 
-def losses(preset: str, optimizer: str, lr: float, steps: int) -> list[float]:
-    torch.manual_seed(0)
-    t = _trainer(preset, ["parallel.tp=1", f"train.optimizer={optimizer}", f"train.lr={lr}", f"train.steps={steps}",
-                          "train.lr_schedule=constant", "train.warmup_steps=0"])
+def losses(preset: str, optimizer: str, lr: float, steps: int, extra: list[str]) -> list[float]:
+    torch.set_num_threads(1)
+    t = _trainer(preset, ["parallel.tp=1", f"train.optimizer={optimizer}", f"train.lr={lr}",
+                          f"train.steps={steps}", "train.lr_schedule=constant", "train.warmup_steps=0", *extra])
     return [t.train_step()["loss"] for _ in range(steps)]
 
 
@@ -63,13 +63,14 @@ def main() -> None:
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     ap.add_argument("--time-steps", type=int, default=5)
     ap.add_argument("--zero", type=int, default=1)
+    ap.add_argument("overrides", nargs="*", help="key=value for the loss runs (e.g. train.seq_len=64)")
     a = ap.parse_args()
     if "loss" in a.what:
         print(f"| optimizer | lr | loss step 1 | step {a.steps // 2} | step {a.steps} |")
         print("|---|---|---|---|---|")
         for lr in (float(x) for x in a.lrs.split(",")):
             for opt in ("adamw", "muon"):
-                ls = losses(a.preset, opt, lr, a.steps)
+                ls = losses(a.preset, opt, lr, a.steps, a.overrides)
                 print(f"| {opt} | {lr:g} | {ls[0]:.4f} | {ls[a.steps // 2 - 1]:.4f} | {ls[-1]:.4f} |", flush=True)
     if "time" in a.what:
         from parallel3d.testing import World

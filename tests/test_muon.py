@@ -276,3 +276,28 @@ def test_bf16_iteration_tracks_fp32_over_a_run():
     bf16 = train(None, ["train.optimizer=muon", *steps], 24)
     assert max(abs(a - b) / b for a, b in zip(fp32, bf16)) < 1e-3
     assert fp32 != bf16 and bf16[-1] < bf16[0] - 1.0
+
+
+def test_the_plan_prices_muon():
+    """The planner's meta dry run runs Muon's step: the all-to-alls (each matrix element of this rank's
+    range out and its owned matrices' back: 2 x 4 bytes per element over the shard group, half of the
+    model's matrices per rank at dp2), gather mode's TP all-gathers, the iteration's FLOPs after the
+    pipeline."""
+    from ckpt_helpers import make_config
+    from parallel3d.planner.estimate import plan
+    from parallel3d.planner.hardware import gpu
+    from test_planner import _stage_builder
+    shape = ["model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=1024", "model.num_heads=4",
+             "model.num_kv_heads=4", "model.num_layers=2", "train.seq_len=128", "train.micro_batch_size=1",
+             "train.global_batch_size=2", "train.precision=bf16", "parallel.zero=1"]
+    plans = {opt: plan(make_config([*shape, f"train.optimizer={opt}"], 2), _stage_builder, gpu("h100"), 8)
+             for opt in ("adamw", "muon")}
+    matrices = 2 * (4 * 256 * 256 + 3 * 256 * 512)
+    assert "dp_cp.all_to_all" not in plans["adamw"].comm_bytes
+    assert plans["muon"].comm_bytes["dp_cp.all_to_all"] == pytest.approx(2 * 4 * matrices / 2, rel=0.05)
+    assert plans["muon"].breakdown["outside_actions_s"] > 2 * plans["adamw"].breakdown["outside_actions_s"]
+    tp = {mode: plan(make_config([*shape, "parallel.tp=2", "parallel.zero=0", "train.optimizer=muon",
+                                  f"train.muon_tp_mode={mode}"], 2), _stage_builder, gpu("h100"), 8)
+          for mode in ("gather", "blockwise")}
+    gathered = tp["gather"].comm_bytes.get("tp.all_gather", 0) - tp["blockwise"].comm_bytes.get("tp.all_gather", 0)
+    assert gathered == 4 * matrices   # every matrix joined in fp32 (the gathered output's bytes)
