@@ -84,6 +84,10 @@ def test_world1_equals_torch_muon_and_adamw(monkeypatch, model_kwargs, model_cls
     for name, w in got["weights"].items():
         torch.testing.assert_close(w[0], ref["weights"][name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert {k.split("/")[0] for k in got["state"]} == {"master", "exp_avg", "exp_avg_sq", "momentum"}
+    # fp32 ZeRO-0: the parameters are the masters; AdamW keeps m and v, the matrices only the momentum
+    numel = {n: w.numel() for n, w in ref["weights"].items()}
+    matrices = sum(numel[k.split("/", 1)[1]] for k in got["state"] if k.startswith("momentum/"))
+    assert got["memory"]["optimizer"] == 4 * sum(numel.values()) + 4 * (sum(numel.values()) - matrices)
 
 
 def test_fused_parts_are_orthogonalised_one_by_one():

@@ -87,7 +87,7 @@ def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_
         return
     a_ = b.adam
     for a, e in ranges:   # elementwise: the same bits as one pass over the segment
-        adamw_flat_(a_.master[a:e], a_.exp_avg[a:e], a_.exp_avg_sq[a:e], grad[a:e],
+        adamw_flat_(a_.master[a:e], a_.exp_avg[a:e], a_.second_moment(a, e), grad[a:e],
                     clip_ranges(decay_ranges(b), a, e), lr, betas, eps, weight_decay, step, block)
 
 

@@ -52,6 +52,19 @@ def held_range(b: Bucket, s: Slot, k: int) -> tuple[int, int]:
     return (lo, hi) if lo < hi else (0, 0)
 
 
+def compact_second_moment(b: Bucket, ranges: list[tuple[int, int]]) -> None:
+    """Muon's matrices keep no second moment: exp_avg_sq shrinks to the AdamW ranges (AdamState.v_ranges).
+    At construction, while it is still all zeros."""
+    v = b.adam.exp_avg_sq
+    if v is None:
+        return
+    b.adam.v_ranges, at = [], 0
+    for a, e in ranges:
+        b.adam.v_ranges.append((a, e, at))
+        at += e - a
+    b.adam.exp_avg_sq = torch.zeros(at, dtype=v.dtype, device=v.device)
+
+
 @dataclass
 class Matrix:
     """A logical matrix of a bucket's slot, its owner and the flat pieces each rank holds of it."""
@@ -108,6 +121,8 @@ class MuonStep:
                             if lo < hi:
                                 mat.pieces.append((k, lo, hi))
                         g.matrices.append(mat)
+        for b in buckets:
+            compact_second_moment(b, self.adamw_ranges(b))
         for g in self.groups:
             costs = [ns_flops(*self.ns_shape(x.m), self.steps) for x in g.matrices]
             for x, o in zip(g.matrices, assign_owners(costs, g.nshard)):

@@ -94,7 +94,7 @@ def held_boxes(s: Slot) -> Iterator[tuple[int, int, tuple[slice, ...], tuple[int
 def _state_part(b: Bucket, kind: str, a: int, e: int) -> torch.Tensor:
     """Elements [a, e) of the held segment of one kind of Adam state (read from the files on NVMe)."""
     if b.adam.home is None:
-        return getattr(b.adam, STORAGE[kind])[a:e]
+        return b.adam.second_moment(a, e) if kind == "exp_avg_sq" else getattr(b.adam, STORAGE[kind])[a:e]
     return b.adam.home.read_rows(kind, b, a, e - a)
 
 
@@ -123,7 +123,7 @@ def load_state_tensors(buckets: Sequence[Bucket], read: Callable, kinds: tuple[s
                     if b.adam.home is not None:
                         b.adam.home.write_rows(kind, b, a, data)
                     else:
-                        getattr(b.adam, STORAGE[kind])[a:e].copy_(data.reshape(-1))
+                        _state_part(b, kind, a, e).copy_(data.reshape(-1))
 
 
 def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:
