@@ -8,7 +8,8 @@ loss: the real Trainer at world size 1 on the built-in synthetic demo data (data
 train.muon_adjust_lr_fn=match_rms_adamw (the default), so one lr serves both groups.
 time: seconds per Trainer step (mean of --time-steps after 2 warm-up steps) and the optimizer state's
 bytes on one rank (DistributedOptimizer.memory_bytes()["optimizer"]) at world size 1 and dp2 (gloo
-world, ZeRO --zero), for AdamW and Muon (bf16 iteration). Timing needs an idle machine.
+world, ZeRO --zero), for AdamW and Muon (bf16 iteration). Timing needs an idle machine; `memory` runs
+one step and reports the bytes alone.
 """
 from __future__ import annotations
 
@@ -47,18 +48,19 @@ def losses(preset: str, optimizer: str, lr: float, steps: int, extra: list[str])
 def step_time(worker, preset: str, optimizer: str, zero: int, steps: int) -> dict:
     torch.set_num_threads(1)
     t = _trainer(preset, ["parallel.tp=1", f"train.optimizer={optimizer}", f"parallel.zero={zero}"], worker)
-    for _ in range(2):
+    for _ in range(2 if steps else 1):
         t.train_step()
     t0 = time.perf_counter()
     for _ in range(steps):
         t.train_step()
-    return {"s": (time.perf_counter() - t0) / steps, "optimizer_bytes": t.optimizer.memory_bytes()["optimizer"]}
+    return {"s": (time.perf_counter() - t0) / steps if steps else float("nan"),
+            "optimizer_bytes": t.optimizer.memory_bytes()["optimizer"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--what", nargs="+", default=["loss"], choices=["loss", "time"])
+    ap.add_argument("--what", nargs="+", default=["loss"], choices=["loss", "time", "memory"])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     ap.add_argument("--time-steps", type=int, default=5)
@@ -72,15 +74,16 @@ def main() -> None:
             for opt in ("adamw", "muon"):
                 ls = losses(a.preset, opt, lr, a.steps, a.overrides)
                 print(f"| {opt} | {lr:g} | {ls[0]:.4f} | {ls[a.steps // 2 - 1]:.4f} | {ls[-1]:.4f} |", flush=True)
-    if "time" in a.what:
+    if "time" in a.what or "memory" in a.what:   # memory alone: one step, no timing
+        steps = a.time_steps if "time" in a.what else 0
         from parallel3d.testing import World
         print("| optimizer | world | s/step | optimizer MiB/rank |")
         print("|---|---|---|---|")
         for world in (1, 2):
             w = World(world, "gloo") if world > 1 else None
             for opt in ("adamw", "muon"):
-                r = (w.run(step_time, (a.preset, opt, a.zero, a.time_steps), {}, 600)[0] if w
-                     else step_time(None, a.preset, opt, a.zero, a.time_steps))
+                r = (w.run(step_time, (a.preset, opt, a.zero, steps), {}, 600)[0] if w
+                     else step_time(None, a.preset, opt, a.zero, steps))
                 print(f"| {opt} | {world} | {r['s']:.4f} | {r['optimizer_bytes'] / 2 ** 20:.2f} |", flush=True)
             if w:
                 w.close()

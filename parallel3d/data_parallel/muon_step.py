@@ -127,7 +127,6 @@ class MuonStep:
             costs = [ns_flops(*self.ns_shape(x.m), self.steps) for x in g.matrices]
             for x, o in zip(g.matrices, assign_owners(costs, g.nshard)):
                 x.owner = o
-        self.count = sum(len(g.matrices) for g in self.groups)
 
     def ns_shape(self, m: LogicalMatrix) -> tuple[int, int]:
         """The shape the iteration (and adjust_lr) sees: the joined TP matrix in gather mode, else the shard."""
@@ -146,39 +145,52 @@ class MuonStep:
     def step(self, lr: float) -> None:
         lr = self.lr_for(lr)
         for g in self.groups:
-            inputs = self._momentum(g)
             mine = [x for x in g.matrices if x.owner == g.rank]
-            sends = [[self._own(x, inputs.get(id(x.slot))) for x in g.matrices if x.owner == o]
-                     for o in range(g.nshard)]
-            received = self._exchange(g, [[t for t in parts if t is not None] for parts in sends],
-                                      [sum(x.piece_len(k) for x in mine) for k in range(g.nshard)])
-            cursor = [0] * g.nshard
-            updates = []
-            for x in mine:   # the pieces arrive by source rank, each source's in plan order
-                parts = []
-                for k, a, e in x.pieces:
-                    parts.append(received[k][cursor[k]: cursor[k] + e - a])
-                    cursor[k] += e - a
-                updates.append(self._orthogonalise(x, torch.cat(parts).view(x.m.rows, x.m.cols)))
-            sends = [[] for _ in range(g.nshard)]
-            for x, o in zip(mine, updates):
-                for k, a, e in x.pieces:
-                    sends[k].append(o[a - x.m.start: e - x.m.start])
-            back = self._exchange(g, sends, [sum(x.piece_len(g.rank) for x in g.matrices if x.owner == o)
-                                             for o in range(g.nshard)])
-            cursor = [0] * g.nshard
-            for x in g.matrices:
-                piece = x.piece(g.rank)
-                if piece is None:
-                    continue
-                a, e = piece
-                upd = back[x.owner][cursor[x.owner]: cursor[x.owner] + e - a]
-                cursor[x.owner] += e - a
-                s = x.slot
-                p = x.bucket.adam.master[s.h_seg + a - s.h_param: s.h_seg + e - s.h_param]
-                if s.decay and self.weight_decay:
-                    p.mul_(1 - lr * self.weight_decay)
-                p.add_(upd.to(p.device), alpha=-adjust_lr(lr, self.adjust, self.ns_shape(x.m)))
+            inputs = self._to_owners(g, mine, self._momentum(g))
+            updates = [self._orthogonalise(x, u) for x, u in zip(mine, inputs)]
+            self._apply(g, self._back_to_ranges(g, mine, updates), lr)
+
+    def _to_owners(self, g: ShardGroup, mine: list[Matrix], held: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """All-to-all 1: every rank's pieces of the Nesterov input to each matrix's owner; returns the
+        owned matrices whole, (rows, cols) each, in plan order."""
+        sends = [[t for t in (self._own(x, held.get(id(x.slot))) for x in g.matrices if x.owner == o)
+                  if t is not None] for o in range(g.nshard)]
+        received = self._exchange(g, sends, [sum(x.piece_len(k) for x in mine) for k in range(g.nshard)])
+        cursor, out = [0] * g.nshard, []
+        for x in mine:   # the pieces arrive by source rank, each source's in plan order
+            parts = []
+            for k, a, e in x.pieces:
+                parts.append(received[k][cursor[k]: cursor[k] + e - a])
+                cursor[k] += e - a
+            out.append(torch.cat(parts).view(x.m.rows, x.m.cols))   # (rows, cols): ranks' pieces in order
+        return out
+
+    def _back_to_ranges(self, g: ShardGroup, mine: list[Matrix], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All-to-all 2: each owned update's pieces to the ranks holding them; returns what arrived from
+        each owner (its matrices' pieces of this rank's ranges, in plan order)."""
+        sends = [[] for _ in range(g.nshard)]
+        for x, o in zip(mine, updates):   # o: (rows * cols,) fp32
+            for k, a, e in x.pieces:
+                sends[k].append(o[a - x.m.start: e - x.m.start])
+        return self._exchange(g, sends, [sum(x.piece_len(g.rank) for x in g.matrices if x.owner == o)
+                                         for o in range(g.nshard)])
+
+    def _apply(self, g: ShardGroup, back: list[torch.Tensor], lr: float) -> None:
+        """W <- W (1 - lr wd) - adjust(lr, shape) O on every held piece, as torch.optim.Muon (the decay
+        with the unadjusted lr)."""
+        cursor = [0] * g.nshard
+        for x in g.matrices:
+            piece = x.piece(g.rank)
+            if piece is None:
+                continue
+            a, e = piece
+            upd = back[x.owner][cursor[x.owner]: cursor[x.owner] + e - a]
+            cursor[x.owner] += e - a
+            s = x.slot
+            p = x.bucket.adam.master[s.h_seg + a - s.h_param: s.h_seg + e - s.h_param]
+            if s.decay and self.weight_decay:
+                p.mul_(1 - lr * self.weight_decay)
+            p.add_(upd.to(p.device), alpha=-adjust_lr(lr, self.adjust, self.ns_shape(x.m)))
 
     def _momentum(self, g: ShardGroup) -> dict[int, torch.Tensor]:
         """B <- lerp(B, G, 1 - mu) on every held range of the group's matrix slots; returns the Nesterov
