@@ -305,3 +305,15 @@ def test_the_plan_prices_muon():
           for mode in ("gather", "blockwise")}
     gathered = tp["gather"].comm_bytes.get("tp.all_gather", 0) - tp["blockwise"].comm_bytes.get("tp.all_gather", 0)
     assert gathered == 4 * matrices   # every matrix joined in fp32 (the gathered output's bytes)
+
+
+def test_pretrain_cli_muon_dp2_zero2_matches_world_size_1(tmp_path):
+    """launch/pretrain.py with train.optimizer=muon: torchrun dp2 ZeRO-2 against one process (JSONL loss
+    and grad_norm)."""
+    from test_launch import SMALL, _run, assert_log_parity
+    logs = [tmp_path / "ws1.jsonl", tmp_path / "dp2.jsonl"]
+    base = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", *SMALL, *MUON,
+            "parallel.bucket_size=5000"]
+    _run([*base, f"log.jsonl={logs[0]}"])
+    _run([*base, "parallel.zero=2", f"log.jsonl={logs[1]}"], nproc=2)
+    assert_log_parity(logs[1], logs[0])
