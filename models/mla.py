@@ -138,7 +138,7 @@ class LatentProjection(nn.Module):
         tp = ctx.tp.size
         shape = (out_features, in_features)
         self.weight = new_param(shape, ParamMeta(shape, full_slices(shape), grad_reduce=("tp",) if sp and tp > 1
-                                                 else (), replicated=("tp",) if tp > 1 else ()))
+                                                 else (), replicated=("tp",) if tp > 1 else (), matrix=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -8,6 +8,11 @@ Every parameter created by a parallel3d layer carries `param.meta: ParamMeta`:
                  must be summed (e.g. "tp" for sequence-parallel norm weights and replicated kv heads)
   replicated     names of context groups over which the slice is replicated (count it once in norms)
   init           "normal" | "ones" | "zeros"; `tied_to` names the parameter this one is a copy of (seeding, checkpoints)
+  matrix         a hidden layer's projection weight (out, in), or stacked experts (E, out, in): what Muon
+                 orthogonalises (data_parallel/muon.py); set by the layers that build projections, not by
+                 the embedding, the vocabulary head, the router or norms
+  parts          a fused matrix's logical parts, as global row counts along its out dimension (q/k/v,
+                 gate/up); () is one matrix. Under TP each rank holds parts[i] / tp rows of each part
 
 Initialisation is a function of (seed, name, global shape): values are drawn in row blocks, each from a
 generator seeded by a stable hash of (seed, name, block), and a rank draws only the blocks its slice
@@ -32,6 +37,8 @@ class ParamMeta:
     replicated: tuple[str, ...] = ()
     tied_to: Optional[str] = None  # a copy of this parameter (tied embeddings): seeded, saved and loaded as it
     expert: bool = False          # expert weights reduce over expert-DP instead of DP x CP
+    matrix: bool = False          # a hidden projection Muon orthogonalises (see above)
+    parts: tuple[int, ...] = ()   # a fused matrix's logical row counts (global), () for one matrix
 
     @property
     def local_real_shape(self) -> tuple[int, ...]:

@@ -37,6 +37,10 @@ FROM_TRAINING = {
     "quantized_weights": "parallel.zero_quantized_weights", "hpz": "parallel.zero_hpz",
     "quantized_gradients": "parallel.zero_quantized_gradients", "quant_block": "parallel.quant_block",
     "fp8_gather": "parallel.zero3_fp8_gather", "overlap_param_gather": "parallel.overlap_param_gather",
+    "optimizer": "train.optimizer", "muon_lr": "train.muon_lr", "muon_momentum": "train.muon_momentum",
+    "muon_nesterov": "train.muon_nesterov", "muon_ns_steps": "train.muon_ns_steps",
+    "muon_weight_decay": "train.muon_weight_decay", "muon_adjust_lr_fn": "train.muon_adjust_lr_fn",
+    "muon_ns_precision": "train.muon_ns_precision", "muon_tp_mode": "train.muon_tp_mode",
 }
 NO_TRAINING_KEY = {"grad_dtype", "no_decay"}   # set by code (tests, benchmarks), never by a training key
 
@@ -57,7 +61,10 @@ SHARDED = ExperimentConfig(
     train=TrainConfig(precision="fp16", lr=1e-3, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05,
                       adamw_block=4096, loss_scale=8.0, initial_loss_scale=1024.0, loss_scale_window=50, min_loss_scale=2.0))
 COMPRESSED = ExperimentConfig(model=None, parallel=ParallelConfig(zero=1, grad_compression="powersgd",
-                                                                  overlap_param_gather=True))
+                                                                  overlap_param_gather=True),
+                              train=TrainConfig(optimizer="muon", muon_lr=0.02, muon_momentum=0.9, muon_nesterov=False,
+                                                muon_ns_steps=4, muon_weight_decay=0.01, muon_adjust_lr_fn="original",
+                                                muon_ns_precision="fp32", muon_tp_mode="blockwise"))
 
 
 def test_every_field_has_a_training_key_or_is_documented_without_one():

@@ -101,6 +101,7 @@ def test_moe_expert_parallel_losses_match_world_size_1(tmp_path):
     (["parallel.tp=1", "train.nosuchkey=1"], "nosuchkey", "main"),
     (["parallel.tp=1", "checkpoint.load_dir=/nonexistent/ckpt"], "/nonexistent/ckpt", "process"),
     (["parallel.tp=1", "parallel.timeout_s=0"], "parallel.timeout_s", "main"),
+    (["parallel.tp=1", "train.optimizer=muon", "train.muon_tp_mode=rows"], "train.muon_tp_mode='rows'", "main"),
     pytest.param(["parallel.tp=1", "log.tensorboard=/tmp/tb"], "pip install tensorboard", "main",
                  marks=pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
                                           reason="tensorboard is installed here")),

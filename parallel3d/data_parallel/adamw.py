@@ -76,11 +76,19 @@ def clip_ranges(ranges: Sequence[tuple[int, int]], a: int, e: int) -> list[tuple
 
 @torch.no_grad()
 def adamw_(b: Bucket, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-           step: int, grad: Optional[torch.Tensor] = None, block: Optional[int] = None) -> None:
-    """torch.optim.AdamW's single-tensor update on the bucket's resident flat fp32 state (padding stays 0)."""
+           step: int, grad: Optional[torch.Tensor] = None, block: Optional[int] = None,
+           ranges: Optional[Sequence[tuple[int, int]]] = None) -> None:
+    """torch.optim.AdamW's single-tensor update on the bucket's resident flat fp32 state (padding stays 0).
+    ranges: only these [start, stop) ranges of the held segment (the rest is Muon's, muon_step.py)."""
     grad = b.grad.shard if grad is None else grad  # offload: a host copy of the held gradient
-    adamw_flat_(b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq, grad, decay_ranges(b), lr, betas, eps,
-                weight_decay, step, block)
+    if ranges is None:
+        adamw_flat_(b.adam.master, b.adam.exp_avg, b.adam.exp_avg_sq, grad, decay_ranges(b), lr, betas, eps,
+                    weight_decay, step, block)
+        return
+    a_ = b.adam
+    for a, e in ranges:   # elementwise: the same bits as one pass over the segment
+        adamw_flat_(a_.master[a:e], a_.exp_avg[a:e], a_.second_moment(a, e), grad[a:e],
+                    clip_ranges(decay_ranges(b), a, e), lr, betas, eps, weight_decay, step, block)
 
 
 OFFLOAD_MODES = ("none", "cpu", "nvme")

@@ -59,6 +59,7 @@ class Slot:
     scalar: bool = False     # the parameter is 0-d
     local_copy: bool = False  # a tied copy whose source is on this rank too (V pipeline placement)
     contiguous: bool = False  # the bucket's layout (module docstring)
+    muon: bool = False       # train.optimizer=muon orthogonalises it (muon_step.py; exp_avg is its momentum)
     h_seg: int = 0
     h_param: int = 0
     h_len: int = 0
@@ -175,11 +176,23 @@ class GradSync:
 
 @dataclass
 class AdamState:
-    """fp32 optimizer state of the held rows: one segment (ZeRO >= 1) or the whole bucket (ZeRO-0)."""
+    """fp32 optimizer state of the held rows: one segment (ZeRO >= 1) or the whole bucket (ZeRO-0).
+    Under Muon (muon_step.py) exp_avg is also the matrices' momentum, and exp_avg_sq is compact: it
+    holds only the AdamW slots' ranges, `v_ranges` [(segment start, stop, start in exp_avg_sq)]."""
     master: Optional[torch.Tensor] = None
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
     home: Optional[object] = None   # NVMe offload (offload/nvme.py NvmeAdam): the three live in files instead
+    v_ranges: Optional[list[tuple[int, int, int]]] = None
+
+    def second_moment(self, a: int, e: int) -> torch.Tensor:
+        """exp_avg_sq of segment elements [a, e) (inside one AdamW range when compact)."""
+        if self.v_ranges is None:
+            return self.exp_avg_sq[a:e]
+        for lo, hi, at in self.v_ranges:
+            if lo <= a and e <= hi:
+                return self.exp_avg_sq[at + a - lo: at + e - lo]
+        raise KeyError(f"segment elements [{a}, {e}) have no second moment (a Muon matrix's)")
 
 
 @dataclass

@@ -6,10 +6,12 @@ build (gradient sync, optimizer step, parameter publishing, offload homes) read 
 that does not come from a training config builds the dataclass directly (tests, benchmarks).
 
 Validation calls each rule's owner, never restating it:
-    on construction     parallel.zero's range, check_offload and check_block (adamw.py), check_zeropp (quantize.py)
+    on construction     parallel.zero's range, check_offload and check_block (adamw.py), check_zeropp (quantize.py),
+                        check_muon (muon.py)
     check(ctx, modules) what needs the layout or the model (the optimizer calls it before anything
                         collective): check_offload_device (adamw.py), check_compression (compression.py),
-                        check_hpz (mesh_spec.py), check_fp8_gather (fp8_gather.py, with the model's recipe)
+                        check_hpz (mesh_spec.py), check_fp8_gather (fp8_gather.py, with the model's recipe),
+                        check_muon_model (muon.py: the model has hidden matrices, each splits into matrices)
 The training path validates the same keys earlier, by the same owners (training/validate.py).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from parallel3d.data_parallel.adamw import check_block, check_offload, check_offload_device
 from parallel3d.data_parallel.compression import check_compression
 from parallel3d.data_parallel.fp8_gather import check_fp8_gather, fp8_recipe
+from parallel3d.data_parallel.muon import check_muon, check_muon_model
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.mesh import ParallelContext, check_hpz
 
@@ -66,6 +69,15 @@ class DataParallelConfig:
     quant_block: int = 256
     fp8_gather: bool = False               # ZeRO-3 gathers the fp8 linears' weights in fp8
     overlap_param_gather: bool = False     # ZeRO-1/2: gathers after the step waited by the next forward
+    optimizer: str = "adamw"               # adamw | muon (muon.py: Muon for ParamMeta.matrix, AdamW for the rest)
+    muon_lr: float = 0.0                   # 0: lr; else scaled by the schedule as lr is (muon_step.lr_for)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_weight_decay: Optional[float] = None   # None: weight_decay
+    muon_adjust_lr_fn: str = "match_rms_adamw"  # original | match_rms_adamw (muon.adjust_lr)
+    muon_ns_precision: str = "bf16"        # bf16 | fp32: the Newton-Schulz iteration's dtype
+    muon_tp_mode: str = "gather"           # gather (exact) | blockwise (each TP shard alone)
     no_decay: Optional[Callable[[str, nn.Parameter], bool]] = None
 
     def __post_init__(self) -> None:
@@ -75,7 +87,14 @@ class DataParallelConfig:
                       self.offload_buffer_mb)
         check_zeropp(self.zero, self.quantized_weights, self.hpz, self.quantized_gradients, self.quant_block)
         check_block(self.adamw_block)
+        check_muon(self.optimizer, self.muon_momentum, self.muon_ns_steps, self.muon_adjust_lr_fn,
+                   self.muon_ns_precision, self.muon_tp_mode, self.muon_lr, self.muon_decay, self.offload_optimizer)
         object.__setattr__(self, "betas", tuple(self.betas))
+
+    @property
+    def muon_decay(self) -> float:
+        """Muon's weight decay: muon_weight_decay, or (None) AdamW's."""
+        return self.weight_decay if self.muon_weight_decay is None else self.muon_weight_decay
 
     def check(self, ctx: ParallelContext, modules: Sequence[nn.Module]) -> None:
         """The rules that need the layout or the model (module docstring); raises ValueError."""
@@ -87,6 +106,8 @@ class DataParallelConfig:
         if self.fp8_gather:
             recipe = fp8_recipe(p for m in modules for p in m.parameters())
             check_fp8_gather(True, self.zero, recipe, self.quantized_weights, self.hpz, "none")
+        if self.optimizer == "muon":
+            check_muon_model([(n, p) for m in modules for n, p in m.named_parameters()], self.muon_tp_mode)
 
     @property
     def decay_filter(self) -> Callable[[str, nn.Parameter], bool]:
@@ -109,4 +130,8 @@ class DataParallelConfig:
                    compression_start_step=p.compression_start_step,
                    quantized_weights=p.zero_quantized_weights, hpz=p.zero_hpz,
                    quantized_gradients=p.zero_quantized_gradients, quant_block=p.quant_block,
-                   fp8_gather=p.zero3_fp8_gather, overlap_param_gather=p.overlap_param_gather)
+                   fp8_gather=p.zero3_fp8_gather, overlap_param_gather=p.overlap_param_gather,
+                   optimizer=t.optimizer, muon_lr=t.muon_lr or 0.0, muon_momentum=t.muon_momentum,
+                   muon_nesterov=t.muon_nesterov, muon_ns_steps=t.muon_ns_steps,
+                   muon_weight_decay=t.muon_weight_decay, muon_adjust_lr_fn=t.muon_adjust_lr_fn,
+                   muon_ns_precision=t.muon_ns_precision, muon_tp_mode=t.muon_tp_mode)

@@ -2,6 +2,7 @@
 
 state_tensors representation (exact and rectangular):
     "master/<name>", "exp_avg/<name>", "exp_avg_sq/<name>" -> (fp32 data, global shape, global slices)
+    (train.optimizer=muon: "master/<name>", "momentum/<name>" for the matrices Muon updates; slot_kinds)
 and, where a rank's piece of a parameter is not one rectangle, further pieces "<kind>/<name>#1", "#2", ...
 (the checkpoint writes them as more shards of the same tensor; see `piece_name`). A rank holds a flat element
 range [h_param, h_param + h_real) of the TP-local tensor (buffer.py): under the contiguous layout (ZeRO-1/2)
@@ -25,7 +26,18 @@ from parallel3d.data_parallel.clip import counts_once, held
 from parallel3d.mesh import ParallelContext
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+MUON_KINDS = ("master", "momentum")   # train.optimizer=muon's matrix slots: the momentum lives in exp_avg
+STORAGE = {"master": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "exp_avg"}
 PIECE = "#"
+
+
+def slot_kinds(s: Slot, kinds: Sequence[str] = KINDS) -> tuple[str, ...]:
+    """The state kinds a slot keeps, of those asked for: AdamW's, or Muon's master and momentum (a
+    checkpoint of the other optimizer then lacks a tensor: checkpoint/load.py names it, never a silent
+    load of Adam's m as Muon's momentum). Asking for every AdamW kind asks for Muon's momentum too."""
+    if not s.muon:
+        return tuple(k for k in KINDS if k in kinds)
+    return tuple(k for k in MUON_KINDS if k in kinds or (k == "momentum" and "exp_avg" in kinds))
 
 
 def piece_name(key: str, i: int) -> str:
@@ -82,7 +94,7 @@ def held_boxes(s: Slot) -> Iterator[tuple[int, int, tuple[slice, ...], tuple[int
 def _state_part(b: Bucket, kind: str, a: int, e: int) -> torch.Tensor:
     """Elements [a, e) of the held segment of one kind of Adam state (read from the files on NVMe)."""
     if b.adam.home is None:
-        return getattr(b.adam, kind)[a:e]
+        return b.adam.second_moment(a, e) if kind == "exp_avg_sq" else getattr(b.adam, STORAGE[kind])[a:e]
     return b.adam.home.read_rows(kind, b, a, e - a)
 
 
@@ -93,7 +105,7 @@ def state_tensors(buckets: Sequence[Bucket], ctx: ParallelContext, zero: int) ->
             if not held(b, s) or not counts_once(b, s, ctx, zero):
                 continue
             for i, (a, e, slices, shape) in enumerate(held_boxes(s)):
-                for kind in KINDS:
+                for kind in slot_kinds(s):
                     out[piece_name(f"{kind}/{s.name}", i)] = (_state_part(b, kind, a, e).view(shape),
                                                               s.meta.global_shape, slices)
     return out
@@ -106,12 +118,12 @@ def load_state_tensors(buckets: Sequence[Bucket], read: Callable, kinds: tuple[s
     for b in buckets:
         for s in b.slots:
             for a, e, slices, _ in held_boxes(s):
-                for kind in kinds:
+                for kind in slot_kinds(s, kinds):
                     data = read(f"{kind}/{s.name}", slices)
                     if b.adam.home is not None:
                         b.adam.home.write_rows(kind, b, a, data)
                     else:
-                        getattr(b.adam, kind)[a:e].copy_(data.reshape(-1))
+                        _state_part(b, kind, a, e).copy_(data.reshape(-1))
 
 
 def grad_slices(buckets: Sequence[Bucket], inv_scale: float) -> dict:

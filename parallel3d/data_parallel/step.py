@@ -4,7 +4,9 @@
 state of one step's prepared gradients (their unscaled global norm and the overflow flag, clip.py's
 `grad_stats`, computed once per step after the gradient sync), clipping (clip.py) and the update: AdamW
 (adamw.py) bucket after bucket on the held gradient shards, or streamed through the files under NVMe
-offload (offload/nvme.py). It hands each updated bucket to the parameter publisher (publishing.py), so
+offload (offload/nvme.py); with train.optimizer=muon first Muon on the matrix slots of every bucket
+(muon_step.py: its exchanges cross the buckets), then AdamW on the other slots' ranges. It hands each
+updated bucket to the parameter publisher (publishing.py), so
 the parameters travel while the next buckets update. It receives the buckets, the publisher and the
 offload homes; the DistributedOptimizer finishes the gradient sync before `prepare`.
 """
@@ -18,6 +20,7 @@ from parallel3d.data_parallel.adamw import adamw_
 from parallel3d.data_parallel.buffer import Bucket
 from parallel3d.data_parallel.clip import clip_, grad_stats
 from parallel3d.data_parallel.config import DataParallelConfig
+from parallel3d.data_parallel.muon_step import MuonStep
 from parallel3d.data_parallel.precision import LossScaler
 from parallel3d.data_parallel.publishing import ParamPublisher
 from parallel3d.mesh import ParallelContext
@@ -31,6 +34,8 @@ class OptimizerStep:
         self.publisher, self.homes = publisher, homes
         self.lr, self.betas, self.eps, self.weight_decay = config.lr, config.betas, config.eps, config.weight_decay
         self.block = config.adamw_block or None   # None: by device (adamw.block_for)
+        # train.optimizer=muon: Muon for the matrix slots (muon_step.py), AdamW for the rest
+        self.muon = MuonStep(self.buckets, ctx, config) if config.optimizer == "muon" else None
         self.scaler: Optional[LossScaler] = None
         if config.precision == "fp16":
             c = config
@@ -88,8 +93,11 @@ class OptimizerStep:
                                  self.publisher.publish_chunk)
             self.publisher.publish_params(streamed=True)
             return True
+        if self.muon is not None:   # every matrix's update lands in the masters before any bucket publishes
+            self.muon.step(lr)
         for b in order:   # offload: b.grad.shard is the host gradient (offload/host_grads.py)
-            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, block=self.block)
+            ranges = self.muon.adamw_ranges(b) if self.muon is not None else None
+            adamw_(b, lr, self.betas, self.eps, self.weight_decay, self.step_count, block=self.block, ranges=ranges)
             self.publisher.updated(b)
         self.publisher.step_done()
         return True

@@ -180,12 +180,13 @@ class GroupedExperts(nn.Module):
         f0 = tp.rank * f_l
         experts = slice(e0, e0 + self.local_experts)
         in_meta = dict(global_shape=(num_experts, ffn_hidden, hidden),
-                       slices=(experts, slice(f0, f0 + f_l), slice(0, hidden)), std=std, expert=True)
+                       slices=(experts, slice(f0, f0 + f_l), slice(0, hidden)), std=std, expert=True,
+                       matrix=True)
         self.gate_proj = new_param((self.local_experts, f_l, hidden), ParamMeta(**in_meta))
         self.up_proj = new_param((self.local_experts, f_l, hidden), ParamMeta(**in_meta))
         self.down_proj = new_param((self.local_experts, hidden, f_l), ParamMeta(
             (num_experts, hidden, ffn_hidden), (experts, slice(0, hidden), slice(f0, f0 + f_l)), std=std,
-            expert=True))
+            expert=True, matrix=True))
 
     def forward(self, x: torch.Tensor, counts: Sequence[int], tp_rows=None) -> torch.Tensor:
         """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP).

@@ -57,7 +57,9 @@ class ColumnParallelLinear(nn.Module):
             local = out_features // group.size
             slices = shard_slices((out_features, in_features), 0, group.rank, group.size)
         self.out_local = local
-        self.weight = new_param((local, in_features), ParamMeta((out_features, in_features), slices, std=std))
+        # the vocabulary head is no hidden matrix (Muon leaves it to AdamW)
+        self.weight = new_param((local, in_features), ParamMeta((out_features, in_features), slices, std=std,
+                                                                matrix=not vocab_padding))
         self.bias = None
         if bias:  # split like the output rows (zeros at init, as nn.Linear biases in Hugging Face models)
             self.bias = new_param((local,), ParamMeta((out_features,), slices[:1], init="zeros"))
@@ -86,7 +88,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sp, self.reduce = group, sequence_parallel, reduce
         meta = ParamMeta((out_features, in_features),
-                         shard_slices((out_features, in_features), 1, group.rank, group.size), std=std)
+                         shard_slices((out_features, in_features), 1, group.rank, group.size), std=std, matrix=True)
         self.weight = new_param((out_features, in_features // group.size), meta)
         self.fp8 = "none"
 
@@ -123,12 +125,13 @@ class KVParallelLinear(nn.Module):
         self.head_dim, self.group, self.fp8 = head_dim, group, "none"
         if kv_heads % tp == 0:
             self.row_range = None
-            meta = ParamMeta(shape, shard_slices(shape, 0, group.rank, tp), std=std)
+            meta = ParamMeta(shape, shard_slices(shape, 0, group.rank, tp), std=std, matrix=True)
             self.weight = new_param((shape[0] // tp, in_features), meta)
         elif tp % kv_heads == 0:
             head = group.rank // (tp // kv_heads)
             self.row_range = (head * head_dim, (head + 1) * head_dim)
-            meta = ParamMeta(shape, full_slices(shape), std=std, grad_reduce=("tp",), replicated=("tp",))
+            meta = ParamMeta(shape, full_slices(shape), std=std, grad_reduce=("tp",), replicated=("tp",),
+                             matrix=True)
             self.weight = new_param(shape, meta)
         else:
             check_kv_split(kv_heads, tp)

@@ -109,6 +109,15 @@ class TrainConfig:
     beta2: float = 0.95          # AdamW second-moment decay
     eps: float = 1e-8            # AdamW denominator epsilon
     adamw_block: int = 0         # elements per AdamW block; 0: by device (128K on a CPU, 16M on a GPU)
+    optimizer: str = "adamw"     # muon: Muon for the hidden matrices (projections, experts), AdamW for the rest
+    muon_lr: float = 0.0         # Muon's peak learning rate, following train.lr's schedule; 0: train.lr
+    muon_momentum: float = 0.95  # Muon's momentum (its buffer B <- mu B + (1 - mu) G)
+    muon_nesterov: bool = True   # Muon orthogonalises G + mu (B - G) instead of B
+    muon_ns_steps: int = 5       # Newton-Schulz iterations per matrix and step
+    muon_weight_decay: Optional[float] = None  # Muon's decoupled weight decay; None: train.weight_decay
+    muon_adjust_lr_fn: str = "match_rms_adamw"  # lr per matrix shape: match_rms_adamw (0.2 sqrt(max dim): AdamW's lr serves) or original
+    muon_ns_precision: str = "bf16"  # dtype of the Newton-Schulz iteration (bf16 as torch.optim.Muon, or fp32)
+    muon_tp_mode: str = "gather"  # TP-split matrices: gather (join the shards, exact) or blockwise (each shard alone)
     grad_clip: float = 1.0       # 0: no clipping
     activation_checkpointing: str = "none"  # recompute in backward: full = each block, selective = the attention core
     # Megatron's --recompute-method block: N beyond a chunk's layers recomputes all of them (clamped per chunk)

@@ -13,6 +13,7 @@ from parallel3d.context_parallel.attention import CP_MODES
 from parallel3d.context_parallel.sharding import check_seq_len
 from parallel3d.data_parallel.adamw import OFFLOAD_MODES, check_block, check_offload
 from parallel3d.data_parallel.compression import MODES as COMPRESSION_MODES, check_compression
+from parallel3d.data_parallel.muon import ADJUST_LR, NS_PRECISIONS, OPTIMIZERS, TP_MODES, check_muon
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.tensor_parallel.fp8 import RECIPES as FP8_RECIPES, check_fp8
 from parallel3d.expert_parallel.experts import check_expert_split
@@ -42,6 +43,10 @@ CHOICES: dict[str, tuple] = {
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.fp8": FP8_RECIPES,
     "train.nan_policy": ("skip", "stop"),
+    "train.optimizer": OPTIMIZERS,
+    "train.muon_adjust_lr_fn": ADJUST_LR,
+    "train.muon_ns_precision": tuple(NS_PRECISIONS),
+    "train.muon_tp_mode": TP_MODES,
 }
 
 
@@ -108,6 +113,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 (seconds), got {p.timeout_s}")
     _owned(lambda: check_offload(p.offload_optimizer, p.offload_params, p.zero, p.offload_dir, p.offload_buffer_mb))
     _owned(lambda: check_block(t.adamw_block))
+    _owned(lambda: check_muon(t.optimizer, t.muon_momentum, t.muon_ns_steps, t.muon_adjust_lr_fn, t.muon_ns_precision,
+                              t.muon_tp_mode, t.muon_lr or 0.0, t.weight_decay if t.muon_weight_decay is None
+                              else t.muon_weight_decay, p.offload_optimizer))
     _choice(t.precision, "train.precision", CHOICES["train.precision"])
     hd = m.head_dim or m.hidden_size // m.num_heads
     _owned(lambda: check_fp8(t.fp8, t.precision, {
