@@ -83,8 +83,7 @@ def build_context(cfg: ExperimentConfig) -> ParallelContext:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     p = cfg.parallel
     init_distributed(timeout_s=p.timeout_s)
-    ctx = ParallelContext.build(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                         dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), timeout_s=p.timeout_s)
+    ctx = ParallelContext.build(MeshSpec.of(p), timeout_s=p.timeout_s)
     if ctx.device.type == "cpu":   # the tensors live in host memory: reuse it as CUDA's caching allocator would
         keep_freed_memory()
     return ctx

@@ -43,8 +43,7 @@ def context_for(cfg, worker=None) -> ParallelContext:
     p = cfg.parallel
     if worker is None:
         return ParallelContext.single()
-    return worker.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node))
+    return worker.context(MeshSpec.of(p))
 
 
 def train(worker, overrides: Sequence[str], steps: int, save_root: Optional[str] = None,

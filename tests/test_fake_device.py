@@ -35,7 +35,7 @@ def _roles(spec: MeshSpec) -> list[int]:
 def _step(overrides: list[str], rank: int) -> tuple[dict, ParallelContext, object]:
     cfg = make_config(overrides, WORLD)
     p = cfg.parallel
-    ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+    ctx = ParallelContext.simulated(MeshSpec.of(p), rank, "meta")
     trainer = build_trainer(cfg, ctx)
     return trainer.train_step(), ctx, trainer
 
@@ -108,7 +108,7 @@ def _real_step_bytes(w, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     cfg = make_config(overrides, w.world_size)
     p = cfg.parallel
-    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)))
+    trainer = build_trainer(cfg, w.context(MeshSpec.of(p)))
     return trainer.train_step()["comm_bytes"]
 
 
@@ -125,7 +125,7 @@ def test_dry_run_bytes_equal_a_real_run(worlds, layout):
     cfg = make_config(overrides, 4)
     p = cfg.parallel
     for rank in range(4):
-        ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+        ctx = ParallelContext.simulated(MeshSpec.of(p), rank, "meta")
         simulated = build_trainer(cfg, ctx).train_step()["comm_bytes"]
         assert simulated == real[rank], (rank, simulated, real[rank])
         assert simulated  # something was communicated
