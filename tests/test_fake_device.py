@@ -59,6 +59,23 @@ def test_training_step_runs_off_the_cpu(model):
             assert ("ep", "all_to_all") in ops
 
 
+@pytest.mark.parametrize("fold", [["parallel.ep=8"], ["parallel.ep=4", "parallel.etp=2"]], ids=["etp1-ep8", "etp2-ep4"])
+def test_folded_moe_layouts_run_off_the_cpu(fold):
+    """MoE parallel folding on the stand-in device: EP over all 8 TP x CP x DP ranks of a stage with whole
+    experts, and etp=2 (= tp: the layout before folding) with EP over CP x DP."""
+    overrides = [*MOE, "model.num_experts=8", *fold]
+    for rank in (0, WORLD - 1):
+        out, ctx, trainer = _step(overrides, rank)
+        assert not out["skipped"]
+        spec = ctx.spec
+        assert ctx.ep.size * ctx.etp.size * ctx.edp.size == spec.tp * spec.cp * spec.dp
+        assert {spec.coords(r).pp for r in ctx.ep.ranks} == {ctx.coords.pp}
+        assert len({spec.coords(r).tp for r in ctx.ep.ranks}) == (2 if ctx.etp.size == 1 else 1)
+        assert ("ep", "all_to_all") in ctx.stats.summary()
+        experts = [p for chunk in trainer.chunks for n, p in chunk.named_parameters() if ".experts.gate_proj" in n]
+        assert experts and all(p.shape[0] == 8 // ctx.ep.size and p.shape[1] == 32 // ctx.etp.size for p in experts)
+
+
 def test_evaluation_runs_off_the_cpu():
     _, ctx, trainer = _step(DENSE, 0)
     from parallel3d.training.trainer import make_dataset
