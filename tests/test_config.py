@@ -11,7 +11,7 @@ from parallel3d.training.validate import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = {"tiny": 4, "llama3_8b": 8, "llama3_70b": 32, "llama3_405b": 8192, "mixtral_8x7b": 32, "deepseek_moe": 8,
-           "qwen3_8b": 8, "qwen3_30b_a3b": 16,
+           "qwen3_8b": 8, "qwen3_30b_a3b": 16, "qwen3_235b_a22b": 256,
            "llama_100m": 1}
 
 
