@@ -34,7 +34,7 @@ ROWS = [  # (name, config, world, overrides, gpu key, device, published, unit, w
     ("DeepSeek-V3 671B PP16 EP64 ZeRO-1, 1F1B", "deepseek_v3", 2048, [], "h100", H100, 1543, "tokens/s",
      "DualPipe there, 1F1B here; FP8 GEMMs there, bf16 here; H800's NVLink is under half the H100's"),
     ("DeepSeek-V3 671B PP16 EP64 ZeRO-1, DualPipe-V", "deepseek_v3", 2048,
-     ["parallel.schedule=dualpipe-v"], "h100", H100, 1543, "tokens/s",
+     ["parallel.schedule=dualpipe-v", "parallel.layers_per_stage=null"], "h100", H100, 1543, "tokens/s",
      "our DualPipe-V overlaps pipeline transfers, not EP's all-to-all; FP8 there, bf16 here"),
 ]
 
