@@ -64,7 +64,7 @@ def test_folded_moe_layouts_run_off_the_cpu(fold):
     """MoE parallel folding on the stand-in device: EP over all 8 TP x CP x DP ranks of a stage with whole
     experts, and etp=2 (= tp: the layout before folding) with EP over CP x DP."""
     overrides = [*MOE, "model.num_experts=8", *fold]
-    for rank in (0, WORLD - 1):
+    for rank in (WORLD - 1,):   # the last stage: MoE layers, the head and the loss
         out, ctx, trainer = _step(overrides, rank)
         assert not out["skipped"]
         spec = ctx.spec

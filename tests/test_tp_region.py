@@ -70,11 +70,11 @@ FOLDS = {  # the experts' layout at each tp: whole experts with EP folded over t
 }
 
 
-# CI runs each recompute mode, each expert set and each fold once; make sweep the other pairs
+# CI runs each recompute mode and each expert set once at etp=1; make sweep the other pairs and etp=tp
 @pytest.mark.parametrize("recompute, extra, fold", [
     pytest.param("none", (), "etp1-ep=tp", id="none-routed-etp1"),
     pytest.param("selective", SHARED_CAPACITY, "etp1-ep=tp", id="selective-shared-capacity-etp1"),
-    pytest.param("none", (), "etp=tp", id="none-routed-etp=tp"),
+    pytest.param("none", (), "etp=tp", id="none-routed-etp=tp", marks=pytest.mark.sweep),
     pytest.param("none", SHARED_CAPACITY, "etp1-ep=tp", id="none-shared-capacity-etp1", marks=pytest.mark.sweep),
     pytest.param("selective", (), "etp1-ep=tp", id="selective-routed-etp1", marks=pytest.mark.sweep),
     pytest.param("selective", SHARED_CAPACITY, "etp=tp", id="selective-shared-capacity-etp=tp",
