@@ -1,6 +1,6 @@
 """The planner against published runs, regenerated from one command whenever the cost model changes.
 
-    python benchmarks/planner_published.py [--only megatron,llama3,llama3-fit,torchtitan,offload] [--json]
+    python benchmarks/planner_published.py [--only megatron,llama3,llama3-fit,torchtitan,offload,moe] [--json]
 
 Every row prints the exact `launch/plan.py` overrides it plans (so any row can be rerun alone), the
 published figure and ours. Groups:
@@ -22,6 +22,8 @@ published figure and ours. Groups:
               500 W parts fall in. torch.compile is not modeled (our dry run runs eager).
   offload     the largest Llama-shaped model on one 80 GB H100 per offload mode (seq 4096, micro-batch 1,
               full recomputation), beside DeepSpeed ZeRO-Offload's 13B on one 32 GB V100.
+  moe         Megatron-Core's three Qwen3-235B-A22B rows on 256 H100 and DeepSeek-V3 at its report's layout
+              (planner_published_moe.py says what each row's run would do differently).
 Plans whose dry runs are the same (offload modes: the stand-in runs without offload) share them.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import stage_builder  # noqa: E402
 from offload_capacity import shape  # noqa: E402
+from planner_published_moe import moe as moe_rows  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.dryrun import DryRunError  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
@@ -249,8 +252,12 @@ def offload(rows: list) -> None:
                      "step_s": r.step_time_s, "command": cmd})
 
 
+def moe(rows: list) -> None:
+    moe_rows(rows, run_plan, command, GiB)
+
+
 GROUPS = {"megatron": megatron, "llama3": llama3, "llama3-fit": llama3_fit, "torchtitan": torchtitan,
-          "offload": offload}
+          "offload": offload, "moe": moe}
 
 
 def main(argv=None) -> int:

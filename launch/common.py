@@ -103,7 +103,7 @@ def build_context(cfg: ExperimentConfig, simulate_rank: Optional[int] = None) ->
     standing for the backend a real run there takes (NCCL on CUDA, gloo on CPU)."""
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     p = cfg.parallel
-    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    spec = MeshSpec.of(p)
     if simulate_rank is not None:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

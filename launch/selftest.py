@@ -63,8 +63,7 @@ def make_config(overrides: list[str], world: int):
 
 
 def spec_of(cfg) -> MeshSpec:
-    p = cfg.parallel
-    return MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    return MeshSpec.of(cfg.parallel)   # (the one config -> mesh constructor: etp, HSDP, nodes)
 
 
 def build_trainer(cfg, ctx: ParallelContext):

@@ -1,6 +1,6 @@
 """Device mesh: `ParallelContext` holds this rank's built process groups and coordinates.
 
-The rank arithmetic (rank order, EP, HSDP and hpZ groups) is pure and lives in `mesh_spec.py`;
+The rank arithmetic (rank order, the experts' folded etp/ep/edp, HSDP and hpZ groups) is pure and lives in `mesh_spec.py`;
 its names are re-exported here.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ class ParallelContext:
     cp: Group
     dp: Group
     pp: Group
+    etp: Group          # expert tensor parallelism: the ranks splitting one expert's ffn (mesh_spec.py)
     ep: Group
     edp: Group
     dp_cp: Group        # dense-gradient reduction (DP x CP)
@@ -68,8 +69,10 @@ class ParallelContext:
 
     @staticmethod
     def _aliases(spec: MeshSpec) -> dict[str, str]:
-        """Without HSDP the shard groups are the DP x CP / expert-DP groups themselves."""
-        return {} if spec.hsdp else {"dp_shard": "dp_cp", "edp_shard": "edp"}
+        """Without HSDP the shard groups are the DP x CP / expert-DP groups themselves; with etp == tp the
+        experts' TP group is the attention's (mesh_spec.py: the layout before folding)."""
+        aliases = {} if spec.hsdp else {"dp_shard": "dp_cp", "edp_shard": "edp"}
+        return {**aliases, "etp": "tp"} if spec.etp == spec.tp else aliases
 
     @property
     def is_simulated(self) -> bool:
@@ -81,7 +84,7 @@ class ParallelContext:
         return self.spec.world_size
 
     def groups(self) -> dict[str, Optional[Group]]:
-        """Every group field by name (ALL_DIMS order; without HSDP the shard groups repeat dp_cp / edp)."""
+        """Every group field by name (ALL_DIMS order; aliases (_aliases) repeat their group)."""
         return {d: getattr(self, d) for d in ALL_DIMS}
 
     def clone(self, dim: str) -> Group:
@@ -167,7 +170,7 @@ class ParallelContext:
         aliases = cls._aliases(spec)
         for dim in ALL_DIMS:
             if dim in aliases or (dim in HSDP_DIMS and not spec.hsdp) or dim in NODE_DIMS:
-                continue   # the same Group as dp_cp / edp, or size 1 (dp_rep without HSDP)
+                continue   # the same Group as dp_cp / edp / tp, or size 1 (dp_rep without HSDP)
             for ranks in spec.groups(dim):  # every rank creates every group, in the same order
                 pg = dist.group.WORLD if len(ranks) == spec.world_size else dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
@@ -187,7 +190,7 @@ class ParallelContext:
         s = self.spec
         hsdp = f" dp_shard={s.dp_shard}" if s.hsdp else ""
         return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={s.tp} cp={s.cp} dp={s.dp}{hsdp} "
-                f"pp={s.pp} ep={s.ep}, coords={self.coords})")
+                f"pp={s.pp} ep={s.ep} etp={s.etp}, coords={self.coords})")
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:

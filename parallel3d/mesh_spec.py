@@ -9,17 +9,31 @@ domain; PP is outermost so pipeline stages span nodes.
                                               tp   tp            tp   tp
                                               \\-dp-/            \\-dp-/
 
-Expert parallelism is carved out of the DP x CP ranks that share (tp_r, pp_r): index them
-j = cp_r + cp * dp_r; EP groups are consecutive runs of `ep` indices, and the ranks with the same
-position inside their EP group form the expert-data-parallel group (size dp*cp/ep) over which expert
-weights are replicated and their gradients reduced.
+Expert parallelism is folded over the TP x CP x DP ranks of one pipeline stage ("MoE parallel folding"):
+index them L = tp_r + tp * (cp_r + cp * dp_r) (their rank order inside the stage, rank = L + stage * pp_r
+with stage = tp*cp*dp). The expert mesh orders them etp innermost, then ep, then expert-DP:
+
+    etp_r = L % etp     ep_r = (L // etp) % ep     edp_r = L // (etp * ep)     (ep * etp divides tp*cp*dp)
+
+    etp  same (pp, L // etp)              the ranks splitting one expert's ffn (size etp)
+    ep   same (pp, L % etp, L // (etp*ep)) the all-to-all group, each rank num_experts/ep experts (size ep)
+    edp  same (pp, L % (etp*ep))          replicas of one expert slice: expert gradients are summed here
+                                          (size tp*cp*dp / (ep*etp))
+
+    stage of 8, tp=2 dp=4, ep=4 etp=1:  L = 0 1 2 3 4 5 6 7
+                                        ep  [0 1 2 3][0 1 2 3]    ep groups {0..3} {4..7}: EP spans TP and DP
+                                        edp  0 0 0 0  1 1 1 1     edp groups {0,4} {1,5} {2,6} {3,7}
+
+etp == tp is the layout before folding, exactly: then etp groups are the tp groups, L // tp = cp_r + cp * dp_r,
+and ep / edp are runs / strides of the DP x CP ranks sharing a TP rank (ep dividing dp*cp).
 
 HSDP (`dp_shard` = K, dividing dp; 0 or dp: plain ZeRO over all of DP x CP): ZeRO shards over blocks of K
-consecutive DP ranks (times all CP ranks) and replicates across the dp/K blocks. With j as above,
+consecutive DP ranks (times all CP and, for experts, TP ranks) and replicates across the dp/K blocks. A block
+is a run of B = tp*K*cp consecutive L (of one TP rank's DP x CP ranks for dense weights):
 
-    dp_shard   same (tp, pp, j // (K*cp))           dense shard group, size K*cp
-    edp_shard  same (tp, pp, j % ep, j // (K*cp))   expert shard group, size K*cp/ep (ep must divide K*cp)
-    dp_rep     same (tp, pp, j % (K*cp))            replica group, size dp/K (dense and expert alike)
+    dp_shard   same (tp, pp, L // B)                 dense shard group, size K*cp
+    edp_shard  same (pp, L % (etp*ep), L // B)        expert shard group, size B/(etp*ep) (etp*ep must divide B)
+    dp_rep     same (pp, L % B)                      replica group, size dp/K (dense and expert alike)
 
 so a sum over DP x CP (or expert-DP) is a sum inside the shard group followed by one across replicas.
 Without HSDP the shard groups *are* dp_cp / edp (the same Group objects) and dp_rep has size 1.
@@ -30,12 +44,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp", "embedding", "world")
+DIMS = ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp", "embedding", "world")
 HSDP_DIMS = ("dp_shard", "edp_shard", "dp_rep")   # see the module docstring
 NODE_DIMS = ("dp_node", "edp_node")                # hpZ; built lazily (ParallelContext.clone)
 ALL_DIMS = DIMS + HSDP_DIMS + NODE_DIMS
-# the coordinates all members of a group share (MeshSpec._key); every other group shares (tp, pp)
+# the coordinates all members of a group share (MeshSpec._key); every other dense group shares (tp, pp)
 _PINNED = {"tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "pp": ("tp", "cp", "dp")}
+EXPERT_DIMS = ("etp", "ep", "edp", "edp_shard", "edp_node")  # folded over a stage: MeshSpec._expert_members
 
 
 @dataclass(frozen=True)
@@ -46,28 +61,28 @@ class Coords:
     pp: int
     ep: int
     edp: int
+    etp: int
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Degrees of every parallel dimension. world = tp * cp * dp * pp; ep divides dp * cp."""
+    """Degrees of every parallel dimension. world = tp * cp * dp * pp; ep * etp divides tp * cp * dp."""
     tp: int = 1
     cp: int = 1
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1        # expert tensor parallelism: each expert's ffn split over etp ranks (module docstring)
     dp_shard: int = 0   # HSDP shard degree K over DP (0: all of dp); resolved to dp when 0
     gpus_per_node: int = 8  # node size (consecutive ranks), for ZeRO++ hpZ's intra-node groups
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "dp", "pp", "ep"):
+        for name in ("tp", "cp", "dp", "pp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide dp*cp={self.dp}*{self.cp}="
-                             f"{self.dp * self.cp}: expert parallelism is carved out of the DP x CP ranks")
-        check_dp_shard(self.dp_shard, self.dp, self.cp, self.ep)
+        check_expert_fold(self.tp, self.cp, self.dp, self.ep, self.etp)
+        check_dp_shard(self.dp_shard, self.dp, self.cp, self.ep, self.tp, self.etp)
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"parallel.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
         if self.dp_shard == 0:
@@ -80,7 +95,7 @@ class MeshSpec:
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
-                  dp: int = 0, dp_shard: int = 0, gpus_per_node: int = 8) -> "MeshSpec":
+                  dp: int = 0, dp_shard: int = 0, gpus_per_node: int = 8, etp: int = 1) -> "MeshSpec":
         """dp=0 means 'what the world size leaves'. Raises ValueError when the degrees do not divide."""
         inner = tp * cp * pp
         if world_size % inner:
@@ -90,15 +105,27 @@ class MeshSpec:
         if inner * dp != world_size:
             raise ValueError(f"tp*cp*dp*pp={tp}*{cp}*{dp}*{pp}={inner * dp} does not equal the world "
                              f"size {world_size}")
-        return cls(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, dp_shard=dp_shard, gpus_per_node=gpus_per_node)
+        return cls(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, dp_shard=dp_shard, gpus_per_node=gpus_per_node)
+
+    @classmethod
+    def of(cls, parallel) -> "MeshSpec":
+        """The mesh of a resolved `parallel` config section (training/config.py's ParallelConfig, dp filled)."""
+        p = parallel
+        return cls(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, etp=p.etp, dp_shard=p.dp_shard,
+                   gpus_per_node=p.gpus_per_node)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
     @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (tp * cp * dp), over which the experts are folded."""
+        return self.tp * self.cp * self.dp
+
+    @property
     def edp(self) -> int:
-        return self.dp * self.cp // self.ep
+        return self.stage_size // (self.ep * self.etp)
 
     # ---- rank <-> coordinates -------------------------------------------------------------------
     def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
@@ -110,8 +137,9 @@ class MeshSpec:
         tp, rest = rank % self.tp, rank // self.tp
         cp, rest = rest % self.cp, rest // self.cp
         dp, pp = rest % self.dp, rest // self.dp
-        j = cp + self.cp * dp
-        return Coords(tp=tp, cp=cp, dp=dp, pp=pp, ep=j % self.ep, edp=j // self.ep)
+        local = rank % self.stage_size  # L of the module docstring
+        return Coords(tp=tp, cp=cp, dp=dp, pp=pp, ep=(local // self.etp) % self.ep,
+                      edp=local // (self.etp * self.ep), etp=local % self.etp)
 
     # ---- groups -----------------------------------------------------------------------------------
     def groups(self, dim: str) -> list[list[int]]:
@@ -129,22 +157,41 @@ class MeshSpec:
 
     def _key(self, dim: str, c: Coords) -> tuple:
         """Coordinates shared by all members of the rank's `dim` group (the ones that do not vary)."""
-        j, block = c.cp + self.cp * c.dp, self.dp_shard * self.cp
-        node = self.rank(c.tp, c.cp, c.dp, c.pp) // self.gpus_per_node
+        rank = self.rank(c.tp, c.cp, c.dp, c.pp)
+        local, block, fold = rank % self.stage_size, self.tp * self.dp_shard * self.cp, self.etp * self.ep
+        node = rank // self.gpus_per_node
         return {
             "tp": (c.cp, c.dp, c.pp),
             "cp": (c.tp, c.dp, c.pp),
             "dp": (c.tp, c.cp, c.pp),
             "pp": (c.tp, c.cp, c.dp),
             "dp_cp": (c.tp, c.pp),
-            "ep": (c.tp, c.pp, j // self.ep),
-            "edp": (c.tp, c.pp, j % self.ep),
-            "dp_shard": (c.tp, c.pp, j // block),
-            "edp_shard": (c.tp, c.pp, j % self.ep, j // block),
-            "dp_rep": (c.tp, c.pp, j % block),
-            "dp_node": (c.tp, c.pp, j // block, node),
-            "edp_node": (c.tp, c.pp, j % self.ep, j // block, node),
+            "etp": (c.pp, local // self.etp),
+            "ep": (c.pp, local % self.etp, local // fold),
+            "edp": (c.pp, local % fold),
+            "dp_shard": (c.tp, c.pp, local // block),
+            "edp_shard": (c.pp, local % fold, local // block),
+            "dp_rep": (c.pp, local % block),
+            "dp_node": (c.tp, c.pp, local // block, node),
+            "edp_node": (c.pp, local % fold, local // block, node),
         }[dim]
+
+    def _expert_members(self, dim: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s expert group (EXPERT_DIMS) straight from the folding arithmetic, ascending."""
+        stage, local = rank - rank % self.stage_size, rank % self.stage_size
+        fold, block = self.etp * self.ep, self.tp * self.dp_shard * self.cp
+        if dim == "etp":
+            first, step, count = local - local % self.etp, 1, self.etp
+        elif dim == "ep":
+            first, step, count = local - local % fold + local % self.etp, self.etp, self.ep
+        elif dim == "edp":
+            first, step, count = local % fold, fold, self.edp
+        else:  # edp_shard, edp_node: the expert-DP ranks inside this rank's HSDP block (and node)
+            first, step, count = local - local % block + local % fold, fold, block // fold
+        members = [stage + first + i * step for i in range(count)]
+        if dim == "edp_node":
+            members = [r for r in members if r // self.gpus_per_node == rank // self.gpus_per_node]
+        return members
 
     def _embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline (for tied input/output embeddings)."""
@@ -165,6 +212,9 @@ class MeshSpec:
             pipe = self.group_of("pp", rank)
             ends = sorted({pipe[0], pipe[-1]})
             return ends if rank in ends else []   # middle pipeline stages hold no embedding
+        if dim in EXPERT_DIMS:
+            self.coords(rank)  # range check
+            return self._expert_members(dim, rank)
         c = self.coords(rank)
         key, pinned = self._key(dim, c), _PINNED.get(dim, ("tp", "pp"))
         span = {d: [getattr(c, d)] if d in pinned else range(getattr(self, d)) for d in ("tp", "cp", "dp", "pp")}
@@ -173,16 +223,25 @@ class MeshSpec:
         return [r for r in near if self._key(dim, self.coords(r)) == key]
 
 
-def check_dp_shard(dp_shard: int, dp: int, cp: int = 1, ep: int = 1) -> None:
+def check_expert_fold(tp: int, cp: int, dp: int, ep: int, etp: int) -> None:
+    """Experts fold over the tp*cp*dp ranks of a stage: ep * etp must divide them (module docstring)."""
+    if (tp * cp * dp) % (ep * etp):
+        raise ValueError(f"parallel.ep*etp={ep}*{etp}={ep * etp} must divide tp*cp*dp={tp}*{cp}*{dp}={tp * cp * dp}: "
+                         f"expert parallelism is folded over the TP x CP x DP ranks of a pipeline stage")
+
+
+def check_dp_shard(dp_shard: int, dp: int, cp: int = 1, ep: int = 1, tp: int = 1, etp: int = 1) -> None:
     """parallel.dp_shard (HSDP): 0 (all of dp) or a divisor of dp; expert weights shard over the expert-DP
-    ranks of one shard block, so ep must divide dp_shard*cp."""
+    ranks of one shard block (its tp*dp_shard*cp ranks), so ep*etp must divide tp*dp_shard*cp."""
     if not isinstance(dp_shard, int) or dp_shard < 0:
         raise ValueError(f"parallel.dp_shard must be 0 (all of dp) or a positive integer, got {dp_shard!r}")
     if dp_shard and dp % dp_shard:
         raise ValueError(f"parallel.dp_shard={dp_shard} must divide parallel.dp={dp}")
-    if dp_shard and (dp_shard * cp) % ep:
+    block = tp * dp_shard * cp
+    if dp_shard and block % (ep * etp):
         raise ValueError(f"parallel.dp_shard={dp_shard}: HSDP shards expert weights inside each block of "
-                         f"dp_shard*cp={dp_shard * cp} DP x CP ranks, which parallel.ep={ep} must divide")
+                         f"tp*dp_shard*cp={tp}*{dp_shard}*{cp}={block} ranks, which parallel.ep*etp={ep}*{etp}"
+                         f"={ep * etp} must divide")
 
 
 def check_hpz(spec: MeshSpec) -> None:

@@ -44,8 +44,7 @@ def context_for(cfg, worker=None, strict: bool = False) -> ParallelContext:
     p = cfg.parallel
     if worker is None:
         return ParallelContext.single()
-    return worker.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                  dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node), strict=strict)
+    return worker.context(MeshSpec.of(p), strict=strict)
 
 
 def train(worker, overrides: Sequence[str], steps: int, save_root: Optional[str] = None,

@@ -23,9 +23,10 @@ CASES = {
     "zero3->tp2pp2zero1": ([], ["parallel.zero=3"], [["parallel.tp=2", "parallel.pp=2", "parallel.zero=1"]]),
     "tied-tp2pp2->zero3": (["model.tie_embeddings=true"], ["parallel.tp=2", "parallel.pp=2"],
                            [["parallel.zero=3"], ["parallel.pp=2", "parallel.zero=2"]]),
-    "moe-ep2->ep1,ep4zero1,tp2ep2": (MOE, ["parallel.ep=2"],
-                                     [["parallel.ep=1"], ["parallel.ep=4", "parallel.zero=1"],
-                                      ["parallel.tp=2", "parallel.ep=2"]]),
+    # experts folded over TP x DP (whole experts on 4 EP ranks) -> EP over DP only, and experts split over etp=tp
+    "moe-tp2sp-etp1ep4->ep2zero1,tp2etp2ep2": (MOE, ["parallel.tp=2", "parallel.sp=true", "parallel.ep=4"],
+                                               [["parallel.ep=2", "parallel.zero=1"],
+                                                ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"]]),
     "interleaved-pp2v2->cp2": (["model.num_layers=4", "train.global_batch_size=8"],
                                ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
                                [["parallel.cp=2"]]),

@@ -11,7 +11,7 @@ from parallel3d.training.validate import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = {"tiny": 4, "llama3_8b": 8, "llama3_70b": 32, "llama3_405b": 8192, "mixtral_8x7b": 32, "deepseek_moe": 8,
-           "qwen3_8b": 8, "qwen3_30b_a3b": 16,
+           "qwen3_8b": 8, "qwen3_30b_a3b": 16, "qwen3_235b_a22b": 256,
            "llama_100m": 1}
 
 
@@ -107,7 +107,14 @@ MOE = ("model.num_experts=4", "model.moe_top_k=2")
          "train.global_batch_size=1"], r"model.num_heads=6 is not divisible by parallel.tp=8"),
     (6, ["parallel.tp=3", "model.num_heads=6", "model.num_kv_heads=2", "model.hidden_size=96",
          "train.global_batch_size=2"], r"model.num_kv_heads=2 and parallel.tp=3: one must divide the other"),
-    (4, ["parallel.tp=2", "parallel.ep=4", *MOE], r"parallel.ep=4 must divide dp\*cp=2\*1=2"),
+    (4, ["parallel.tp=2", "parallel.ep=4", "parallel.etp=2", *MOE],
+     r"parallel.ep\*etp=4\*2=8 must divide tp\*cp\*dp=2\*1\*2=4"),
+    (2, ["parallel.etp=2"], r"parallel.etp=2 needs a MoE model"),
+    (2, ["parallel.etp=2", *MOE, "model.moe_ffn_hidden_size=25"],
+     r"model.moe_ffn_hidden_size=25 \(the expert ffn\) is not divisible by parallel.etp=2"),
+    (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "parallel.dp_shard=1", "parallel.zero=2", *MOE],
+     r"which parallel.ep\*etp=2\*2=4 must divide"),
+    (2, ["parallel.etp=0", *MOE], r"parallel.etp must be >= 1"),
     (2, ["parallel.ep=2"], r"parallel.ep=2 needs a MoE model"),
     (6, ["parallel.ep=3", "train.global_batch_size=6", *MOE], r"model.num_experts=4 is not divisible by parallel.ep=3"),
     (1, ["train.global_batch_size=6", "train.micro_batch_size=4"],
@@ -147,6 +154,13 @@ def test_valid_advanced_layouts():
     r = resolve_and_validate(cfg("parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.ep=2",
                                  "model.num_layers=4", "train.global_batch_size=4", *MOE), 8)
     assert (r.parallel.dp, r.train.num_microbatches) == (1, 4)
+    # parallel folding: EP over TP x DP (ep = tp*dp at etp=1), and a config written before parallel.etp
+    # (ep dividing dp*cp) still validates, now with whole experts per rank
+    r = resolve_and_validate(cfg("parallel.tp=2", "parallel.ep=8", "model.num_experts=8", "model.moe_top_k=2",
+                                 "train.global_batch_size=4"), 8)
+    assert (r.parallel.dp, r.parallel.ep, r.parallel.etp) == (4, 8, 1)
+    r = resolve_and_validate(cfg("parallel.tp=2", "parallel.ep=2", *MOE), 4)
+    assert (r.parallel.dp, r.parallel.ep, r.parallel.etp) == (2, 2, 1)
 
 
 @pytest.mark.parametrize("name,world", sorted(PRESETS.items()))

@@ -35,7 +35,7 @@ def _roles(spec: MeshSpec) -> list[int]:
 def _step(overrides: list[str], rank: int) -> tuple[dict, ParallelContext, object]:
     cfg = make_config(overrides, WORLD)
     p = cfg.parallel
-    ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+    ctx = ParallelContext.simulated(MeshSpec.of(p), rank, "meta")
     trainer = build_trainer(cfg, ctx)
     return trainer.train_step(), ctx, trainer
 
@@ -57,6 +57,23 @@ def test_training_step_runs_off_the_cpu(model):
         assert ("pp", "send") in ops or ("pp", "recv") in ops
         if model == "moe":
             assert ("ep", "all_to_all") in ops
+
+
+@pytest.mark.parametrize("fold", [["parallel.ep=8"], ["parallel.ep=4", "parallel.etp=2"]], ids=["etp1-ep8", "etp2-ep4"])
+def test_folded_moe_layouts_run_off_the_cpu(fold):
+    """MoE parallel folding on the stand-in device: EP over all 8 TP x CP x DP ranks of a stage with whole
+    experts, and etp=2 (= tp: the layout before folding) with EP over CP x DP."""
+    overrides = [*MOE, "model.num_experts=8", *fold]
+    for rank in (WORLD - 1,):   # the last stage: MoE layers, the head and the loss
+        out, ctx, trainer = _step(overrides, rank)
+        assert not out["skipped"]
+        spec = ctx.spec
+        assert ctx.ep.size * ctx.etp.size * ctx.edp.size == spec.tp * spec.cp * spec.dp
+        assert {spec.coords(r).pp for r in ctx.ep.ranks} == {ctx.coords.pp}
+        assert len({spec.coords(r).tp for r in ctx.ep.ranks}) == (2 if ctx.etp.size == 1 else 1)
+        assert ("ep", "all_to_all") in ctx.stats.summary()
+        experts = [p for chunk in trainer.chunks for n, p in chunk.named_parameters() if ".experts.gate_proj" in n]
+        assert experts and all(p.shape[0] == 8 // ctx.ep.size and p.shape[1] == 32 // ctx.etp.size for p in experts)
 
 
 def test_evaluation_runs_off_the_cpu():
@@ -108,7 +125,7 @@ def _real_step_bytes(w, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     cfg = make_config(overrides, w.world_size)
     p = cfg.parallel
-    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)))
+    trainer = build_trainer(cfg, w.context(MeshSpec.of(p)))
     return trainer.train_step()["comm_bytes"]
 
 
@@ -125,7 +142,7 @@ def test_dry_run_bytes_equal_a_real_run(worlds, layout):
     cfg = make_config(overrides, 4)
     p = cfg.parallel
     for rank in range(4):
-        ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+        ctx = ParallelContext.simulated(MeshSpec.of(p), rank, "meta")
         simulated = build_trainer(cfg, ctx).train_step()["comm_bytes"]
         assert simulated == real[rank], (rank, simulated, real[rank])
         assert simulated  # something was communicated

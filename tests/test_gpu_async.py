@@ -44,7 +44,7 @@ def _config(overrides: list, world: int, microbatches: int = 4):
 
 def _spec(cfg) -> MeshSpec:
     p = cfg.parallel
-    return MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    return MeshSpec.of(p)
 
 
 def checked_step(cfg, ctx: ParallelContext) -> dict:

@@ -76,7 +76,7 @@ def _config(path: str, model: list, layout: list, world: int, layers: int, micro
 
 def _spec(cfg) -> MeshSpec:
     p = cfg.parallel
-    return MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
+    return MeshSpec.of(p)
 
 
 def _moe_layers(trainer: Trainer) -> tuple[int, int]:

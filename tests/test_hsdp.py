@@ -37,9 +37,9 @@ def run(worker, overrides, steps: int) -> dict:
 def _hsdp_specs():
     for tp, cp, dp, pp in itertools.product([1, 2], [1, 2], [1, 2, 4, 6], [1, 2]):
         for k in range(1, dp + 1):
-            for ep in range(1, dp * cp + 1):
-                if dp % k == 0 and (k * cp) % ep == 0 and (dp * cp) % ep == 0:
-                    yield MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, dp_shard=k)
+            for ep, etp in itertools.product(range(1, tp * dp * cp + 1), (1, 2)):
+                if dp % k == 0 and (tp * k * cp) % (ep * etp) == 0:
+                    yield MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, dp_shard=k)
 
 
 @pytest.mark.parametrize("spec", list(_hsdp_specs())[::9], ids=str)
@@ -47,7 +47,7 @@ def test_shard_and_replica_groups_compose_to_the_reduction_groups(spec):
     """A sum over a shard group, then over the replica group, is the sum over DP x CP (dense) or
     expert-DP (expert): the groups partition the world, and each reduction group is a shard x replica grid."""
     k, world = spec.dp_shard, set(range(spec.world_size))
-    sizes = {"dp_shard": k * spec.cp, "edp_shard": k * spec.cp // spec.ep, "dp_rep": spec.dp // k}
+    sizes = {"dp_shard": k * spec.cp, "edp_shard": spec.tp * k * spec.cp // (spec.ep * spec.etp), "dp_rep": spec.dp // k}
     for dim, size in sizes.items():
         groups = spec.groups(dim)
         assert sorted(r for g in groups for r in g) == sorted(world), dim
@@ -65,7 +65,7 @@ def test_shard_and_replica_groups_compose_to_the_reduction_groups(spec):
 def test_bad_dp_shard_is_one_clear_error():
     with pytest.raises(ConfigError, match="dp_shard=3 must divide parallel.dp=4"):
         make_config(["parallel.dp_shard=3"], 4)
-    with pytest.raises(ConfigError, match="ep=4 must divide|which parallel.ep=4"):
+    with pytest.raises(ConfigError, match=r"which parallel.ep\*etp=4\*1=4 must divide"):
         make_config([*MOE, "parallel.ep=4", "parallel.dp_shard=2"], 4)
     assert make_config(["parallel.dp_shard=2"], 4).parallel.dp_shard == 2
     assert make_config([], 4).parallel.dp_shard == 0     # all of dp, whatever dp is

@@ -8,9 +8,10 @@ from parallel3d.mesh import DIMS, MeshSpec, ParallelContext
 
 def _specs():
     for tp, cp, dp, pp in itertools.product([1, 2, 4], [1, 2], [1, 2, 3, 4], [1, 2, 3]):
-        for ep in range(1, dp * cp + 1):
-            if (dp * cp) % ep == 0:
-                yield MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+        stage = tp * cp * dp
+        for ep, etp in itertools.product(range(1, stage + 1), (1, 2, 4)):
+            if stage % (ep * etp) == 0:
+                yield MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp)
 
 
 SPECS = list(_specs())
@@ -20,7 +21,7 @@ SPECS = list(_specs())
 def test_groups_partition_world_and_coords_round_trip(spec):
     world = set(range(spec.world_size))
     sizes = {"tp": spec.tp, "cp": spec.cp, "dp": spec.dp, "pp": spec.pp, "ep": spec.ep, "edp": spec.edp,
-             "dp_cp": spec.dp * spec.cp,
+             "etp": spec.etp, "dp_cp": spec.dp * spec.cp,
              "world": spec.world_size}
     for dim in DIMS:
         if dim == "embedding":
@@ -38,13 +39,17 @@ def test_groups_partition_world_and_coords_round_trip(spec):
 def test_layout_facts(spec):
     for g in spec.groups("tp"):                              # TP innermost: consecutive ranks
         assert g == list(range(g[0], g[0] + spec.tp))
-    dpcp = {tuple(g) for g in spec.groups("dp_cp")}
-    for g in spec.groups("ep"):                              # EP carved out of DP x CP
-        assert any(set(g) <= set(d) for d in dpcp)
-        assert len({spec.coords(r).pp for r in g}) == 1 and len({spec.coords(r).tp for r in g}) == 1
-    for g in spec.groups("edp"):
-        assert any(set(g) <= set(d) for d in dpcp)
-        assert len({spec.coords(r).ep for r in g}) == 1      # same expert shard, replicated
+    assert spec.edp * spec.ep * spec.etp == spec.tp * spec.cp * spec.dp
+    for g in spec.groups("etp"):                             # etp innermost: consecutive ranks of one stage
+        assert g == list(range(g[0], g[0] + spec.etp)) and len({spec.coords(r).pp for r in g}) == 1
+    for dim in ("ep", "edp"):                                # folded over the TP x CP x DP ranks of a stage
+        for g in spec.groups(dim):
+            assert len({spec.coords(r).pp for r in g}) == 1
+    for g in spec.groups("edp"):                             # same expert slice (ep, etp), replicated
+        assert len({(spec.coords(r).ep, spec.coords(r).etp) for r in g}) == 1
+    for g in spec.groups("ep"):                              # one of each expert shard, same ffn slice
+        assert sorted(spec.coords(r).ep for r in g) == list(range(spec.ep))
+        assert len({(spec.coords(r).etp, spec.coords(r).edp) for r in g}) == 1
     for g in spec.groups("embedding"):                       # first and last stage of one pipeline
         stages = sorted(spec.coords(r).pp for r in g)
         assert stages == sorted({0, spec.pp - 1})
@@ -61,7 +66,10 @@ def test_rank_formula_example():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tp=0), "parallel.tp must be a positive integer"),
-    (dict(dp=3, ep=2), "parallel.ep=2 must divide dp*cp=3*1=3"),
+    (dict(dp=3, ep=2), "parallel.ep*etp=2*1=2 must divide tp*cp*dp=1*1*3=3"),
+    (dict(tp=2, dp=2, ep=4, etp=2), "parallel.ep*etp=4*2=8 must divide tp*cp*dp=2*1*2=4"),
+    (dict(etp=0), "parallel.etp must be a positive integer"),
+    (dict(tp=2, dp=4, ep=4, etp=2, dp_shard=1), "which parallel.ep*etp=4*2=8 must divide"),
 ])
 def test_invalid_specs(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
@@ -104,16 +112,62 @@ def test_init_slices_agree_with_the_global_tensor(monkeypatch):
         assert not torch.equal(full, other)  # the name is part of the seed
 
 
-@pytest.mark.parametrize("tp,cp,dp,pp,ep,dp_shard,gpus_per_node", [
-    (1, 1, 1, 1, 1, 0, 8), (2, 1, 4, 3, 2, 2, 4), (3, 2, 6, 2, 4, 2, 2), (2, 2, 4, 2, 2, 0, 8),
-    (1, 2, 6, 1, 3, 3, 1), (4, 1, 2, 2, 1, 1, 8)])
-def test_group_of_is_the_member_of_every_group_that_holds_the_rank(tp, cp, dp, pp, ep, dp_shard, gpus_per_node):
+@pytest.mark.parametrize("tp,cp,dp,pp,ep,dp_shard,gpus_per_node,etp", [
+    (1, 1, 1, 1, 1, 0, 8, 1), (2, 1, 4, 3, 2, 2, 4, 2), (3, 2, 6, 2, 4, 2, 2, 3), (2, 2, 4, 2, 2, 0, 8, 2),
+    (1, 2, 6, 1, 3, 3, 1, 1), (4, 1, 2, 2, 1, 1, 8, 4), (2, 1, 4, 3, 4, 2, 4, 1), (2, 2, 4, 2, 4, 0, 8, 2),
+    (4, 1, 2, 1, 2, 1, 2, 2), (2, 2, 2, 2, 8, 0, 4, 1)])
+def test_group_of_is_the_member_of_every_group_that_holds_the_rank(tp, cp, dp, pp, ep, dp_shard, gpus_per_node,
+                                                                   etp):
     """MeshSpec.group_of looks only at the ranks sharing the pinned coordinates; it must give the group that
     MeshSpec.groups (every group of the kind, the whole world walked) gives, for every kind and rank."""
     from parallel3d.mesh_spec import ALL_DIMS
 
-    spec = MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, dp_shard=dp_shard, gpus_per_node=gpus_per_node)
+    spec = MeshSpec(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, dp_shard=dp_shard, gpus_per_node=gpus_per_node, etp=etp)
     for dim in ALL_DIMS:
         groups = spec.groups(dim)
         for rank in range(spec.world_size):
             assert spec.group_of(dim, rank) == next((g for g in groups if rank in g), []), (dim, rank)
+
+
+def test_folding_example_world8_tp2_dp4_ep4():
+    """docs/parallelism.md's diagram: EP spans the TP and DP ranks, expert-DP pairs the two EP groups."""
+    spec = MeshSpec(tp=2, dp=4, ep=4)
+    assert spec.groups("etp") == [[r] for r in range(8)]
+    assert spec.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert spec.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert spec.edp == 2
+    spec = MeshSpec(tp=2, cp=2, dp=2, pp=2, ep=2, etp=2)   # world 16: etp pairs, ep strides over them
+    assert spec.groups("etp")[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert spec.groups("ep")[:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert spec.groups("edp")[:4] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert spec.group_of("ep", 13) == [13, 15] and spec.group_of("edp", 13) == [9, 13]
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.etp == s.tp and (s.dp * s.cp) % s.ep == 0][::5], ids=str)
+def test_etp_equal_tp_is_the_layout_before_folding(spec):
+    """etp == tp: the etp groups are the tp groups and EP / expert-DP are runs / strides of the DP x CP ranks
+    that share (tp, pp), indexed j = cp + cp_size * dp (the pre-folding rule, written out independently)."""
+    assert spec.groups("etp") == spec.groups("tp")
+    for r in range(spec.world_size):
+        c = spec.coords(r)
+        j = c.cp + spec.cp * c.dp
+        peers = [q for q in range(spec.world_size)
+                 if (spec.coords(q).tp, spec.coords(q).pp) == (c.tp, c.pp)]
+        index = {q: spec.coords(q).cp + spec.cp * spec.coords(q).dp for q in peers}
+        assert spec.group_of("ep", r) == [q for q in peers if index[q] // spec.ep == j // spec.ep]
+        assert spec.group_of("edp", r) == [q for q in peers if index[q] % spec.ep == j % spec.ep]
+        assert (c.ep, c.edp, c.etp) == (j % spec.ep, j // spec.ep, c.tp)
+
+
+def test_expert_hsdp_groups_tile_expert_dp():
+    """HSDP for experts: the expert shard group is the expert-DP ranks of one block, the replica group is the
+    dense one, and shard x replicas is the expert-DP group (a sum over edp = shard sum, then replica sum)."""
+    spec = MeshSpec(tp=2, dp=4, ep=2, etp=1, dp_shard=2)   # block: 2*2 = 4 ranks, fold ep*etp = 2
+    assert spec.groups("edp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert spec.groups("dp_rep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for r in range(spec.world_size):
+        shard, reps = spec.group_of("edp_shard", r), spec.group_of("dp_rep", r)
+        union = sorted({q for s in shard for q in spec.group_of("dp_rep", s)})
+        assert union == spec.group_of("edp", r)
+        position = shard.index(r)   # replicas hold the same shard position
+        assert all(spec.group_of("edp_shard", q).index(q) == position for q in reps)

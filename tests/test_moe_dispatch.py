@@ -239,8 +239,8 @@ def test_bad_expert_configs():
         MoELayer(16, 24, 4, 5, ParallelContext.single())
     with pytest.raises(ValueError, match="moe_top_k=5 must be in"):
         MoETransformer(_moe_cfg(moe_top_k=5), ParallelContext.single())
-    tp_ctx = ParallelContext.create(MeshSpec(tp=2), 0)
-    with pytest.raises(ValueError, match="moe_ffn_hidden_size=25 is not divisible by parallel.tp=2"):
+    tp_ctx = ParallelContext.create(MeshSpec(tp=2, etp=2), 0)
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size=25 .* not divisible by parallel.etp=2"):
         MoELayer(16, 25, 4, 2, tp_ctx)
     with pytest.raises(ValueError, match="num_experts > 0"):
         MoETransformer(_moe_cfg(num_experts=0), ParallelContext.single())

@@ -63,10 +63,22 @@ CASES = [  # (id, world, mesh, model, sp)
     ("tp2-ep2-deepseek-capacity", 4, dict(tp=2, dp=2, ep=2), dict(DEEPSEEK, capacity_factor=1.25), False),
     ("cp2-ep2-capacity", 2, dict(cp=2, ep=2), dict(MIXTRAL, capacity_factor=1.0), False),
     ("cp2-dp2-ep4-deepseek-capacity", 4, dict(cp=2, dp=2, ep=4), dict(DEEPSEEK, capacity_factor=1.0), False),
+    # parallel folding (mesh_spec.py): EP over TP x CP x DP ranks, whole experts (etp=1) or etp-split ones;
+    # CI: the no-SP split order (split_forward) with capacity, etp over DP ranks, 1 < etp < tp (the Trainer
+    # runs the SP folds: tests/test_moe_folding.py)
+    ("tp2-dp2-etp1-ep4-capacity", 4, dict(tp=2, dp=2, ep=4), dict(MIXTRAL, capacity_factor=1.0), False),
+    ("dp4-etp2-ep2", 4, dict(dp=4, ep=2, etp=2), DEEPSEEK, False),  # etp over DP ranks (etp > tp)
+    ("tp4-etp2-ep2-deepseek", 4, dict(tp=4, ep=2, etp=2), DEEPSEEK, False),
+    ("tp2-dp2-etp1-ep4-sp", 4, dict(tp=2, dp=2, ep=4), DEEPSEEK, True),
+    ("tp2-dp2-etp2-ep2-sp-deepseek", 4, dict(tp=2, dp=2, ep=2, etp=2), DEEPSEEK, True),  # the layout before folding
+    ("tp2-cp2-etp1-ep4-sp-capacity", 4, dict(tp=2, cp=2, ep=4), dict(MIXTRAL, capacity_factor=1.0), True),
+    ("tp4-etp2-ep2-sp", 4, dict(tp=4, ep=2, etp=2), MIXTRAL, True),
 ]
+SWEEP = {"tp2-dp2-etp1-ep4-sp", "tp2-dp2-etp2-ep2-sp-deepseek", "tp2-cp2-etp1-ep4-sp-capacity", "tp4-etp2-ep2-sp"}
 
 
-@pytest.mark.parametrize("world,mesh,model_kwargs,sp", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("world,mesh,model_kwargs,sp", [
+    pytest.param(*c[1:], id=c[0], marks=pytest.mark.sweep if c[0] in SWEEP else ()) for c in CASES])
 def test_moe_parity(worlds, world, mesh, model_kwargs, sp):
     ref_losses, ref_grads, ref_weights, ref_loads, ref_bias = train(ParallelContext.single(), model_kwargs, False)
     results = worlds.run(world, _worker, mesh, model_kwargs, sp)

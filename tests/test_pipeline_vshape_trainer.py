@@ -115,7 +115,7 @@ def test_dry_run_on_meta_matches_a_real_v_step(worlds):
     cfg = make_config(overrides, 4)
     p = cfg.parallel
     for rank in range(4):
-        ctx = ParallelContext.simulated(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep), rank, "meta")
+        ctx = ParallelContext.simulated(MeshSpec.of(p), rank, "meta")
         simulated = build_trainer(cfg, ctx).train_step()["comm_bytes"]
         assert simulated == real[rank] and simulated, (rank, simulated, real[rank])
         assert not any(k.startswith("embedding.") for k in simulated)

@@ -43,8 +43,7 @@ def _real_memory(w, overrides):
     torch.set_num_threads(1)
     cfg = make_config(overrides, w.world_size)
     p = cfg.parallel
-    trainer = build_trainer(cfg, w.context(MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-                                                    dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)))
+    trainer = build_trainer(cfg, w.context(MeshSpec.of(p)))
     # the dry run stands for NCCL, where each reduction's follow-ups (freeing its buffer) are queued right
     # after it (data_parallel/sync.py); gloo's would wait for is_completed() polls, whose timing varies
     trainer.optimizer.grads.follow.ordered = True

@@ -190,10 +190,11 @@ def test_config_mapping_and_refusals():
     assert adapter_for_model({**dense_fields, "qk_norm": False}).architecture == "LlamaForCausalLM"
 
 
-@pytest.mark.parametrize("preset", ["qwen3_8b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("preset", ["qwen3_8b", "qwen3_30b_a3b", "qwen3_235b_a22b"])
 def test_presets_have_the_published_sizes(preset):
     """The preset exported as a Hugging Face config builds (on the meta device) a transformers model with
-    exactly the parameters our count gives: 8.19B for Qwen3-8B; 30.5B total (3.3B active) for Qwen3-30B-A3B."""
+    exactly the parameters our count gives: 8.19B for Qwen3-8B; 30.5B total (3.3B active) for Qwen3-30B-A3B;
+    235B (22B active) for Qwen3-235B-A22B."""
     import dataclasses
 
     from parallel3d.training.config import load_config
@@ -207,11 +208,12 @@ def test_presets_have_the_published_sizes(preset):
     with torch.device("meta"):
         hf = cls(config_cls(**{k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")}))
     assert sum(p.numel() for p in hf.parameters()) == total_params(model)
-    expected = {"qwen3_8b": (8.19e9, 8.19e9), "qwen3_30b_a3b": (30.5e9, 3.3e9)}[preset]  # model cards
+    expected = {"qwen3_8b": (8.19e9, 8.19e9), "qwen3_30b_a3b": (30.5e9, 3.3e9),
+                "qwen3_235b_a22b": (235e9, 22e9)}[preset]  # model cards
     assert total_params(model) == pytest.approx(expected[0], rel=0.01)
     assert active_params(model) == pytest.approx(expected[1], rel=0.02)
-    # attention score and value FLOPs grow with the attention width, 32 heads x 128, not hidden_size
-    assert flops_per_token(model, 2) - flops_per_token(model, 1) == 12 * model.num_layers * 32 * 128
+    # attention score and value FLOPs grow with the attention width, heads x 128 (32 or 64), not hidden_size
+    assert flops_per_token(model, 2) - flops_per_token(model, 1) == 12 * model.num_layers * model.num_heads * 128
 
 
 # The published config.json files (Hugging Face Hub, Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B; transformers-4

@@ -72,7 +72,7 @@ def test_training_step_runs_off_the_cpu(model):
                  *(["parallel.ep=2"] if model == "moe" else [])]
     cfg = make_config(overrides, 16)
     p = cfg.parallel
-    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
+    spec = MeshSpec.of(p)
     for rank in (0, spec.world_size - 1):
         trainer = build_trainer(cfg, ParallelContext.simulated(spec, rank, "meta"))
         assert not trainer.train_step()["skipped"]

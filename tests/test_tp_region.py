@@ -64,24 +64,38 @@ def test_mla_layer_activations_scale_as_one_over_tp():
 SHARED_CAPACITY = ("model.num_shared_experts=1", "model.capacity_factor=1.25")
 
 
-# CI runs each recompute mode and each expert set once; make sweep the other two pairs
-@pytest.mark.parametrize("recompute, extra", [
-    pytest.param("none", (), id="none-routed"),
-    pytest.param("selective", SHARED_CAPACITY, id="selective-shared-capacity"),
-    pytest.param("none", SHARED_CAPACITY, id="none-shared-capacity", marks=pytest.mark.sweep),
-    pytest.param("selective", (), id="selective-routed", marks=pytest.mark.sweep)])
-def test_moe_layer_activations_scale_as_one_over_tp(recompute, extra):
+FOLDS = {  # the experts' layout at each tp: whole experts with EP folded over the TP ranks, or split like the MLP
+    "etp1-ep=tp": lambda tp: ("parallel.etp=1", f"parallel.ep={tp}"),
+    "etp=tp": lambda tp: (f"parallel.etp={tp}",),
+}
+
+
+# CI runs each recompute mode and each expert set once at etp=1; make sweep the other pairs and etp=tp
+@pytest.mark.parametrize("recompute, extra, fold", [
+    pytest.param("none", (), "etp1-ep=tp", id="none-routed-etp1"),
+    pytest.param("selective", SHARED_CAPACITY, "etp1-ep=tp", id="selective-shared-capacity-etp1"),
+    pytest.param("none", (), "etp=tp", id="none-routed-etp=tp", marks=pytest.mark.sweep),
+    pytest.param("none", SHARED_CAPACITY, "etp1-ep=tp", id="none-shared-capacity-etp1", marks=pytest.mark.sweep),
+    pytest.param("selective", (), "etp1-ep=tp", id="selective-routed-etp1", marks=pytest.mark.sweep),
+    pytest.param("selective", SHARED_CAPACITY, "etp=tp", id="selective-shared-capacity-etp=tp",
+                 marks=pytest.mark.sweep)])
+def test_moe_layer_activations_scale_as_one_over_tp(recompute, extra, fold):
     """The whole MoE layer under SP keeps 1/tp of its activations: the router and shared experts keep the
     shard (sp_entry.py, column_entry), and each TP rank dispatches only its own tokens, its expert gate/up
-    keep only the rows it received and the combine only its tokens' slots (sp_dispatch.py). Measured 1.00x
-    (tp=2) and 1.01x (tp=4). Before, every TP rank ran its ffn slice of every expert on all T tokens and kept
-    the dispatched rows, the expert outputs and their fp32 copy whole (T*k*h*(2+2+4) bytes): 1.28x (tp=2)
-    and 1.84x (tp=4) (1.24x and 1.72x with a shared expert and capacity); before that the router also kept
-    an fp32 copy of the gathered tokens."""
+    keep only the rows it received and the combine only its tokens' slots (sp_dispatch.py).
+
+    etp=1, ep=tp (parallel folding: whole experts, EP over the TP ranks; no expert rows cross TP): 1.003x
+    (tp=2) and 1.005x (tp=4), with a shared expert and capacity too. etp=tp (experts split like the MLP, rows
+    gathered over TP): 1.00x and 1.01x. Before the SP dispatcher every TP rank ran its ffn slice of every expert
+    on all T tokens and kept the dispatched rows, the expert outputs and their fp32 copy whole (T*k*h*(2+2+4)
+    bytes): 1.28x (tp=2) and 1.84x (tp=4). etp=1 with ep=1 (every TP rank holding all E experts whole, tp times
+    the expert weights of either layout above) measures 1.64x / 3.28x: what grows there follows the experts held
+    per rank, not the tokens (1.2 MB a layer more than etp=1 ep=2 at tp=2, whose missing two experts are 0.8 MB
+    of bf16 weights), so folding EP over TP is what keeps the layer at 1/tp."""
     one = _layer_activations(1, True, recompute, extra)
     for tp in (2, 4):
-        ratio = _layer_activations(tp, True, recompute, extra) * tp / one
-        assert ratio <= 1.2, f"tp={tp}: MoE layer activations {ratio:.2f} x 1/tp of tp=1"
+        ratio = _layer_activations(tp, True, recompute, (*extra, *FOLDS[fold](tp))) * tp / one
+        assert ratio <= 1.2, f"tp={tp} {fold}: MoE layer activations {ratio:.2f} x 1/tp of tp=1"
 
 
 def _order_of_collectives(w):

@@ -192,7 +192,10 @@ def load_checkpoint(run: Checkpointable, directory: str, model_only: bool = Fals
         result = LoadResult(path, int(meta.get("step", 0)) if full else 0, not full, False)
         if full:
             _validate_optimizer(reader, run, tied_names(run))
-            result.same_layout = meta.get("layout") == layout_of(run)
+            saved = meta.get("layout")
+            if saved is not None:
+                saved = {"etp": 1, **saved}  # checkpoints written before parallel.etp existed
+            result.same_layout = saved == layout_of(run)
             try:
                 run.sampler.check_resume(dict(meta.get("data") or {}))
             except ValueError as e:

@@ -56,6 +56,6 @@ def layout_of(run: Checkpointable) -> dict[str, Any]:
     """The parallel layout a checkpoint was written under (RNG streams are exact only under the same one)."""
     s, cfg = run.ctx.spec, run.run_config()
     p = cfg["parallel"]
-    return {"world_size": s.world_size, "tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp, "ep": s.ep,
+    return {"world_size": s.world_size, "tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp, "ep": s.ep, "etp": s.etp,
             "zero": p["zero"], "virtual_stages": p["virtual_stages"], "schedule": p["schedule"], "sp": p["sp"],
             "cp_mode": p["cp_mode"], "precision": cfg["train"]["precision"]}

@@ -9,7 +9,7 @@ or of the whole bucket (ZeRO-0). A gradient element is counted by exactly one ra
     ZeRO-0: DP x CP (or expert-DP) rank 0, the others hold identical copies;
   * the first rank (rank 0) of every group in `meta.replicated` (TP-replicated norms, the tied
     embedding copy on the last pipeline stage);
-  * vocabulary padding rows are skipped; TP-split, PP stages and expert (EP) shards are disjoint
+  * vocabulary padding rows are skipped; TP-split, PP stages and expert (EP x ETP) shards are disjoint
     slices held by different ranks, so summing over the world counts them once.
 Each rank sums the squares it owns; one all-reduce over the world of [sum of squares, non-finite flag]
 gives the exact global norm and a consistent skip decision (the flag scans every element a rank holds,

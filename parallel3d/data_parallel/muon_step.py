@@ -231,7 +231,7 @@ class MuonStep:
         split = x.m.split if self.gather else None
         if split is None:
             return newton_schulz(u, self.steps, self.dtype).float().reshape(-1)
-        tp = self.ctx.tp
+        tp = self.ctx.etp if x.bucket.expert else self.ctx.tp   # experts are split over the expert TP group
         full = comm.all_gather(u.contiguous(), tp, dim=split)   # (rows*tp, cols) or (rows, cols*tp)
         size = u.shape[split]
         return newton_schulz(full, self.steps, self.dtype).narrow(split, tp.rank * size, size).float().reshape(-1)

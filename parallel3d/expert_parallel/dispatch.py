@@ -119,9 +119,10 @@ class ExpertExchange:
     run assumes no drops and spreads them evenly over the experts; its absent peers send this rank's experts
     `comm.simulated_expert_load` times their balanced share: the planner's `--moe-load`).
 
-    `tp` (sequence parallelism, sp_dispatch.py): every TP rank routes its own tokens, and the rows it
-    receives are later gathered over TP, so the counts of all TP ranks are all-gathered before the read and
-    ride along with it (still one read); `tp_counts[r]` is TP rank r's rows per local expert.
+    `tp` (the expert tensor-parallel group when etp > 1, sp_dispatch.py): every rank dispatches its own
+    tokens, and the rows it receives are later gathered over that group, so the counts of all its ranks are
+    all-gathered before the read and ride along with it (still one read); `tp_counts[r]` is its rank r's rows
+    per local expert.
     """
 
     def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None,

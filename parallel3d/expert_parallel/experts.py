@@ -1,14 +1,19 @@
 """Routed experts as stacked SwiGLU weights, run as one grouped computation over the local experts.
 
-Weights (global shapes; each rank holds experts [ep_r*E_local, (ep_r+1)*E_local) and, under TP, the
-ffn slice [tp_r*f/tp, (tp_r+1)*f/tp) exactly like the dense MLP's column/row split):
+Weights (global shapes; each rank holds experts [ep_r*E_local, (ep_r+1)*E_local) and, under expert tensor
+parallelism (the `etp` group, mesh_spec.py), the ffn slice [etp_r*f/etp, (etp_r+1)*f/etp), column/row split
+like the dense MLP's):
 
-    gate_proj, up_proj   (E, f, h)   local (E_local, f/tp, h)
-    down_proj            (E, h, f)   local (E_local, h, f/tp)
+    gate_proj, up_proj   (E, f, h)   local (E_local, f/etp, h)
+    down_proj            (E, h, f)   local (E_local, h, f/etp)
 
-`meta.expert=True`: gradients are summed over expert-data-parallel ranks, not DP x CP. Under TP each rank
-returns a *partial* output (its ffn slice), summed by the MoE layer's single TP reduce; under sequence
-parallelism the experts run on the rows of all TP ranks and sum them back to each rank's (sp_dispatch.py).
+    E=4 f=8, ep=2 etp=2:   ep_r 0 etp_r 0: experts 0-1, ffn 0-3     ep_r 0 etp_r 1: experts 0-1, ffn 4-7
+                           ep_r 1 etp_r 0: experts 2-3, ffn 0-3     ep_r 1 etp_r 1: experts 2-3, ffn 4-7
+
+`meta.expert=True`: gradients are summed over expert-data-parallel ranks, not DP x CP; the slices are
+disjoint over ep x etp, so no other group replicates them. With etp > 1 each rank returns a *partial* output
+(its ffn slice): summed by the MoE layer's TP reduce when etp == tp without SP, else the experts run on the
+rows of all etp ranks and sum them back to each rank's (sp_dispatch.TPRows).
 
 Rows arrive sorted by local expert with host-side counts, so each expert's rows are one contiguous slice:
   "loop"       one pair of GEMMs per local expert on its slice (few experts per rank: cheap, exact)
@@ -157,27 +162,28 @@ def per_expert_reference(x: torch.Tensor, expert: torch.Tensor, w_gate: torch.Te
     return out
 
 
-def check_expert_split(num_experts: int, ffn_hidden: int, ep: int, tp: int) -> None:
-    """Experts are split over EP, each expert's ffn dimension over TP."""
+def check_expert_split(num_experts: int, ffn_hidden: int, ep: int, etp: int) -> None:
+    """Experts are split over EP, each expert's ffn dimension over ETP."""
     if num_experts % ep:
         raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
-    if ffn_hidden % tp:
-        raise ValueError(f"model.moe_ffn_hidden_size={ffn_hidden} is not divisible by parallel.tp={tp}")
+    if ffn_hidden % etp:
+        raise ValueError(f"model.moe_ffn_hidden_size={ffn_hidden} (the expert ffn) is not divisible by "
+                         f"parallel.etp={etp}")
 
 
 class GroupedExperts(nn.Module):
-    """This rank's E_local experts (of E), ffn dimension split over TP."""
+    """This rank's E_local experts (of E), ffn dimension split over the etp group."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ep: Group, tp: Group, impl: str = "auto",
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ep: Group, etp: Group, impl: str = "auto",
                  backend: str = "auto", std: Optional[float] = None) -> None:
         super().__init__()
-        check_expert_split(num_experts, ffn_hidden, ep.size, tp.size)
+        check_expert_split(num_experts, ffn_hidden, ep.size, etp.size)
         if impl not in IMPLS:
             raise ValueError(f"grouped expert implementation must be one of {IMPLS}, got {impl!r}")
         self.num_experts, self.local_experts = num_experts, num_experts // ep.size
         self.impl, self.backend = impl, backend
-        e0, f_l = ep.rank * self.local_experts, ffn_hidden // tp.size
-        f0 = tp.rank * f_l
+        e0, f_l = ep.rank * self.local_experts, ffn_hidden // etp.size
+        f0 = etp.rank * f_l
         experts = slice(e0, e0 + self.local_experts)
         in_meta = dict(global_shape=(num_experts, ffn_hidden, hidden),
                        slices=(experts, slice(f0, f0 + f_l), slice(0, hidden)), std=std, expert=True,
@@ -189,9 +195,9 @@ class GroupedExperts(nn.Module):
             expert=True, matrix=True))
 
     def forward(self, x: torch.Tensor, counts: Sequence[int], tp_rows=None) -> torch.Tensor:
-        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over TP).
-        tp_rows (sequence parallelism, sp_dispatch.TPRows): x is this rank's received rows, run together with
-        the other TP ranks' -> (N, h) whole. Either way through this module's forward, so the forward hooks
+        """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over etp).
+        tp_rows (sp_dispatch.TPRows): x is this rank's received rows, run together with the other etp ranks'
+        -> (N, h) whole. Either way through this module's forward, so the forward hooks
         that wait for the weights' buckets (offload/publish.py) see the read."""
         if len(counts) != self.local_experts or sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts {list(counts)} do not match {x.shape[0]} rows for "

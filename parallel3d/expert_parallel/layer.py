@@ -1,12 +1,17 @@
 """The MoE layer: router -> (capacity) -> permute -> all-to-all -> grouped experts -> all-to-all -> combine,
 plus always-on shared experts, auxiliary losses and load telemetry.
 
-Tensor parallelism: every TP rank holds its ffn slice of every expert (routed and shared). Without sequence
-parallelism the layer is one TP region, like the dense MLP: the input enters it once (copy), every TP rank
-routes the same tokens identically and runs its slice of every expert on them, and the partial outputs are
-summed by one all-reduce. With it, each TP rank routes and dispatches only its own (b, s/tp) tokens, the
-experts gather the rows of all TP ranks and reduce-scatter their outputs back (sp_dispatch.py), so the layer
-keeps 1/tp of its activations. The all-to-all runs inside each EP group, whose ranks share the TP rank.
+Tensor parallelism: the shared experts follow the dense MLP's TP; the routed experts are split over the etp
+group (expert tensor parallelism, `parallel.etp`), EP and etp folded over the stage's TP x CP x DP ranks
+(mesh_spec.py). Three orders:
+  SP (tp > 1)          each TP rank routes and dispatches only its own (b, s/tp) tokens; with etp > 1 the
+                       experts gather the rows of all etp ranks and reduce-scatter their outputs back
+                       (sp_dispatch.py), so the layer keeps 1/tp of its activations
+  no SP, etp == tp     (the layout before folding) one TP region like the dense MLP: every TP rank routes the
+                       same tokens, runs its ffn slice of every local expert on them (EP groups share the TP
+                       rank), and one all-reduce sums the partial outputs
+  no SP, etp != tp     every TP rank routes the same tokens but dispatches only its 1/tp share of them
+                       (sp_dispatch.split_forward); the same one all-reduce assembles the rows
 
 Auxiliary losses (Switch load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) come from
 balancing statistics (per-expert counts, probability sums, squared log-partition sums, the token count) whose
@@ -91,7 +96,7 @@ def check_aux_scope(scope: str) -> None:
     if scope not in AUX_SCOPES:
         raise ValueError(f"model.moe_aux_scope must be one of {', '.join(AUX_SCOPES)}, got {scope!r}")
 from parallel3d.params import in_backward
-from parallel3d.expert_parallel.sp_dispatch import sp_forward
+from parallel3d.expert_parallel.sp_dispatch import sp_forward, split_forward
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_entry, enter_tp_region,
                                         reduce_from_tp)
 
@@ -143,7 +148,7 @@ class MoELayer(nn.Module):
                  aux_scope: str = "global") -> None:
         super().__init__()
         check_aux_scope(aux_scope)
-        self.tp, self.ep, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.cp, ctx.dp_cp
+        self.tp, self.ep, self.etp, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.etp, ctx.cp, ctx.dp_cp
         self.aux_scope = aux_scope
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.num_experts, self.top_k = num_experts, top_k
@@ -151,7 +156,7 @@ class MoELayer(nn.Module):
         self.bias_update_rate, self.capacity_factor = bias_update_rate, capacity_factor
         self.router = Router(hidden, num_experts, top_k, ctx.tp, score, norm_topk, std=std, num_groups=num_groups,
                              topk_groups=topk_groups, scaling_factor=routed_scaling_factor)
-        self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, ctx.ep, ctx.tp, impl, backend, std=std)
+        self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, ctx.ep, ctx.etp, impl, backend, std=std)
         self.shared_experts = (SharedExperts(hidden, shared_ffn_hidden, ctx.tp, self.sp, backend, std=std)
                                if shared_ffn_hidden else None)
         self._aux_term: Optional[torch.Tensor] = None
@@ -165,6 +170,8 @@ class MoELayer(nn.Module):
         if self.sp:  # every TP rank dispatches its own tokens (sp_dispatch.py)
             return sp_forward(self, x, positions)
         x = enter_tp_region(x, self.tp, False)  # (b, s, h)
+        if self.etp.ranks != self.tp.ranks:  # experts folded across TP ranks: each dispatches its share
+            return reduce_from_tp(split_forward(self, x, positions), self.tp)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)  # (T, h)
         r = self.router(tokens)

@@ -76,8 +76,10 @@ class Routing:
 class Router(nn.Module):
     """Linear gate (E, h) replicated over TP, plus the per-expert balancing bias (a buffer).
 
-    Under TP every rank routes the same tokens identically but sees only its partial expert outputs, so
-    its router-weight gradient is partial: it is summed over TP (meta.grad_reduce).
+    Under TP its router-weight gradient is partial in every order of the MoE layer, so it is summed over TP
+    (meta.grad_reduce): with etp == tp and no SP every rank routes the same tokens but sees only its partial
+    expert outputs; under SP, or with experts folded across TP ranks (etp != tp), the combine weights'
+    gradient reaches only the tokens this rank dispatched.
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, tp: Group, score: str = "softmax",

@@ -1,27 +1,29 @@
-"""The MoE layer under sequence parallelism: every TP rank dispatches only its own (b, s/tp) tokens, so the
-layer keeps 1/tp of its activations (Megatron's all-to-all dispatcher order with expert tensor parallelism).
+"""The MoE layer when every rank dispatches only its own tokens: under sequence parallelism the (b, s/tp)
+shard, so the layer keeps 1/tp of its activations (Megatron's all-to-all dispatcher order with expert tensor
+parallelism), and without it, when the experts are folded across TP ranks (etp != tp), a 1/tp share of the
+replicated tokens (split_forward).
 
     route           on the shard (sp_entry.py); capacity, auxiliary losses and telemetry read the routing
                     gathered along the sequence, exactly as on the gathered tokens
     permute         this rank's tokens' kept slots, sorted by expert
-    all-to-all      over EP, whose ranks share the TP rank: each carries its own shard's rows
-    all-gather      the received rows over TP (every TP rank holds its ffn slice of every local expert, so it
-                    needs the rows of all TP ranks), regrouped expert-major
-    experts         gate/up (ffn/tp columns) keep only this rank's rows and gather them again in backward
-                    (what column_entry does for the dense layers); down gives partial sums over TP
-    reduce-scatter  the partial outputs over TP, back to this rank's rows, now whole
+    all-to-all      over EP (folded over TP x CP x DP, mesh_spec.py): each rank carries its own tokens' rows
+    all-gather      (etp > 1) the received rows over the etp group (every etp rank holds its ffn slice of
+                    every local expert, so it needs the rows of all etp ranks), regrouped expert-major
+    experts         gate/up (ffn/etp columns) keep only this rank's rows and gather them again in backward
+                    (what column_entry does for the dense layers); down gives partial sums over etp
+    reduce-scatter  (etp > 1) the partial outputs over etp, back to this rank's rows, now whole
     all-to-all      back over EP; combine with this rank's combine weights -> (b, s/tp, h): no TP sum left
-    shared experts  column_entry on the shard; their partial (b, s, h) output reduce-scattered to the shard
+    shared experts  column_entry on the shard (the dense MLP's TP); partial (b, s, h) reduce-scattered to it
 
-TP ranks receive different numbers of rows: the TP all-gather and reduce-scatter pad every rank's rows to
-the largest count. The counts ride along with the exchange's one host read (ExpertExchange(tp=...)).
+With etp = 1 (whole experts per rank) there is no collective inside the layer but the EP all-to-alls (and the
+router's gathers): its activations are 1/tp of tp=1's. etp ranks receive different numbers of rows: the
+all-gather and reduce-scatter pad every rank's rows to the largest count. The counts ride along with the
+exchange's one host read (ExpertExchange(tp=...)).
 
-Communication over TP: the routed rows cross TP instead of the tokens. Per MoE layer, forward runs one
-all-gather and one reduce-scatter of tp * max_r(rows_r) ~ T*k rows (T tokens of the TP group, k routed slots
-each, fewer with drops), backward two all-gathers (the output gradient, the saved rows again) and one
-reduce-scatter (the input gradient) of the same size: 5 collectives of ~T*k*h where the replicated order
-ran 4 of T*h, i.e. ~1.25 k times the bytes (plus the shared experts' own T-token traffic, if any). The EP
-all-to-alls carry 1/tp of what they did (each TP rank sends only its own tokens' rows).
+Communication over etp: the routed rows cross the etp group instead of the tokens. Per MoE layer, forward
+runs one all-gather and one reduce-scatter of etp * max_r(rows_r) ~ T*k rows (T tokens of the etp group, k
+routed slots each, fewer with drops), backward two all-gathers (the output gradient, the saved rows again)
+and one reduce-scatter (the input gradient) of the same size. The EP all-to-alls carry each rank's own rows.
 """
 from __future__ import annotations
 
@@ -43,9 +45,10 @@ from parallel3d.tensor_parallel.region import will_run
 
 
 class TPRows:
-    """Where the rows each TP rank received go among the expert-major rows of all TP ranks.
+    """Where the rows each etp rank (expert tensor parallelism; `group`) received go among the expert-major rows
+    of all its ranks.
 
-    tp_counts[r][e]: rows TP rank r received for local expert e (host ints). Rank r's rows sit, padded to
+    tp_counts[r][e]: rows etp rank r received for local expert e (host ints). Rank r's rows sit, padded to
     `width` rows, at [r * width, (r + 1) * width) of the gathered buffer, expert-major; `index` picks, for
     every row of the expert-major order (expert, then TP rank, then the rank's own order), its padded row."""
 
@@ -152,6 +155,19 @@ class _ReduceScatterRows(torch.autograd.Function):
         return ctx.plan.gather(dy.contiguous()), None
 
 
+def own_tokens_forward(layer, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                       keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """This rank's tokens (T_r, h) with their routing (T_r, k) -> (T_r, h) routed output, whole: dispatch over
+    EP, the local experts (with the other etp ranks' rows when etp > 1), combine back (module docstring)."""
+    etp = layer.etp if layer.etp.size > 1 else None
+    exchange = layer.exchange(indices, keep, tokens.shape[0] * layer.top_k, etp)
+    perm = permute(indices, layer.num_experts, keep, kept=exchange.rows_sent)
+    rows = exchange.dispatch(tokens[perm.token_index])  # (n_r, h) by local expert
+    plan = TPRows(exchange.tp_counts, etp, tokens.device) if etp is not None else None
+    rows = exchange.combine(layer.experts(rows, exchange.local_counts, plan))  # (N_send, h) sorted slots
+    return unpermute(rows, perm, weights)  # (T_r, h) whole
+
+
 def sp_forward(layer, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
     """MoELayer.forward under sequence parallelism: x (b, s/tp, h) -> (b, s/tp, h) (module docstring)."""
     tp, k = layer.tp, layer.top_k
@@ -160,12 +176,34 @@ def sp_forward(layer, x: torch.Tensor, positions: Optional[torch.Tensor]) -> tor
     keep = layer.decide(r, b, s_local * tp.size, positions)  # (T, k) or None
     if keep is not None:  # this rank's part of the sequence (gather_from_sp stacks the TP ranks' parts)
         keep = keep.view(b, tp.size, s_local, k)[:, tp.rank].reshape(b * s_local, k)  # (b * s/tp, k)
-    exchange = layer.exchange(local.indices, keep, b * s_local * k, tp)
-    perm = permute(local.indices, layer.num_experts, keep, kept=exchange.rows_sent)
-    rows = exchange.dispatch(x.reshape(b * s_local, h)[perm.token_index])  # (n_r, h) by local expert
-    plan = TPRows(exchange.tp_counts, tp, x.device)
-    rows = exchange.combine(layer.experts(rows, exchange.local_counts, plan))  # (N_send, h) sorted slots
-    out = unpermute(rows, perm, local.weights).view(b, s_local, h)  # (b, s/tp, h) whole
+    out = own_tokens_forward(layer, x.reshape(b * s_local, h), local.indices, local.weights, keep)
+    out = out.view(b, s_local, h)  # (b, s/tp, h) whole
     if layer.shared_experts is not None:
         out = out + layer.shared_experts(x)  # (b, s/tp, h)
     return out
+
+
+def split_forward(layer, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
+    """MoELayer.forward without sequence parallelism when the experts are folded across TP ranks (etp != tp):
+    x (b, s, h) inside the TP region, the same on every TP rank -> (b, s, h) partial over TP.
+
+    Every TP rank routes all T = b*s tokens alike (capacity, auxiliary losses and telemetry as at tp=1) and
+    dispatches only its share [lo, hi) of them (EP spans TP ranks, so replicated tokens must not be sent
+    twice); its whole outputs sit at its rows of a zero (T, h), so the layer's one TP all-reduce (after the
+    shared experts' partial output is added) completes every row. Backward: the all-reduce passes the whole
+    output gradient, the padding hands each rank its rows' part; the router weight's gradient (combine weights
+    of this rank's tokens) and the input's are partial over TP (meta.grad_reduce, enter_tp_region)."""
+    tp = layer.tp
+    b, s, h = x.shape
+    tokens = x.reshape(b * s, h)  # (T, h)
+    r = layer.router(tokens)
+    keep = layer.decide(r, b, s, positions)  # (T, k) or None
+    share = comm.even_split(b * s, tp.size)
+    lo = sum(share[:tp.rank])
+    hi = lo + share[tp.rank]
+    mine = own_tokens_forward(layer, tokens[lo:hi], r.indices[lo:hi], r.weights[lo:hi],
+                              keep[lo:hi] if keep is not None else None)  # (T_r, h) whole
+    out = F.pad(mine, (0, 0, lo, b * s - hi))  # (T, h) this rank's rows, zeros elsewhere
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(tokens)  # (T, h) partial over TP
+    return out.view(b, s, h)

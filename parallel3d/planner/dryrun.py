@@ -41,7 +41,7 @@ class DryRunError(RuntimeError):
 def _context(cfg: ExperimentConfig, rank: int, device: str, backend: str,
              expert_load: float = 1.0) -> ParallelContext:
     p = cfg.parallel
-    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, dp_shard=p.dp_shard, gpus_per_node=p.gpus_per_node)
+    spec = MeshSpec.of(p)
     return ParallelContext.simulated(spec, rank, device, backend, expert_load)
 
 

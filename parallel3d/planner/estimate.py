@@ -70,7 +70,7 @@ class Plan:
 
 def layout_of(cfg: ExperimentConfig) -> dict:
     p, t = cfg.parallel, cfg.train
-    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp, "zero": p.zero, "sp": p.sp,
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "dp": p.dp, "zero": p.zero, "sp": p.sp,
             "schedule": p.schedule, "virtual_stages": p.virtual_stages, "micro_batch_size": t.micro_batch_size,
             "activation_checkpointing": t.activation_checkpointing,
             "offload_optimizer": p.offload_optimizer, "offload_params": p.offload_params}
@@ -83,7 +83,7 @@ def _chunks(cfg: ExperimentConfig) -> int:
 def role_ranks(cfg: ExperimentConfig) -> dict[int, int]:
     """pp rank -> the rank whose dry run stands for it (stages with identical work share one)."""
     p = cfg.parallel
-    spec = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
+    spec = MeshSpec.of(p)
     v = _chunks(cfg)
     stages = partition_layers(cfg.model.num_layers, p.pp, v, p.layers_per_stage)
     last = p.pp * v - 1
@@ -149,7 +149,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     runs: dict[int, RoleRun] = {}
     for rank in sorted(set(by_pp.values())):
         runs[rank] = role(rank)
-    world = MeshSpec(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).world_size
+    world = MeshSpec.of(p).world_size
     last_rank = world - 1
     if last_rank not in runs:
         runs[last_rank] = role(last_rank)

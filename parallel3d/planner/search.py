@@ -98,7 +98,7 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     m, p, t = cfg.model, cfg.parallel, cfg.train
     counts = param_counts(m)
     n_dense = total_params(m) - counts["experts_total"]
-    per_rank = (n_dense / p.tp + counts["experts_total"] / (p.tp * p.ep)) / p.pp
+    per_rank = (n_dense / p.tp + counts["experts_total"] / (p.etp * p.ep)) / p.pp
     shard = {0: 1, 1: 1, 2: 1, 3: p.dp * p.cp}[p.zero]
     state = per_rank * ({0: 16, 1: 4 + 12 / (p.dp * p.cp), 2: 2 + 14 / (p.dp * p.cp)}.get(p.zero, 16 / shard))
     s, b, h, a = t.seq_len // p.cp, t.micro_batch_size, m.hidden_size, m.num_heads

@@ -62,7 +62,8 @@ class ParallelConfig:
     pp: int = 1                  # pipeline-parallel degree: the layers split into pp stages
     dp: int = 0                  # 0: whatever the world size leaves (world // (tp*cp*pp))
     cp: int = 1                  # context-parallel degree: each sequence split over cp ranks
-    ep: int = 1                  # expert-parallel degree, carved out of dp*cp (each EP rank holds num_experts/ep)
+    ep: int = 1                  # expert-parallel degree, folded over tp*cp*dp with etp (each EP rank holds num_experts/ep)
+    etp: int = 1                 # expert tensor parallelism: each expert's ffn split over etp ranks (1: whole experts; tp: the pre-folding split)
     sp: bool = False             # Megatron sequence parallelism; a no-op (resolved to False) when tp == 1
     cp_mode: str = "ring"        # how attention spans CP ranks: ring passes K/V, allgather gathers it, ulysses swaps heads
     zero: int = 0                # ZeRO stage: 1 shards optimizer state over DP, 2 also gradients, 3 also parameters

@@ -96,7 +96,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
-    for name in ("tp", "pp", "cp", "ep", "virtual_stages"):
+    for name in ("tp", "pp", "cp", "ep", "etp", "virtual_stages"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     _require(p.dp >= 0, f"parallel.dp must be >= 0 (0: fill from the world size), got {p.dp}")
     _choice(p.cp_mode, "parallel.cp_mode", CHOICES["parallel.cp_mode"])
@@ -138,8 +138,10 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     # --- world size and degrees (rank order tp, cp, dp, pp: docs/architecture.md section 2.1); the mesh owns the rules
     if p.ep > 1:
         _require(m.num_experts > 0, f"parallel.ep={p.ep} needs a MoE model (model.num_experts > 0)")
+    if p.etp > 1:
+        _require(m.num_experts > 0, f"parallel.etp={p.etp} needs a MoE model (model.num_experts > 0)")
     spec = _owned(lambda: MeshSpec.for_world(world_size, p.tp, p.cp, p.pp, p.ep, p.dp, p.dp_shard,
-                                             p.gpus_per_node))
+                                             p.gpus_per_node, p.etp))
     p.dp = spec.dp   # dp_shard stays as given (0: all of dp), so a saved config stays portable
     if ranks_per_node is not None:
         _owned(lambda: check_node_size(p.gpus_per_node, world_size, ranks_per_node))
@@ -175,7 +177,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     # --- experts
     experts, top_k = m.num_experts, m.moe_top_k
     if experts:
-        _owned(lambda: check_expert_split(experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, p.ep, p.tp))
+        _owned(lambda: check_expert_split(experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, p.ep, p.etp))
         _require(1 <= top_k <= experts, f"model.moe_top_k={top_k} must be in [1, model.num_experts={experts}]")
 
     # --- batch

@@ -1,0 +1,57 @@
+"""planner_published.py's `moe` group: MoE runs at their published layouts, each beside its published figure.
+
+  Qwen3-235B-A22B  Megatron-Core's published rows on 256 H100 (bf16, seq 4096, global batch 2048):
+                   TP2 EP32 PP8 VPP4 with the DeepEP dispatcher, 245 TFLOP/s per GPU, and 276 with the 1F1B
+                   all-to-all overlap; TP2 EP8 PP32 VPP3 with the plain all-to-all dispatcher, 200. EP32 at
+                   DP16 is only possible with parallel folding (EP over TP x DP, parallel.etp=1).
+  DeepSeek-V3      the report's layout on 2,048 H800 (PP16, EP64, ZeRO-1 DP, DualPipe; FP8): 180K H800 GPU-hours
+                   per trillion tokens, i.e. 1e12 / (180e3 * 3600) = 1,543 tokens/s per GPU. Planned in bf16
+                   on the H100 (an H800 has its compute and less NVLink: 400 GB/s both ways against 900), with
+                   the preset's 1F1B and with our DualPipe-V, so every row reruns as the one command it prints.
+
+What our run does differently, printed with each row: our dispatcher is a plain uneven all-to-all (no DeepEP,
+no fused permute), so Megatron's all-to-all row (200) is the comparable one; the DeepEP rows show what a
+fused dispatcher buys; the expert all-to-all is not overlapped with compute in any schedule yet (issue 50,
+item 3), which is the 276 row's gain. Routing is planned balanced (`--moe-load 1`).
+"""
+from __future__ import annotations
+
+from parallel3d.planner.estimate import peak_for
+from parallel3d.planner.hardware import gpu
+
+H100 = gpu("h100")
+QWEN_FOLDED = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=8", "parallel.schedule=interleaved",
+               "parallel.virtual_stages=4", "parallel.ep=32", "parallel.etp=1"]
+QWEN_A2A = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=32", "parallel.schedule=interleaved",
+            "parallel.virtual_stages=3", "parallel.ep=8", "parallel.etp=1"]
+ROWS = [  # (name, config, world, overrides, gpu key, device, published, unit, what differs)
+    ("Qwen3-235B-A22B TP2 EP32 PP8 VPP4, DeepEP", "qwen3_235b_a22b", 256, QWEN_FOLDED, "h100", H100, 245,
+     "TFLOP/s", "their DeepEP dispatcher; ours is a plain all-to-all at the same folded layout"),
+    ("Qwen3-235B-A22B TP2 EP32 PP8 VPP4, DeepEP + 1F1B A2A overlap", "qwen3_235b_a22b", 256, QWEN_FOLDED, "h100",
+     H100, 276, "TFLOP/s", "their all-to-all hidden behind another microbatch's compute: not built here (item 3)"),
+    ("Qwen3-235B-A22B TP2 EP8 PP32 VPP3, all-to-all dispatcher", "qwen3_235b_a22b", 256, QWEN_A2A, "h100", H100,
+     200, "TFLOP/s", "comparable: the same plain all-to-all dispatcher, blocking"),
+    ("DeepSeek-V3 671B PP16 EP64 ZeRO-1, 1F1B", "deepseek_v3", 2048, [], "h100", H100, 1543, "tokens/s",
+     "DualPipe there, 1F1B here; FP8 GEMMs there, bf16 here; H800's NVLink is under half the H100's"),
+    ("DeepSeek-V3 671B PP16 EP64 ZeRO-1, DualPipe-V", "deepseek_v3", 2048,
+     ["parallel.schedule=dualpipe-v", "parallel.layers_per_stage=null"], "h100", H100, 1543, "tokens/s",
+     "our DualPipe-V overlaps pipeline transfers, not EP's all-to-all; FP8 there, bf16 here"),
+]
+
+
+def moe(rows: list, run_plan, command, GiB: float) -> None:
+    """Plan every row (planner_published.run_plan) and print it beside the published figure."""
+    print("\n## MoE at published layouts (Megatron-Core Qwen3-235B-A22B on 256 H100; DeepSeek-V3 on 2,048 H800)")
+    for name, config, world, ov, key, device, published, unit, differs in ROWS:
+        r = run_plan(config, world, ov, device)
+        tflops = r.mfu * peak_for(device, "bf16") / 1e12
+        per_gpu = r.tokens_per_s / world
+        ours = f"{tflops:.0f} TFLOP/s" if unit == "TFLOP/s" else f"{per_gpu:,.0f} tokens/s"
+        print(f"{name}: published {published:,} {unit} per GPU | planner {ours} per GPU (MFU {r.mfu:.1%}, "
+              f"{per_gpu:,.0f} tokens/s per GPU), step {r.step_time_s:.1f} s, bubble {r.bubble:.1%}, peak "
+              f"{r.memory['peak'] / GiB:.1f} GiB (fits {r.fits}) on {device.name}\n    differs: {differs}\n    "
+              f"{command(config, world, ov, key)}", flush=True)
+        rows.append({"group": "moe", "name": name, "published": published, "unit": unit, "tflops_per_gpu": tflops,
+                     "tokens_per_s_per_gpu": per_gpu, "mfu": r.mfu, "step_s": r.step_time_s, "bubble": r.bubble,
+                     "peak_bytes": r.memory["peak"], "fits": r.fits, "gpu": device.name,
+                     "command": command(config, world, ov, key)})
