@@ -215,6 +215,19 @@ def test_moe_ep2_parity_through_trainer(worlds):
     assert_parity(worlds.run(2, run_layout, [*MOE, "parallel.ep=2", "parallel.zero=2"], STEPS), ref)
 
 
+@pytest.mark.parametrize("fold", [["parallel.tp=1", "parallel.etp=2"],
+                                  ["parallel.tp=2", "parallel.sp=true", "parallel.etp=1", "parallel.ep=2"]],
+                         ids=["dp2-etp2", "tp2-etp1-ep2"])
+def test_moe_folded_experts_parity_through_trainer(worlds, fold):
+    """Experts split over an expert TP group that is not the attention's (tp1 dp2 etp2: gather mode joins
+    each expert's ffn shards over etp, as the attention's tp has one rank), or whole on their rank and
+    folded over TP (tp2 etp1 ep2)."""
+    from ckpt_helpers import MOE
+    from test_trainer_regressions import assert_parity
+    ref = run_layout(None, MOE, STEPS)
+    assert_parity(worlds.run(2, run_layout, [*MOE, *fold], STEPS), ref)
+
+
 @pytest.mark.sweep
 def test_moe_expert_shards_parity(worlds):
     """dp4 ep2 ZeRO-3: each expert's rows are cut over its expert-DP pair and joined on one of them."""
