@@ -23,20 +23,25 @@ def _doc_block(DOC, idx, n):
 
 # Launch configurations, one table: (kernel, arch, head-dim class) -> (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # kernel: "fwd", "dkdv" (BLOCK_N key rows per program, BLOCK_M query rows per step) or "dq" (the reverse);
-# the delta pre-pass takes dq's BLOCK_M. arch: 80 stands for sm_80-89 (mma.sync), 90 for sm_90 and later
-# (warpgroup MMA, wgmma: a dot takes it when its output has a multiple of 64 rows and the warps are a
-# multiple of 4). Head-dim class: the smallest of 64, 128, 256 that holds d. Every 16-bit row uses tensor
-# cores and keeps no stack or spill on its arch (benchmarks/kernel_report.py, tests/test_kernel_budget.py);
-# which of those runs fastest is for a GPU to measure (benchmarks/attention_tiles.py, gpu_check.sh
-# attn_table), and the table is where a measurement lands. No autotune: every rank, every run the same.
+# the delta pre-pass has its own rule (delta_block_m). arch: 80 stands for sm_80-89 (mma.sync), 90 for sm_90
+# and later (warpgroup MMA, wgmma: a dot takes it when its output has a multiple of 64 rows and the warps
+# are a multiple of 4). Head-dim class: the smallest of 64, 128, 256 that holds d. Every 16-bit row spills
+# nothing (no stack either) and uses its arch's tensor cores (wgmma on sm_90 but for the d=256 backward,
+# below), chosen on paper from the ahead-of-time compile (benchmarks/kernel_report.py; checked by
+# tests/test_kernel_budget.py); where a 4-warp tile fitted it is preferred (on the H200 the 4-warp tiles ran
+# 2.2x the 8-warp ones, RESULTS.md). Which rows run fastest is for a GPU to measure (attention_tiles.py,
+# gpu_check.sh attn_table): the table is where a measurement lands. No autotune: every rank, every run alike.
 TILES_16BIT = {
-    ("fwd", 80, 64): (64, 32, 4, 3), ("fwd", 80, 128): (64, 64, 4, 3), ("fwd", 80, 256): (32, 32, 8, 2),
-    ("fwd", 90, 64): (64, 32, 4, 3), ("fwd", 90, 128): (64, 64, 4, 3), ("fwd", 90, 256): (32, 32, 8, 2),
-    ("dkdv", 80, 64): (64, 32, 4, 2), ("dkdv", 80, 128): (64, 64, 4, 2), ("dkdv", 80, 256): (16, 32, 8, 2),
-    ("dkdv", 90, 64): (64, 32, 4, 2), ("dkdv", 90, 128): (64, 64, 4, 2), ("dkdv", 90, 256): (16, 32, 8, 2),
-    ("dq", 80, 64): (64, 32, 4, 2), ("dq", 80, 128): (64, 64, 4, 2), ("dq", 80, 256): (16, 32, 8, 2),
-    ("dq", 90, 64): (64, 32, 4, 2), ("dq", 90, 128): (64, 64, 4, 2), ("dq", 90, 256): (16, 32, 8, 2),
+    ("fwd", 80, 64): (64, 32, 4, 3), ("fwd", 80, 128): (64, 64, 8, 2), ("fwd", 80, 256): (32, 32, 8, 2),
+    ("fwd", 90, 64): (64, 32, 4, 3), ("fwd", 90, 128): (64, 32, 4, 3), ("fwd", 90, 256): (64, 16, 8, 2),
+    ("dkdv", 80, 64): (32, 32, 4, 2), ("dkdv", 80, 128): (32, 64, 8, 2), ("dkdv", 80, 256): (16, 32, 8, 2),
+    ("dkdv", 90, 64): (64, 32, 4, 2), ("dkdv", 90, 128): (32, 64, 8, 2), ("dkdv", 90, 256): (16, 32, 8, 2),
+    ("dq", 80, 64): (64, 32, 4, 2), ("dq", 80, 128): (64, 32, 8, 2), ("dq", 80, 256): (16, 32, 8, 2),
+    ("dq", 90, 64): (64, 32, 4, 2), ("dq", 90, 128): (64, 16, 8, 2), ("dq", 90, 256): (16, 32, 8, 2),
 }
+# Above 128, no dK/dV or dQ tile with a 64-row product fits in the registers on sm_90 (every one tried kept
+# 400-1800 B of stack: a (64, 256) fp32 accumulator or 64-row operands of 256 columns per warpgroup), so the
+# d=256 backward stays on mma.sync there, without spills (tests/test_kernel_budget.py names the exception).
 # fp32 / fp64: exact IEEE dots (no tensor cores), smaller tiles; any arch. fp32 dK/dV keeps narrow key tiles
 # on 8 warps (wider ones kept 32-560 B on the stack at 255 registers).
 TILES_FP32 = {
@@ -64,6 +69,12 @@ def device_capability(device: torch.device) -> int:
 def tile_arch(capability: int) -> int:
     """The table's arch column: 90 for sm_90 and later (wgmma), 80 for everything before."""
     return 90 if capability >= 90 else 80
+
+
+def delta_block_m(d: int) -> int:
+    """Rows per program of the backward's delta pre-pass (dO and O tiles, no dot): 4096 elements of each,
+    which keeps it free of stack on 4 warps at every head dim (bandwidth-bound, so no tile to tune)."""
+    return 16 if interpreting() else max(16, min(128, 4096 // next_pow2(max(d, 16))))
 
 
 def launch_config(kernel: str, d: int, dtype: torch.dtype, device: torch.device, block_m: Optional[int] = None,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_to_base, _prep,
-                                              launch_config, logit_scale)
+                                              delta_block_m, launch_config, logit_scale)
 from parallel3d.kernels._triton_utils import next_pow2
 
 
@@ -242,9 +242,10 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     kd = _kernel_dtypes(q)
     delta = torch.empty_like(lse)  # (b, hq, sq)
     dlse_arg = dlse.contiguous() if dlse is not None else lse
-    _attn_bwd_delta_kernel[(triton.cdiv(sq, bm), b * hq)](
-        out, do, dlse_arg, delta, hq, sq, d, HAS_DLSE=dlse is not None, ACC=kd["ACC"], BLOCK_M=bm,
-        BLOCK_D=bd, num_warps=warps)
+    delta_m = delta_block_m(d)
+    _attn_bwd_delta_kernel[(triton.cdiv(sq, delta_m), b * hq)](
+        out, do, dlse_arg, delta, hq, sq, d, HAS_DLSE=dlse is not None, ACC=kd["ACC"], BLOCK_M=delta_m,
+        BLOCK_D=bd, num_warps=4)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     qd, kdoc = _docs(q_doc, k_doc, q)
     has_doc = q_doc is not None
