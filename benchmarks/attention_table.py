@@ -13,12 +13,12 @@ SDPA document by document, `auto`'s own choice today (`dispatch.attention`: flas
 installed, else block-wise SDPA with a mask) and flash-attn's varlen entry. Ratios against FlexAttention
 and SDPA per document. Backward is timed alone (autograd.grad of a kept forward); FLOPs count the visible
 pairs (forward 4 * hq * d per pair, backward 2.5x). Each implementation's forward is checked against the
-first that ran (max abs difference in the last column) so that a wrong kernel cannot post a rate.
+first that ran (max abs difference in the last column): a wrong kernel's rate shows beside its error.
 
 Rows print as they finish (documents first); the tables print at the end and are rewritten to --out after
-each shape, and once --budget-s seconds have passed the remaining shapes are skipped (named in the output). --cpu-tiny: one tiny causal and one document shape on the
-CPU with two timing repeats, to check the script's paths without a GPU (SDPA's CUDA backends are absent
-there; ours needs TRITON_INTERPRET=1).
+each shape, and once --budget-s seconds have passed the remaining shapes are skipped (named in the
+output). --cpu-tiny: one tiny causal and one document shape on the CPU with two timing repeats, to check
+the script's paths without a GPU (SDPA's CUDA backends are absent there; ours needs TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -255,7 +255,8 @@ def tables(rows: list[dict]) -> str:
                 if ours is None or f is None or bw is None:
                     cells.append("-")
                 else:
-                    cells.append(f"{f[1]['fwd'] / ours['fwd']:.2f} ({f[0]}) / {bw[1]['bwd'] / ours['bwd']:.2f} ({bw[0]})")
+                    cells.append(f"{f[1]['fwd'] / ours['fwd']:.2f} ({f[0]}) / "
+                                 f"{bw[1]['bwd'] / ours['bwd']:.2f} ({bw[0]})")
             diff = max((i["diff"] for i in r["impls"].values()), default=float("nan"))
             out.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {diff:.1e} |")
     return "\n".join(out)

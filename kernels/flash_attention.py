@@ -194,7 +194,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     bm, bn, warps, stages = launch_config("fwd", d, q.dtype, q.device, block_m, block_n)
     qd, kd = _docs(q_doc, k_doc, q)
     _attn_fwd_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, out, lse, qd, kd, logit_scale(scale, q), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, lse, qd, kd, logit_scale(scale, q), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3],
         hq, hq // hk, sq, sk, d, CAUSAL=causal, HAS_DOC=q_doc is not None, **_kernel_dtypes(q), BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=next_pow2(max(d, 16)), num_warps=warps, num_stages=stages)
     return out, lse
