@@ -42,12 +42,12 @@ TILES_16BIT = {
 # Above 128, no dK/dV or dQ tile with a 64-row product fits in the registers on sm_90 (every one tried kept
 # 400-1800 B of stack: a (64, 256) fp32 accumulator or 64-row operands of 256 columns per warpgroup), so the
 # d=256 backward stays on mma.sync there, without spills (tests/test_kernel_budget.py names the exception).
-# fp32 / fp64: exact IEEE dots (no tensor cores), smaller tiles; any arch. fp32 dK/dV keeps narrow key tiles
-# on 8 warps (wider ones kept 32-560 B on the stack at 255 registers).
+# fp32 / fp64: exact IEEE dots (no tensor cores), small tiles on 8 warps; any arch. The dK/dV and dQ loops
+# run unpipelined (1 stage): with 2 stages the split loops kept 16-600 B of stack at 255 registers.
 TILES_FP32 = {
-    ("fwd", 64): (32, 16, 4, 3), ("fwd", 128): (32, 32, 8, 2), ("fwd", 256): (16, 16, 8, 2),
-    ("dkdv", 64): (32, 16, 8, 2), ("dkdv", 128): (16, 16, 8, 2), ("dkdv", 256): (16, 16, 8, 2),
-    ("dq", 64): (32, 16, 8, 2), ("dq", 128): (16, 16, 8, 2), ("dq", 256): (16, 16, 8, 2),
+    ("fwd", 64): (32, 16, 4, 3), ("fwd", 128): (16, 32, 8, 2), ("fwd", 256): (16, 16, 8, 2),
+    ("dkdv", 64): (32, 16, 8, 1), ("dkdv", 128): (16, 16, 8, 1), ("dkdv", 256): (16, 16, 8, 1),
+    ("dq", 64): (32, 16, 8, 1), ("dq", 128): (16, 16, 8, 1), ("dq", 256): (16, 16, 8, 1),
 }
 INTERPRETER_TILES = (16, 16, 4, 1)
 
