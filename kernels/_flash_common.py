@@ -121,15 +121,20 @@ def _kernel_dtypes(q: torch.Tensor) -> dict:
     """Constexprs every attention kernel takes: operand and accumulator dtypes, dot precision, and EXP2
     (softmax in base 2; off for fp64, which stays exact)."""
     return dict(DOT=dot_dtype(q.dtype), ACC=acc_dtype(q.dtype),
-                PREC="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", EXP2=q.dtype != torch.float64)
+                PREC="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", EXP2=base_two(q.dtype))
+
+
+def base_two(dtype: torch.dtype) -> bool:
+    """Whether the kernels exponentiate in base 2 (exp2 is one instruction; exp is exp2 with a multiply).
+    fp64 keeps base e: float arguments and constants reach a kernel as fp32, whose roundings of log2(e) and
+    ln(2) would cost fp64 its exactness."""
+    return dtype != torch.float64
 
 
 def logit_scale(scale: float, q: torch.Tensor) -> float:
-    """The factor on q.k^T inside the kernels: scale * log2(e) when they exponentiate in base 2 (exp2 is one
-    instruction; exp is exp2 with a multiply), so exp(scale * x - lse) = exp2(x * logit_scale - lse * log2(e)).
-    fp64 keeps base e: float arguments and constants reach a kernel as fp32, whose roundings of log2(e) and
-    ln(2) would cost fp64 its exactness."""
-    return scale * LOG2E if q.dtype != torch.float64 else scale
+    """The factor on q.k^T inside the kernels: scale * log2(e) in base 2, so that
+    exp(scale * x - lse) = exp2(x * logit_scale - lse * log2(e)); scale in base e."""
+    return scale * LOG2E if base_two(q.dtype) else scale
 
 
 LOG2E = 1.4426950408889634

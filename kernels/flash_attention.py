@@ -4,7 +4,10 @@ Why our own kernel: ring attention needs, per block, the output *and* its lse (b
 backward that takes the merged (global) out/lse. SDPA returns no lse. The Triton kernels are
 FlashAttention-2 style: the forward here streams key blocks with an online softmax; the backward
 (flash_attention_bwd.py) recomputes the probabilities from lse. This file holds the forward, the torch
-twins (`attention_reference`, `sdpa_attention`) and the autograd wrapper.
+twins (`attention_reference`, `sdpa_attention`) and the autograd wrapper. Inside the kernels the softmax is in
+base 2 (`exp2`, log2(e) folded into the logit scale; the lse at the interface stays natural), every loop
+runs its whole blocks unmasked and only the causal-diagonal / ragged blocks masked, and the launch tiles
+come from one table per kernel, arch and head dim (_flash_common.py).
 
 Conventions as `attention_reference`: q (b, sq, hq, d), k/v (b, sk, hk, d), hq % hk == 0; causal is
 bottom-right aligned (query i sees keys j <= i + sk - sq); rows seeing no key give out 0, lse -inf.
