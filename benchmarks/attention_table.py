@@ -44,7 +44,7 @@ TINY_CAUSAL, TINY_DOCS = [(1, 64, 4, 2, 16)], [(1, 64, 4, 2, 16, 16)]
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, tiny: bool) -> float:
-    """Median milliseconds of fn (triton.testing.do_bench on CUDA; two timed calls on the CPU)."""
+    """Mean milliseconds of fn (triton.testing.do_bench on CUDA; a few timed calls on the CPU)."""
     if device.type == "cuda":
         import triton.testing
         return triton.testing.do_bench(fn, warmup=10, rep=60)
