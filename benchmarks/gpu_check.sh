@@ -13,6 +13,10 @@
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
 #   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
 #   attn_rates     attention's share of the peak (SDPA's, ours, the CP block's) at four shapes, beside HOPPER_ATTENTION
+#   attn_table     benchmarks/attention_table.py: issue 49's shapes in one call (about 8 minutes): causal GQA 32/8 and
+#                  64/8, head dim 64 and 128, 8K-64K tokens, and packed documents; ours against each SDPA backend,
+#                  the CP block, FlexAttention with a document block mask and flash-attn where installed, forward
+#                  and backward; markdown tables for RESULTS.md in OUTDIR/attn_table.md (rewritten after each shape)
 #   opcost         host cost of one RMSNorm forward + backward: our custom op against its autograd.Function
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
@@ -175,6 +179,8 @@ for p in $PHASES; do
     profile) phase profile 90 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-none}" --top 25 --plan ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
     attn_rates) phase attn_rates 100 python3 -c "$ATTN_RATES" ;;
+    attn_table) TAIL=80 phase attn_table 560 python3 benchmarks/attention_table.py --budget-s 480 \
+        --out "$OUTDIR/attn_table.md" ;;
     opcost) phase opcost 40 python3 -c "$OPCOST" ;;
     attn_tiles) phase attn_tiles 100 python3 benchmarks/attention_tiles.py ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \

@@ -1,19 +1,24 @@
 """Compile every Triton kernel variant the launchers pick, ahead of time, for real GPUs (no GPU needed).
 
-    python benchmarks/kernel_report.py [--arch 80 90 100] [--json] [--quick]
+    python benchmarks/kernel_report.py [--arch 80 90 100] [--json] [--quick | --attention]
 
 How the variants are found: each launcher (rmsnorm_forward, flash_attention_backward, ...) is called on small
 CPU tensors with `JITFunction.run` replaced by a recorder, so what is compiled is exactly what the launcher
 chooses (constexprs, dtypes, block sizes, num_warps, num_stages) for each dtype and shape class, and nothing
-runs. Each recorded launch is compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch,
-32))`; `cuobjdump -res-usage` (shipped in Triton's NVIDIA backend) reports registers, stack, local (spill)
-and shared memory of the cubin, and the PTX is searched for tensor-core instructions (mma.sync on sm_80,
-wgmma.mma_async or mma.sync on sm_90 / sm_100). Occupancy is the theoretical CTAs per SM from the register file, the
-shared memory and the thread limit of the architecture.
+runs. Attention's tiles depend on the architecture (kernels/_flash_common.py), so the launches are recorded
+once per target arch, that arch standing in for the device's compute capability. Each recorded launch is
+compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`; `cuobjdump -res-usage`
+(shipped in Triton's NVIDIA backend) reports registers, stack, local (spill) and shared memory of the cubin,
+and the PTX is searched for tensor-core instructions, counted by kind: warpgroup MMA (`wgmma.mma_async`,
+sm_90+), `mma.sync` (sm_80+, and on Hopper a dot whose output has fewer than 64 rows) and `tcgen05.mma`
+(sm_100). Occupancy is the theoretical CTAs per SM from the register file, the shared memory and the thread
+limit of the architecture.
 
 With --json the last stdout line is a JSON list of {"kernel", "variant", "arch", "regs", "spill_bytes",
-"shared_bytes", "num_warps", "num_stages", "tensor_core_ops", "ctas_per_sm"} (or "error" for a variant that
-fails to compile). Never run under TRITON_INTERPRET=1 (the launchers would pick interpreter dtypes).
+"shared_bytes", "num_warps", "num_stages", "tensor_core_ops", "wgmma_ops", "mma_sync_ops", "ctas_per_sm"}
+(or "error" for a variant that fails to compile); tensor_core_ops counts every kind. --attention: the
+flash-attention kernels alone. Never run under TRITON_INTERPRET=1 (the launchers would pick interpreter
+dtypes). Compiles are cached by Triton (~/.triton/cache): a rerun of unchanged kernels takes seconds.
 """
 from __future__ import annotations
 
@@ -38,8 +43,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 ARCH = {80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024),
         90: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024),
         100: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024)}
-# tensor-core instructions: Hopper uses wgmma for tiles of >= 64 rows and mma.sync below that
-TC_PATTERN = {80: r"\bmma\.sync", 90: r"\b(wgmma\.mma_async|mma\.sync)", 100: r"\b(wgmma\.mma_async|mma\.sync|tcgen05\.mma)"}
+# tensor-core instructions in the PTX, by kind: Hopper uses wgmma for dots of >= 64 output rows (and warps
+# in whole warpgroups), mma.sync below that
+TC_PATTERNS = {"wgmma_ops": r"\bwgmma\.mma_async", "mma_sync_ops": r"\bmma\.sync", "tcgen05_ops": r"\btcgen05\.mma\b"}
+ATTENTION_KERNELS = ("_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
+# head dims of the attention variants: one per row of the launchers' tile table (64, 128, above 128)
+ATTENTION_HEAD_DIMS = (64, 128, 256)
 DOT_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_grouped_mm_kernel",
                "_grouped_mm_wgrad_kernel"}  # kernels with tl.dot
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
@@ -77,9 +86,11 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict[str, st
 
 
 @contextlib.contextmanager
-def recording(variant: str, into: list[Launch]) -> Iterator[None]:
-    """Launches inside are recorded, not run."""
-    original = JITFunction.run
+def recording(variant: str, into: list[Launch], arch: int = 80) -> Iterator[None]:
+    """Launches inside are recorded, not run; the launchers see a device of compute capability `arch`."""
+    from parallel3d.kernels import _flash_common
+
+    original, capability = JITFunction.run, _flash_common.device_capability
 
     def record(self, *args, grid, warmup, **kwargs):
         sig, consts = _signature(self, args, kwargs)
@@ -87,28 +98,52 @@ def recording(variant: str, into: list[Launch]) -> Iterator[None]:
         into.append(Launch(self, variant, sig, consts, opts))
 
     JITFunction.run = record
+    _flash_common.device_capability = lambda device: arch
     try:
         yield
     finally:
         JITFunction.run = original
+        _flash_common.device_capability = capability
 
 
-def launches(quick: bool = False) -> list[Launch]:
-    """Every launch the launchers make over the dtypes and shape classes they distinguish."""
-    from parallel3d.kernels.cross_entropy import cross_entropy_partial_grad, cross_entropy_partial_stats
+def attention_launches(arch: int, dtypes: list, head_dims: tuple, masks: tuple = (True, False)) -> list[Launch]:
+    """The flash-attention launches (forward, delta, dK/dV, dQ), plain and document-masked, per dtype, head
+    dim and mask (causal / full) as the launchers choose them for `arch`."""
     from parallel3d.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+
+    out: list[Launch] = []
+    for dt in dtypes:
+        for d in head_dims:
+            for causal in masks:
+                qq, kk = torch.zeros(1, 64, 8, d, dtype=dt), torch.zeros(1, 64, 2, d, dtype=dt)
+                lse = torch.zeros(1, 8, 64)
+                with recording(f"{_TYPES[dt]} d={d} {'causal' if causal else 'full'}", out, arch):
+                    flash_attention_forward(qq, kk, kk, causal)
+                    flash_attention_backward(qq, qq, kk, kk, qq, lse, causal)
+                doc = torch.zeros(1, 64, dtype=torch.int32)  # packed documents (document-masked varlen)
+                with recording(f"{_TYPES[dt]} d={d} {'causal' if causal else 'full'} docs", out, arch):
+                    flash_attention_forward(qq, kk, kk, causal, q_doc=doc, k_doc=doc)
+                    flash_attention_backward(qq, qq, kk, kk, qq, lse, causal, q_doc=doc, k_doc=doc)
+    return out
+
+
+def launches(quick: bool = False, arch: int = 80, attention_only: bool = False) -> list[Launch]:
+    """Every launch the launchers make for `arch` over the dtypes and shape classes they distinguish."""
+    from parallel3d.kernels.cross_entropy import cross_entropy_partial_grad, cross_entropy_partial_stats
     from parallel3d.kernels.grouped_gemm import grouped_mm_forward, grouped_mm_weight_grad
     from parallel3d.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
     from parallel3d.kernels.rope import rope_apply
     from parallel3d.kernels.swiglu import swiglu_backward, swiglu_forward
 
-    out: list[Launch] = []
     dtypes = [torch.bfloat16] if quick else [torch.float32, torch.bfloat16, torch.float16]
+    out = attention_launches(arch, dtypes, ATTENTION_HEAD_DIMS, (True,) if quick else (True, False))
+    if attention_only:
+        return out
     for dt in dtypes:
         t = _TYPES[dt]
         for h in ([4096] if quick else [1024, 4096, 8192]):
             x, w = torch.zeros(2, h, dtype=dt), torch.zeros(h, dtype=dt)
-            with recording(f"{t} h={h}", out):
+            with recording(f"{t} h={h}", out, arch):
                 _, s, rstd = rmsnorm_forward(x, w, 1e-5)
                 rmsnorm_forward(x, w, 1e-5, residual=x)
                 rmsnorm_backward(x, x, w, rstd)
@@ -118,25 +153,16 @@ def launches(quick: bool = False) -> list[Launch]:
         for d in ([128] if quick else [64, 128]):
             q, k = torch.zeros(1, 4, 8, d, dtype=dt), torch.zeros(1, 4, 2, d, dtype=dt)
             cos = torch.zeros(4, d, dtype=torch.float32)
-            with recording(f"{t} d={d}", out):
+            with recording(f"{t} d={d}", out, arch):
                 rope_apply(q, k, cos, cos)
                 rope_apply(q, k, cos, cos, backward=True)
-            for causal in ([True] if quick else [True, False]):
-                qq, kk = torch.zeros(1, 64, 8, d, dtype=dt), torch.zeros(1, 64, 2, d, dtype=dt)
-                with recording(f"{t} d={d} {'causal' if causal else 'full'}", out):
-                    o, lse = flash_attention_forward(qq, kk, kk, causal)
-                    flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal)
-                doc = torch.zeros(1, 64, dtype=torch.int32)  # packed documents (document-masked varlen)
-                with recording(f"{t} d={d} {'causal' if causal else 'full'} docs", out):
-                    flash_attention_forward(qq, kk, kk, causal, q_doc=doc, k_doc=doc)
-                    flash_attention_backward(qq, qq, kk, kk, qq, torch.zeros(1, 8, 64), causal, q_doc=doc, k_doc=doc)
         x, w, counts = torch.zeros(96, 512, dtype=dt), torch.zeros(4, 256, 512, dtype=dt), [40, 0, 50, 6]
-        with recording(f"{t} experts 4x(256,512)", out):
+        with recording(f"{t} experts 4x(256,512)", out, arch):
             y = grouped_mm_forward(x, w, counts)  # (96, 256)
             grouped_mm_forward(y, w, counts, transpose_b=False)  # dX
             grouped_mm_weight_grad(y, x, counts)  # dW
         logits, target = torch.zeros(4, 32000, dtype=dt), torch.zeros(4, dtype=torch.int64)
-        with recording(f"{t} vocab/tp=32000", out):
+        with recording(f"{t} vocab/tp=32000", out, arch):
             cross_entropy_partial_stats(logits, target, 0)
             cross_entropy_partial_grad(logits, target, 0, torch.zeros(4), torch.zeros(4))
     return out
@@ -191,10 +217,11 @@ def compile_report(launch: Launch, arch: int, cache: dict | None = None) -> dict
         res = resources(compiled.asm["cubin"])
         warps = compiled.metadata.num_warps
         shared = max(res["SHARED"], compiled.metadata.shared)
+        counts = {kind: len(re.findall(pattern, compiled.asm["ptx"])) for kind, pattern in TC_PATTERNS.items()}
         row.update(regs=res["REG"], spill_bytes=res["LOCAL"] + res["STACK"], local_bytes=res["LOCAL"],
                    stack_bytes=res["STACK"], shared_bytes=shared, num_warps=warps,
-                   num_stages=compiled.metadata.num_stages,
-                   tensor_core_ops=len(re.findall(TC_PATTERN[arch], compiled.asm["ptx"])),
+                   num_stages=compiled.metadata.num_stages, tensor_core_ops=sum(counts.values()),
+                   wgmma_ops=counts["wgmma_ops"], mma_sync_ops=counts["mma_sync_ops"],
                    ctas_per_sm=occupancy(arch, res["REG"], shared, warps))
     except Exception as e:  # a variant that does not compile is a row, not a crash
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -203,21 +230,23 @@ def compile_report(launch: Launch, arch: int, cache: dict | None = None) -> dict
     return row
 
 
-def report(archs: list[int], quick: bool = False) -> list[dict[str, Any]]:
+def report(archs: list[int], quick: bool = False, attention_only: bool = False) -> list[dict[str, Any]]:
     cache: dict = {}
-    return [compile_report(launch, arch, cache) for launch in launches(quick) for arch in archs]
+    return [compile_report(launch, arch, cache) for arch in archs
+            for launch in launches(quick, arch, attention_only)]
 
 
 def _table(rows: list[dict]) -> str:
     head = f"{'kernel':24} {'variant':26} {'sm':>4} {'regs':>5} {'spill':>6} {'smem':>7} {'warps':>5} " \
-           f"{'stg':>3} {'tc':>4} {'ctas':>4}"
+           f"{'stg':>3} {'wgmma':>5} {'mma':>4} {'tc':>4} {'ctas':>4}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['kernel']:24} {r['variant']:26} {r['arch']:>4} ERROR {r['error']}")
         else:
             lines.append(f"{r['kernel']:24} {r['variant']:26} {r['arch']:>4} {r['regs']:>5} {r['spill_bytes']:>6} "
-                         f"{r['shared_bytes']:>7} {r['num_warps']:>5} {r['num_stages']:>3} {r['tensor_core_ops']:>4} "
+                         f"{r['shared_bytes']:>7} {r['num_warps']:>5} {r['num_stages']:>3} {r['wgmma_ops']:>5} "
+                         f"{r['mma_sync_ops']:>4} {r['tensor_core_ops']:>4} "
                          f"{r['ctas_per_sm']:>4}")
     return "\n".join(lines)
 
@@ -226,7 +255,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(ARCH))
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="bf16 and one shape per kernel only")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true",
+                       help="bf16 only: causal attention at every head-dim row, one shape per other kernel (CI)")
+    which.add_argument("--attention", action="store_true", help="the flash-attention kernels only")
     ap.add_argument("--planner-table", metavar="PATH",
                     help="also write {arch: {kernel: {variant: {ctas_per_sm, num_warps}}}} for the planner "
                          "(parallel3d/planner/kernel_occupancy.json derates kernels by it)")
@@ -237,7 +269,7 @@ def main(argv=None) -> int:
     if not tools_available():
         print(f"error: Triton's NVIDIA backend tools (cuobjdump, ptxas) are missing in {_tools()}", file=sys.stderr)
         return 2
-    rows = report(args.arch, args.quick)
+    rows = report(args.arch, args.quick, args.attention)
     print(_table(rows))
     if args.planner_table:
         table: dict = {}

@@ -21,27 +21,72 @@ def _doc_block(DOC, idx, n):
     return d, lo, hi
 
 
-def _config(d: int, dtype: torch.dtype, block_m: Optional[int], block_n: Optional[int], backward: bool
-            ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Candidates come from the ahead-of-time compile report
-    (benchmarks/kernel_report.py; RESULTS.md "Kernels on sm_80 / sm_90"): tiles that use tensor cores and
-    spill nothing on sm_80 and sm_90. Among those, 16-bit d <= 128 takes what ran fastest on one H200
-    (benchmarks/attention_tiles.py: (64, 64) on 4 warps, forward 3 stages, backward 2, ran 2.2x the 8-warp
-    tiles chosen on paper). No autotune: the choice must be the same on every rank and every run."""
+# Launch configurations, one table: (kernel, arch, head-dim class) -> (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# kernel: "fwd", "dkdv" (BLOCK_N key rows per program, BLOCK_M query rows per step) or "dq" (the reverse);
+# the delta pre-pass has its own rule (delta_block_m). arch: 80 stands for sm_80-89 (mma.sync), 90 for sm_90
+# and later (warpgroup MMA, wgmma: a dot takes it when its output has a multiple of 64 rows and the warps
+# are a multiple of 4). Head-dim class: the smallest of 64, 128, 256 that holds d. Every 16-bit row spills
+# nothing (no stack either) and uses its arch's tensor cores (wgmma on sm_90 but for the d=256 backward,
+# below), chosen on paper from the ahead-of-time compile (benchmarks/kernel_report.py; checked by
+# tests/test_kernel_budget.py); where a 4-warp tile fitted it is preferred (on the H200 the 4-warp tiles ran
+# 2.2x the 8-warp ones, RESULTS.md). Which rows run fastest is for a GPU to measure (attention_tiles.py,
+# gpu_check.sh attn_table): the table is where a measurement lands. No autotune: every rank, every run alike.
+TILES_16BIT = {
+    ("fwd", 80, 64): (64, 32, 4, 3), ("fwd", 80, 128): (64, 64, 8, 2), ("fwd", 80, 256): (32, 32, 8, 2),
+    ("fwd", 90, 64): (64, 32, 4, 3), ("fwd", 90, 128): (64, 32, 4, 3), ("fwd", 90, 256): (64, 16, 8, 2),
+    ("dkdv", 80, 64): (32, 32, 4, 2), ("dkdv", 80, 128): (32, 64, 8, 2), ("dkdv", 80, 256): (16, 32, 8, 2),
+    ("dkdv", 90, 64): (64, 32, 4, 2), ("dkdv", 90, 128): (32, 64, 8, 2), ("dkdv", 90, 256): (16, 32, 8, 2),
+    ("dq", 80, 64): (64, 32, 4, 2), ("dq", 80, 128): (64, 32, 8, 2), ("dq", 80, 256): (16, 32, 8, 2),
+    ("dq", 90, 64): (64, 32, 4, 2), ("dq", 90, 128): (64, 16, 8, 2), ("dq", 90, 256): (16, 32, 8, 2),
+}
+# Above 128, no dK/dV or dQ tile with a 64-row product fits in the registers on sm_90 (every one tried kept
+# 400-1800 B of stack: a (64, 256) fp32 accumulator or 64-row operands of 256 columns per warpgroup), so the
+# d=256 backward stays on mma.sync there, without spills (tests/test_kernel_budget.py names the exception).
+# fp32 / fp64: exact IEEE dots (no tensor cores), small tiles on 8 warps; any arch. The dK/dV and dQ loops
+# run unpipelined (1 stage): with 2 stages the split loops kept 16-600 B of stack at 255 registers.
+TILES_FP32 = {
+    ("fwd", 64): (32, 16, 4, 3), ("fwd", 128): (16, 32, 8, 2), ("fwd", 256): (16, 16, 8, 2),
+    ("dkdv", 64): (32, 16, 8, 1), ("dkdv", 128): (16, 16, 8, 1), ("dkdv", 256): (16, 16, 8, 1),
+    ("dq", 64): (32, 16, 8, 1), ("dq", 128): (16, 16, 8, 1), ("dq", 256): (16, 16, 8, 1),
+}
+INTERPRETER_TILES = (16, 16, 4, 1)
+
+
+def head_dim_class(d: int) -> int:
+    """The table's head-dim row for head dim d: 64, 128 or 256 (everything above 128)."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def device_capability(device: torch.device) -> int:
+    """Compute capability as 10 * major + minor (90 for sm_90); 0 off CUDA, where only
+    benchmarks/kernel_report.py launches outside the interpreter (standing in the arch it compiles for)."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def tile_arch(capability: int) -> int:
+    """The table's arch column: 90 for sm_90 and later (wgmma), 80 for everything before."""
+    return 90 if capability >= 90 else 80
+
+
+def delta_block_m(d: int) -> int:
+    """Rows per program of the backward's delta pre-pass (dO and O tiles, no dot): 4096 elements of each,
+    which keeps it free of stack on 4 warps at every head dim (bandwidth-bound, so no tile to tune)."""
+    return 16 if interpreting() else max(16, min(128, 4096 // next_pow2(max(d, 16))))
+
+
+def launch_config(kernel: str, d: int, dtype: torch.dtype, device: torch.device, block_m: Optional[int] = None,
+                  block_n: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of one attention kernel ("fwd", "dkdv", "dq") from the
+    tables above; block_m / block_n override the tile (rounded up to a power of two)."""
     if interpreting():
-        bm, bn, warps, stages = 16, 16, 4, 1
-    elif backward:  # dK/dV and dQ tiles: the largest that keep registers < 255 with no spill on sm_80/90
-        bm, bn = (64, 32) if d <= 64 else (32, 64) if d <= 128 else (16, 32)
-        warps, stages = (4 if d <= 64 else 8), 2
-    else:           # (128, 64) spilled on sm_90 (160 B at d=64, 24 B at d=128: benchmarks/kernel_report.py)
-        bm, bn = (64, 32) if d <= 64 else (64, 64) if d <= 128 else (32, 32)
-        warps, stages = (4 if d <= 64 else 8), (3 if d <= 64 else 2)
-    if dtype in (torch.float32, torch.float64) and not interpreting():
-        bm, bn = max(bm // 2, 16), max(bn // 2, 16)
-        if backward:  # fp32 dK/dV kept 32-560 B on the stack at 255 registers: narrower key tiles, 8 warps
-            bn, warps = (16 if d > 64 else bn), 8
-    elif 64 < d <= 128 and not interpreting():  # measured on the H200 (docstring)
-        bm, bn, warps, stages = 64, 64, 4, (2 if backward else 3)
+        bm, bn, warps, stages = INTERPRETER_TILES
+    elif dtype in (torch.float32, torch.float64):
+        bm, bn, warps, stages = TILES_FP32[(kernel, head_dim_class(d))]
+    else:
+        bm, bn, warps, stages = TILES_16BIT[(kernel, tile_arch(device_capability(device)), head_dim_class(d))]
     return (next_pow2(block_m) if block_m else bm), (next_pow2(block_n) if block_n else bn), warps, stages
 
 
@@ -73,5 +118,53 @@ def _docs(q_doc: Optional[torch.Tensor], k_doc: Optional[torch.Tensor], q: torch
 
 
 def _kernel_dtypes(q: torch.Tensor) -> dict:
+    """Constexprs every attention kernel takes: operand and accumulator dtypes, dot precision, and EXP2
+    (softmax in base 2; off for fp64, which stays exact)."""
     return dict(DOT=dot_dtype(q.dtype), ACC=acc_dtype(q.dtype),
-                PREC="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32")
+                PREC="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", EXP2=base_two(q.dtype))
+
+
+def base_two(dtype: torch.dtype) -> bool:
+    """Whether the kernels exponentiate in base 2 (exp2 is one instruction; exp is exp2 with a multiply).
+    fp64 keeps base e: float arguments and constants reach a kernel as fp32, whose roundings of log2(e) and
+    ln(2) would cost fp64 its exactness."""
+    return dtype != torch.float64
+
+
+def logit_scale(scale: float, q: torch.Tensor) -> float:
+    """The factor on q.k^T inside the kernels: scale * log2(e) in base 2, so that
+    exp(scale * x - lse) = exp2(x * logit_scale - lse * log2(e)); scale in base e."""
+    return scale * LOG2E if base_two(q.dtype) else scale
+
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _exp(x, EXP2: tl.constexpr):
+    """exp of a logit in the kernels' base: 2 ** x with EXP2, else e ** x."""
+    if EXP2:
+        y = tl.exp2(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _lse_to_base(lse, EXP2: tl.constexpr):
+    """A natural-log lse (the ops' interface) in the kernels' base: once per row, where it is loaded."""
+    if EXP2:
+        lse = lse * _LOG2E
+    return lse
+
+
+@triton.jit
+def _lse_from_base(m, l, EXP2: tl.constexpr):
+    """lse in natural log from the running max m (kernel base) and the sum l of exponentials: m + log(l)."""
+    if EXP2:
+        out = (m + tl.log2(l)) * _LN2
+    else:
+        out = m + tl.log(l)
+    return out

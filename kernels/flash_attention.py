@@ -4,7 +4,10 @@ Why our own kernel: ring attention needs, per block, the output *and* its lse (b
 backward that takes the merged (global) out/lse. SDPA returns no lse. The Triton kernels are
 FlashAttention-2 style: the forward here streams key blocks with an online softmax; the backward
 (flash_attention_bwd.py) recomputes the probabilities from lse. This file holds the forward, the torch
-twins (`attention_reference`, `sdpa_attention`) and the autograd wrapper.
+twins (`attention_reference`, `sdpa_attention`) and the autograd wrapper. Inside the kernels the softmax is in
+base 2 (`exp2`, log2(e) folded into the logit scale; the lse at the interface stays natural), every loop
+runs its whole blocks unmasked and only the causal-diagonal / ragged blocks masked, and the launch tiles
+come from one table per kernel, arch and head dim (_flash_common.py).
 
 Conventions as `attention_reference`: q (b, sq, hq, d), k/v (b, sk, hk, d), hq % hk == 0; causal is
 bottom-right aligned (query i sees keys j <= i + sk - sq); rows seeing no key give out 0, lse -inf.
@@ -24,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._flash_common import _check, _config, _doc_block, _docs, _kernel_dtypes, _prep
+from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_from_base, _prep,
+                                              launch_config, logit_scale)
 from parallel3d.kernels._triton_utils import next_pow2
 from parallel3d.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -76,12 +80,55 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, scale, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos,
+def _fwd_step(acc, l_i, m_i, q, k_base, v_base, KDOC, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi, sks, svs,
+              seq_q, seq_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
+              DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr):
+    """One key block of the online softmax (logits in the kernel's base, `_exp`). MASKED: the block may hold
+    keys past seq_k or, causal, above some row's diagonal, so those pairs are masked; the others need none.
+    HAS_DOC: a block whose id range misses the query block's is skipped, and pairs of two documents masked."""
+    cols = start_n + offs_n  # (BLOCK_N,)
+    kd = tl.full(offs_n.shape, 0, tl.int32)
+    visit = True
+    if HAS_DOC:
+        kd, k_lo, k_hi = _doc_block(KDOC, cols, seq_k)
+        visit = (k_hi >= q_lo) & (k_lo <= q_hi)  # the id ranges meet: some pair may share a document
+    if visit:
+        k_t = tl.load(k_base + cols[None, :] * sks + dims[:, None],
+                      mask=dmask[:, None] & (cols[None, :] < seq_k), other=0.0).to(DOT)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if MASKED or HAS_DOC:
+            if MASKED:
+                valid = (cols[None, :] < seq_k) & (rows[:, None] < seq_q)  # (BLOCK_M, BLOCK_N)
+                if CAUSAL:
+                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
+                if HAS_DOC:
+                    valid = valid & (qd[:, None] == kd[None, :])
+            else:
+                valid = qd[:, None] == kd[None, :]
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row fully masked so far
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = m_new  # no mask: every row has a finite logit
+        p = _exp(s - m_safe[:, None], EXP2)  # (BLOCK_M, BLOCK_N)
+        alpha = _exp(m_i - m_safe, EXP2)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * svs + dims[None, :],
+                    mask=(cols[:, None] < seq_k) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC, out_dtype=ACC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, qk_scale, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos,
                      soh, n_q_heads, group, seq_q, seq_k, head_dim, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
-                     DOT: tl.constexpr,
-                     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    """Grid (q blocks, b * hq): online softmax over key blocks; out = acc / l, lse = m + log(l).
+                     DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (q blocks, b * hq): online softmax over key blocks; out = acc / l, lse = m + log(l) (natural log).
+    The key loop runs in two parts: the blocks every row of the query block sees whole (below the causal
+    diagonal, inside seq_k) without masks, then the rest (the diagonal, the ragged last block) masked.
     HAS_DOC: QDOC (b, sq) / KDOC (b, sk) int32 document ids; a query sees only keys of its own document,
     and a key block whose id range misses the query block's is skipped."""
     pid_m = tl.program_id(0)
@@ -97,6 +144,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, scale, sqb, sqs, sqh, skb, sks
                 mask=(rows[:, None] < seq_q) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    kdoc = KDOC + b * seq_k
     diag = seq_k - seq_q
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
     l_i = tl.zeros((BLOCK_M,), ACC)
@@ -105,38 +153,23 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, scale, sqb, sqs, sqh, skb, sks
     q_lo, q_hi = 0, 0
     if HAS_DOC:
         qd, q_lo, q_hi = _doc_block(QDOC + b * seq_q, rows, seq_q)
-    hi = seq_k
+    hi = seq_k                           # keys past the last one any row sees
+    whole = (seq_k // BLOCK_N) * BLOCK_N  # key blocks inside seq_k ...
     if CAUSAL:
         hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,)
-        kd = tl.full((BLOCK_N,), 0, tl.int32)
-        visit = True
-        if HAS_DOC:
-            kd, k_lo, k_hi = _doc_block(KDOC + b * seq_k, cols, seq_k)
-            visit = (k_hi >= q_lo) & (k_lo <= q_hi)  # the id ranges meet: some pair may share a document
-        if visit:
-            k_t = tl.load(k_base + cols[None, :] * sks + dims[:, None],
-                          mask=dmask[:, None] & (cols[None, :] < seq_k), other=0.0).to(DOT)  # (BLOCK_D, BLOCK_N)
-            s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * scale  # (BLOCK_M, BLOCK_N)
-            valid = (cols[None, :] < seq_k) & (rows[:, None] < seq_q)
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + diag)
-            if HAS_DOC:
-                valid = valid & (qd[:, None] == kd[None, :])
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row fully masked so far
-            p = tl.exp(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N)
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + cols[:, None] * svs + dims[None, :],
-                        mask=(cols[:, None] < seq_k) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC, out_dtype=ACC)
-            m_i = m_new
+        # ... that the block's first row sees up to their last key: key j <= row pid_m * BLOCK_M + diag
+        whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    for start_n in range(0, whole, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd,
+                                  q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, False, CAUSAL, HAS_DOC, DOT,
+                                  ACC, PREC, EXP2)
+    for start_n in range(whole, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd,
+                                  q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, True, CAUSAL, HAS_DOC, DOT,
+                                  ACC, PREC, EXP2)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # (BLOCK_M, BLOCK_D)
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))  # (BLOCK_M,)
+    lse = tl.where(empty, float("-inf"), _lse_from_base(m_i, tl.where(empty, 1.0, l_i), EXP2))  # (BLOCK_M,)
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + dims[None, :], out.to(O.dtype.element_ty),
              mask=(rows[:, None] < seq_q) & dmask[None, :])
     tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=rows < seq_q)
@@ -161,10 +194,11 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                      else torch.float32, device=q.device)  # (b, hq, sq)
     if b * sq * hq == 0:
         return out, lse
-    bm, bn, warps, stages = _config(d, q.dtype, block_m, block_n, backward=False)
+    bm, bn, warps, stages = launch_config("fwd", d, q.dtype, q.device, block_m, block_n)
     qd, kd = _docs(q_doc, k_doc, q)
     _attn_fwd_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, out, lse, qd, kd, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, lse, qd, kd, logit_scale(scale, q), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3],
         hq, hq // hk, sq, sk, d, CAUSAL=causal, HAS_DOC=q_doc is not None, **_kernel_dtypes(q), BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=next_pow2(max(d, 16)), num_warps=warps, num_stages=stages)
     return out, lse

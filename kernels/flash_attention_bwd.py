@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._flash_common import _check, _config, _doc_block, _docs, _kernel_dtypes, _prep
+from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_to_base, _prep,
+                                              delta_block_m, launch_config, logit_scale)
 from parallel3d.kernels._triton_utils import next_pow2
 
 
@@ -38,16 +39,56 @@ def _attn_bwd_delta_kernel(O, DO, DLSE, DELTA, n_q_heads, seq_q, head_dim, HAS_D
     tl.store(DELTA + bh * seq_q + rows, delta, mask=rows < seq_q)
 
 
-# dK, dV for one key block of one kv head, summed over the `group` q heads that read it (GQA):
+# dK, dV for one key block of one kv head, summed over the `group` q heads that read it (GQA), logits in the
+# kernel's base (`_exp`, qk_scale = scale * log2(e) with EXP2; lse converted once per row):
 #   P = exp(scale * Q K^T - lse),  dV = sum_h P^T dO,  dP = dO V^T,  dS = P * (dP - delta),
 #   dK = scale * sum_h dS^T Q.     Causal: only q blocks from the first row that sees this key block.
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, scale, sqb, sqs, sqh, skb, sks, skh,
-                          svb, svs, svh, sob, sos, soh, sdb, sds, sdh, n_k_heads, group, seq_q, seq_k,
+def _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, start_m, offs_m, cols, dims, dmask, kd,
+               k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr):
+    """One q block's share of dK/dV. MASKED: causal pairs above the diagonal are dropped. Unmasked steps need
+    no bounds masks: rows past seq_q load q = dO = 0 (P^T dO and dS^T Q add nothing) and keys past seq_k are
+    never stored."""
+    rows = start_m + offs_m  # (BLOCK_M,)
+    qd = tl.full(offs_m.shape, 0, tl.int32)
+    visit = True
+    if HAS_DOC:
+        qd, q_lo, q_hi = _doc_block(QDOC, rows, seq_q)
+        visit = (k_hi >= q_lo) & (k_lo <= q_hi)  # skip q blocks sharing no document with the keys
+    if visit:
+        q_mask = (rows[:, None] < seq_q) & dmask[None, :]
+        q = tl.load(q_base + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
+        do = tl.load(do_base + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
+        lse = _lse_to_base(tl.load(LSE + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
+        delta = tl.load(DELTA + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC)
+        s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = _exp(s - lse[:, None], EXP2)  # (BLOCK_M, BLOCK_N)
+        if MASKED or HAS_DOC:
+            if MASKED:
+                valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+                if CAUSAL:
+                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
+                if HAS_DOC:
+                    valid = valid & (qd[:, None] == kd[None, :])
+            else:
+                valid = qd[:, None] == kd[None, :]
+            p = tl.where(valid, p, 0.0)
+        dv += tl.dot(tl.trans(p.to(DOT)), do, input_precision=PREC, out_dtype=ACC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(DOT)), q, input_precision=PREC, out_dtype=ACC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale, scale, sqb, sqs, sqh, skb, sks,
+                          skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh, n_k_heads, group, seq_q, seq_k,
                           head_dim, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
-                          ACC: tl.constexpr,
-                          PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (key blocks, b * hk). Causal: the q blocks crossing this key block's diagonal run masked, the
+    ones below it (every row sees every key of the block) unmasked."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // n_k_heads).to(tl.int64)
@@ -63,41 +104,29 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, scale, sq
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     diag = seq_k - seq_q
-    lo = 0
+    lo = 0      # the first q block with a row that sees a key of this block (row + diag >= first key)
+    whole = 0   # the first q block whose first row sees the block's last key: from there on, no mask
     if CAUSAL:
         lo = (tl.maximum(pid_n * BLOCK_N - diag, 0) // BLOCK_M) * BLOCK_M
+        whole = tl.maximum(lo, tl.cdiv(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
+        whole = tl.minimum(whole, tl.cdiv(seq_q, BLOCK_M) * BLOCK_M)
     kd = tl.full((BLOCK_N,), 0, tl.int32)
     k_lo, k_hi = 0, 0
     if HAS_DOC:
         kd, k_lo, k_hi = _doc_block(KDOC + b * seq_k, cols, seq_k)
+    qdoc = QDOC + b * seq_q
     for h in range(hk * group, hk * group + group):
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sob + h * soh
         stat_base = (b * (n_k_heads * group) + h) * seq_q
-        for start_m in range(lo, seq_q, BLOCK_M):
-            rows = start_m + offs_m  # (BLOCK_M,)
-            qd = tl.full((BLOCK_M,), 0, tl.int32)
-            visit = True
-            if HAS_DOC:
-                qd, q_lo, q_hi = _doc_block(QDOC + b * seq_q, rows, seq_q)
-                visit = (k_hi >= q_lo) & (k_lo <= q_hi)  # skip q blocks sharing no document with the keys
-            if visit:
-                q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-                q = tl.load(q_base + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)
-                do = tl.load(do_base + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
-                lse = tl.load(LSE + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC)  # (BLOCK_M,)
-                delta = tl.load(DELTA + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC)
-                s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * scale  # (BLOCK_M, BLOCK_N)
-                valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
-                if HAS_DOC:
-                    valid = valid & (qd[:, None] == kd[None, :])
-                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
-                dv += tl.dot(tl.trans(p.to(DOT)), do, input_precision=PREC, out_dtype=ACC)
-                dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
-                ds = p * (dp - delta[:, None])
-                dk += tl.dot(tl.trans(ds.to(DOT)), q, input_precision=PREC, out_dtype=ACC)
+        for start_m in range(lo, whole, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
+                                dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, True, CAUSAL,
+                                HAS_DOC, DOT, ACC, PREC, EXP2)
+        for start_m in range(whole, seq_q, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
+                                dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, False, CAUSAL,
+                                HAS_DOC, DOT, ACC, PREC, EXP2)
     out_off = b * sdb + hk * sdh + cols[:, None] * sds + dims[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -106,10 +135,45 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, scale, sq
 # dQ for one q block of one q head: dQ = scale * sum_j dS_ij K_j over the visible key blocks, with
 # dS = P * (dO V^T - delta) as above. DQ shares the contiguous layout of DO.
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, scale, sqb, sqs, sqh, skb, sks, skh, svb, svs,
-                        svh, sob, sos, soh, n_q_heads, group, seq_q, seq_k, head_dim, CAUSAL: tl.constexpr,
+def _dq_step(dq, q, do, lse, delta, k_base, v_base, KDOC, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi, sks,
+             svs, seq_q, seq_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
+             DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr):
+    """One key block's share of dQ; MASKED as in the forward (keys past seq_k load K = V = 0, so unmasked
+    steps inside seq_k need no bounds masks either)."""
+    cols = start_n + offs_n  # (BLOCK_N,)
+    kd = tl.full(offs_n.shape, 0, tl.int32)
+    visit = True
+    if HAS_DOC:
+        kd, k_lo, k_hi = _doc_block(KDOC, cols, seq_k)
+        visit = (k_hi >= q_lo) & (k_lo <= q_hi)
+    if visit:
+        kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
+        k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = _exp(s - lse[:, None], EXP2)
+        if MASKED or HAS_DOC:
+            if MASKED:
+                valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+                if CAUSAL:
+                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
+                if HAS_DOC:
+                    valid = valid & (qd[:, None] == kd[None, :])
+            else:
+                valid = qd[:, None] == kd[None, :]
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(DOT), k, input_precision=PREC, out_dtype=ACC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, qk_scale, scale, sqb, sqs, sqh, skb, sks, skh, svb,
+                        svs, svh, sob, sos, soh, n_q_heads, group, seq_q, seq_k, head_dim, CAUSAL: tl.constexpr,
                         HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        EXP2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (q blocks, b * hq); the key loop in two parts as the forward's."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // n_q_heads).to(tl.int64)
@@ -123,10 +187,11 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, scale, sqb, sqs
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)
     do = tl.load(DO + b * sob + h * soh + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
     stat = bh.to(tl.int64) * seq_q + rows
-    lse = tl.load(LSE + stat, mask=rows < seq_q, other=0.0).to(ACC)  # (BLOCK_M,)
+    lse = _lse_to_base(tl.load(LSE + stat, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
     delta = tl.load(DELTA + stat, mask=rows < seq_q, other=0.0).to(ACC)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    kdoc = KDOC + b * seq_k
     diag = seq_k - seq_q
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     qd = tl.full((BLOCK_M,), 0, tl.int32)
@@ -134,29 +199,16 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, scale, sqb, sqs
     if HAS_DOC:
         qd, q_lo, q_hi = _doc_block(QDOC + b * seq_q, rows, seq_q)
     hi = seq_k
+    whole = (seq_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,)
-        kd = tl.full((BLOCK_N,), 0, tl.int32)
-        visit = True
-        if HAS_DOC:
-            kd, k_lo, k_hi = _doc_block(KDOC + b * seq_k, cols, seq_k)
-            visit = (k_hi >= q_lo) & (k_lo <= q_hi)
-        if visit:
-            kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-            k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
-            v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * scale  # (BLOCK_M, BLOCK_N)
-            valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + diag)
-            if HAS_DOC:
-                valid = valid & (qd[:, None] == kd[None, :])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(DOT), k, input_precision=PREC, out_dtype=ACC)
+        whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    for start_n in range(0, whole, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
+                      sks, svs, seq_q, seq_k, diag, qk_scale, False, CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2)
+    for start_n in range(whole, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
+                      sks, svs, seq_q, seq_k, diag, qk_scale, True, CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2)
     tl.store(DQ + b * sob + h * soh + rows[:, None] * sos + dims[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 
@@ -184,21 +236,25 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dv = torch.zeros((b, sk, hk, d), dtype=v.dtype, device=v.device)
     if b * sq * hq == 0 or sk == 0:
         return dq.zero_(), dk, dv
-    bm, bn, warps, stages = _config(d, q.dtype, block_m, block_n, backward=True)
+    kv_bm, kv_bn, kv_warps, kv_stages = launch_config("dkdv", d, q.dtype, q.device, block_m, block_n)
+    bm, bn, warps, stages = launch_config("dq", d, q.dtype, q.device, block_m, block_n)
     bd = next_pow2(max(d, 16))
     kd = _kernel_dtypes(q)
     delta = torch.empty_like(lse)  # (b, hq, sq)
     dlse_arg = dlse.contiguous() if dlse is not None else lse
-    _attn_bwd_delta_kernel[(triton.cdiv(sq, bm), b * hq)](
-        out, do, dlse_arg, delta, hq, sq, d, HAS_DLSE=dlse is not None, ACC=kd["ACC"], BLOCK_M=bm,
-        BLOCK_D=bd, num_warps=warps)
+    delta_m = delta_block_m(d)
+    _attn_bwd_delta_kernel[(triton.cdiv(sq, delta_m), b * hq)](
+        out, do, dlse_arg, delta, hq, sq, d, HAS_DLSE=dlse is not None, ACC=kd["ACC"], BLOCK_M=delta_m,
+        BLOCK_D=bd, num_warps=4)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     qd, kdoc = _docs(q_doc, k_doc, q)
     has_doc = q_doc is not None
-    _attn_bwd_dkdv_kernel[(triton.cdiv(sk, bn), b * hk)](
-        q, k, v, do, lse, delta, dk, dv, qd, kdoc, scale, *strides, *dk.stride()[:3], hk, hq // hk, sq, sk, d,
-        CAUSAL=causal, HAS_DOC=has_doc, **kd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+    scales = (logit_scale(scale, q), scale)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(sk, kv_bn), b * hk)](
+        q, k, v, do, lse, delta, dk, dv, qd, kdoc, *scales, *strides, *dk.stride()[:3], hk, hq // hk, sq, sk, d,
+        CAUSAL=causal, HAS_DOC=has_doc, **kd, BLOCK_M=kv_bm, BLOCK_N=kv_bn, BLOCK_D=bd, num_warps=kv_warps,
+        num_stages=kv_stages)
     _attn_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, do, lse, delta, dq, qd, kdoc, scale, *strides, hq, hq // hk, sq, sk, d,
+        q, k, v, do, lse, delta, dq, qd, kdoc, *scales, *strides, hq, hq // hk, sq, sk, d,
         CAUSAL=causal, HAS_DOC=has_doc, **kd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
     return dq, dk, dv

@@ -1,0 +1,33 @@
+"""benchmarks/attention_table.py's pure parts (the GPU command of issue 49 runs it where a GPU is lent):
+the packed documents it times, the pairs its FLOPs count, and the ratio tables it prints."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+attention_table = importlib.import_module("attention_table")
+
+
+def test_documents_are_runs_of_bounded_length():
+    doc = attention_table.documents(3, 1000, 64, seed=0)
+    assert doc.shape == (3, 1000) and doc.dtype == torch.int32
+    assert bool((doc[:, 1:] >= doc[:, :-1]).all())
+    spans = attention_table.spans(doc)
+    for row, row_spans in zip(doc.tolist(), spans):
+        assert row_spans[0][0] == 0 and row_spans[-1][1] == 1000
+        assert all(a < e and len(set(row[a:e])) == 1 for a, e in row_spans)
+        assert all(16 <= e - a < 112 for a, e in row_spans[:-1])  # [mean / 4, 7 mean / 4); the last is cut
+    assert attention_table.causal_pairs(4) == 10  # 1 + 2 + 3 + 4 visible pairs
+
+
+def test_tables_divide_the_fastest_reference_by_ours():
+    def impl(fwd, bwd):
+        return dict(fwd=fwd, bwd=bwd, fwd_tf=1.0, bwd_tf=1.0, expanded=False, diff=0.0)
+    rows = [{"kind": "causal", "shape": "b1 s8", "auto": "sdpa", "impls": {
+        "ours": impl(2.0, 4.0), "sdpa-flash": impl(3.0, 5.0), "sdpa-cudnn": impl(1.0, 6.0)}}]
+    text = attention_table.tables(rows)
+    assert "| b1 s8 | 0.50 (sdpa-cudnn) / 1.25 (sdpa-flash) | 0.0e+00 |" in text
