@@ -302,6 +302,8 @@ def test_what_follows_the_pipeline_is_read_from_the_timelines_own_step(tmp_path)
     assert run["action_s"]["FORWARD"] == pytest.approx((0.05 + 0.03 + 0.04) / 3)
 
 
+@pytest.mark.sweep   # 434-517 s on this 2-core machine (op replay of two layouts into an empty cache);
+# test_compare_prints_the_plan_beside_a_real_cpu_run covers the plan-beside-a-run path in CI
 def test_accuracy_benchmark_quick_smoke(cache_home):
     """Two layouts of the --quick benchmark: plans, runs through launch/pretrain.py under torchrun, and the
     JSON rows carry what the issue asks for, with the load average and the commit."""
