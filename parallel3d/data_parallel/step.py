@@ -32,6 +32,13 @@ class OptimizerStep:
                  publisher: ParamPublisher, homes: OffloadHomes) -> None:
         self.buckets, self.ctx, self.zero = list(buckets), ctx, config.zero
         self.publisher, self.homes = publisher, homes
+        # the update order: forward order (buckets are in backward order) where the next forward may start
+        # before the step's publishing is done: offload's device copies (offload/publish.py) and
+        # overlap_param_gather's gathers, which are then issued in the order the forward waits for them (on
+        # NCCL a group's collectives complete in issue order: gathers issued last layers first would hold the
+        # first block)
+        ahead = homes.copies is not None or publisher.overlap_param_gather
+        self.order = forward_order(self.buckets) if ahead else self.buckets
         self.lr, self.betas, self.eps, self.weight_decay = config.lr, config.betas, config.eps, config.weight_decay
         self.block = config.adamw_block or None   # None: by device (adamw.block_for)
         # train.optimizer=muon: Muon for the matrix slots (muon_step.py), AdamW for the rest
@@ -82,12 +89,7 @@ class OptimizerStep:
             self.homes.drain(self.buckets)
             return False
         self.step_count += 1
-        # forward order (buckets are in backward order) where the next forward may start before the
-        # step's publishing is done: offload's device copies (offload/publish.py) and overlap_param_gather's
-        # gathers, which are then issued in the order the forward waits for them (on NCCL a group's
-        # collectives complete in issue order: gathers issued last layers first would hold the first block)
-        ahead = self.homes.copies is not None or self.publisher.overlap_param_gather
-        order = forward_order(self.buckets) if ahead else self.buckets
+        order = self.order
         if self.homes.nvme is not None:  # streamed: each updated master chunk is published as it is produced
             self.homes.nvme.step(order, lr, self.betas, self.eps, self.weight_decay, self.step_count,
                                  self.publisher.publish_chunk)
