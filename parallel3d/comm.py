@@ -319,6 +319,24 @@ def start_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> obje
     return _started(group, "all_gather", launch, [out], [inp])
 
 
+def start_all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, out_splits: Sequence[int],
+                     in_splits: Sequence[int]) -> object:
+    """out (sum(out_splits), ...) <- the rows every rank sends this one, inp (sum(in_splits), ...) split over the
+    ranks; started, returns the work handle (the MoE exchange's overlapped path: interleave.py)."""
+    if group.size == 1:
+        return local_work(group, "all_to_all", [out], lambda: out.copy_(inp))
+    group._record("all_to_all", _nbytes(inp))
+    if group.simulated:
+        check_placement(group, "all_to_all", out, inp)
+        fill_all_to_all(out, inp)
+        return group.simulated_work()
+
+    def launch(outs: list, ins: list) -> object:
+        return _run(group, "all_to_all", lambda: dist.all_to_all_single(
+            outs[0], ins[0], list(out_splits), list(in_splits), group=group.pg, async_op=True), outs[0], ins[0])
+    return _started(group, "all_to_all", launch, [out], [inp])
+
+
 def orders_on_device(group: Group) -> bool:
     """Whether waiting for this group's work orders the device instead of blocking the host: NCCL's
     work.wait() makes the current CUDA stream wait for the collective, so what follows a collective can be

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from parallel3d.comm import CommStats, Group
+from parallel3d.interleave import Interleave
 from parallel3d.mesh_spec import ALL_DIMS, DIMS, HSDP_DIMS, NODE_DIMS, Coords, MeshSpec, check_hpz
 
 __all__ = ["DIMS", "MeshSpec", "ParallelContext", "check_hpz", "init_distributed"]  # MeshSpec & co. re-exported
@@ -49,6 +50,8 @@ class ParallelContext:
     edp_node: Group
     timeout_s: float = 600.0    # collective timeout of the groups (clones get the same)
     _clones: dict[str, Group] = field(default_factory=dict, repr=False)  # see clone()
+    # runs two microbatches' computes in turns so one's all-to-all hides behind the other (interleave.py)
+    interleave: Interleave = field(default_factory=Interleave, repr=False)
 
     @classmethod
     def create(cls, spec: MeshSpec, rank: int, device: torch.device | str = "cpu",
@@ -104,6 +107,10 @@ class ParallelContext:
                 if self.rank in ranks:
                     self._clones[dim] = Group(group.name, list(ranks), self.rank, pg, self.stats, self.device)
         return self._clones[dim]
+
+    def cloned(self, dim: str) -> Group:
+        """`dim`'s clone if `clone` made one, else the group itself (never creates one: creating is collective)."""
+        return self._clones.get(self._aliases(self.spec).get(dim, dim), getattr(self, dim))
 
     def destroy(self) -> None:
         """Destroy the process groups `build` and `clone` made, all but the default group. Local to this rank,

@@ -26,6 +26,7 @@ from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.expert_parallel.router import expert_counts
 from parallel3d.host_sync import read_list
+from parallel3d.interleave import Interleave
 
 
 @dataclass
@@ -126,9 +127,14 @@ class ExpertExchange:
     """
 
     def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None,
-                 tp: Optional[Group] = None) -> None:
+                 tp: Optional[Group] = None, interleave: Optional[Interleave] = None,
+                 counts_group: Optional[Group] = None) -> None:
         """`known`: the host counts (`self.host`) of an earlier exchange of the same routing, e.g. the forward
-        that an activation recomputation repeats: used instead of reading the device again."""
+        that an activation recomputation repeats: used instead of reading the device again. `interleave`:
+        inside one of its pairs, dispatch and combine (and their backwards) are started, the partner computes,
+        then they are waited (interleave.py). `counts_group`: where the counts are exchanged (a clone of
+        `group` with its own queue, so their host read never waits behind a partner's rows in flight)."""
+        self.interleave = interleave
         ep, num_experts = group.size, counts.numel()
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
@@ -140,7 +146,7 @@ class ExpertExchange:
         if ep == 1:
             device, nominal_host = counts, nominal  # (E,) sent
         else:
-            recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
+            recv = comm.all_to_all(counts.contiguous(), counts_group or group).view(ep, self.local_experts)  # (ep, E_local)
             load = comm.simulated_expert_load(group)
             mine = [round(n * load) for n in nominal[group.rank * self.local_experts:(group.rank + 1) *
                                                      self.local_experts]]
@@ -180,11 +186,40 @@ class ExpertExchange:
         """(N_send, h) sorted by global expert -> (N_recv, h) sorted by local expert (source order inside)."""
         if self.regroup is None:
             return rows
-        received = comm.all_to_all_autograd(rows, self.group, self.recv_splits, self.send_splits)  # (N_recv, h)
+        received = _AllToAll.apply(rows, self.group, self.recv_splits, self.send_splits,
+                                   self.interleave)  # (N_recv, h) source-major
         return received[self.regroup]
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """(N_recv, h) expert outputs, expert-major -> (N_send, h) back on the source ranks, sorted order."""
         if self.regroup is None:
             return rows
-        return comm.all_to_all_autograd(rows[self.ungroup], self.group, self.send_splits, self.recv_splits)
+        return _AllToAll.apply(rows[self.ungroup], self.group, self.send_splits, self.recv_splits, self.interleave)
+
+
+def _exchange(x: torch.Tensor, group: Group, out_splits: list, in_splits: list,
+              interleave: Optional[Interleave]) -> torch.Tensor:
+    """(sum(in_splits), h) -> (sum(out_splits), h) over the EP group. Inside an interleaved pair: start the
+    all-to-all, let the partner compute while it travels, then wait for it."""
+    if interleave is None or not interleave.active:
+        return comm.all_to_all(x, group, out_splits, in_splits)
+    x = x.contiguous()  # (kept alive until the wait: the transfer reads it)
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))  # (N_out, h)
+    work = comm.start_all_to_all(out, x, group, out_splits, in_splits)
+    interleave.switch()
+    comm.wait_work(work, group, "all_to_all")
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """The exchange's all-to-all (dispatch or combine). Backward: dL/dx is the all-to-all of dL/dout with the
+    splits swapped (each row goes back to where it came from), overlapped the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, interleave):
+        ctx.args = (group, in_splits, out_splits, interleave)
+        return _exchange(x, group, out_splits, in_splits, interleave)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), *ctx.args), None, None, None, None

@@ -149,6 +149,10 @@ class MoELayer(nn.Module):
         super().__init__()
         check_aux_scope(aux_scope)
         self.tp, self.ep, self.etp, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.etp, ctx.cp, ctx.dp_cp
+        self.interleave = ctx.interleave  # a pipeline pair's turns (interleave.py): the exchange switches there
+        # the split-size exchange and its host read, on a clone of EP where the trainer made one (ep_overlap):
+        # inside a pair the partner's rows may still be in flight on EP itself, and the read would wait for them
+        self.ep_counts = ctx.cloned("ep")
         self.aux_scope = aux_scope
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.num_experts, self.top_k = num_experts, top_k
@@ -207,7 +211,8 @@ class MoELayer(nn.Module):
         """The layer's one host sync: the exchange reads the split sizes (a recomputation replays them)."""
         tape = self._tape
         known = tape.replay() if tape is not None and tape.replaying else None
-        exchange = ExpertExchange(kept_counts(indices, self.num_experts, keep), self.ep, num_rows, known, tp)
+        exchange = ExpertExchange(kept_counts(indices, self.num_experts, keep), self.ep, num_rows, known, tp,
+                                  self.interleave, self.ep_counts)
         if tape is not None and not tape.replaying:
             tape.record(exchange.host)
         return exchange

@@ -34,12 +34,13 @@ from torch.autograd.graph import GradientEdge
 
 from parallel3d import comm
 from parallel3d.host_sync import read_float
+from parallel3d.interleave import BACKWARD, FORWARD
 from parallel3d.mesh import ParallelContext
 
 from .backward import WeightWork, backward_input, backward_weight
 from .mailbox import Mailboxes
 from .placement import placement_for, placement_of, stage_of
-from .runtime_schedules import Post, ScheduleCache, Step, forward_only_schedule, rank_plan  # noqa: F401
+from .runtime_schedules import Pair, Post, ScheduleCache, Step, forward_only_schedule, rank_plan  # noqa: F401
 from .schedules import Action, ActionKind
 from .stage import AuxObjective  # the stage contract a chunk meets: stage.PipelineStage
 
@@ -116,6 +117,8 @@ class _Executor:
                 if timed:
                     end = self.clock()
                     self.record += [(self.rank, a, start, end) for a in step.ops if waited or a.kind.is_send]
+            elif type(step) is Pair:
+                self.pair(step, start)
             else:
                 if trace is not None:
                     trace.append(("run", step))
@@ -165,6 +168,28 @@ class _Executor:
             out = GradientEdge(out.grad_fn, out.output_nr)
         self.slots[(mb, c)] = _Slot(x if stage > 0 else None, out)
         self.stats.peak_live = max(self.stats.peak_live, len(self.slots))
+
+    def pair(self, step: Pair, start: float) -> None:
+        """A backward and a forward of two microbatches in turns (interleave.py): each hands the turn over
+        after starting an expert all-to-all, so it travels while the other computes. Recorded as the
+        turns each ran (several rows per action; their sum is its busy time, the pair's span is less than
+        the sum of the two actions run apart when the all-to-alls hide)."""
+        fwd, bwd = (step.first, step.second) if step.first.kind is K.FORWARD else (step.second, step.first)
+        trace, timed = self.stats.trace, self.record is not None
+        if trace is not None:
+            trace.append(("run", step.first))
+            trace.append(("run", step.second))
+        self.mail.resumed = start
+        turns: list | None = [] if timed else None
+        first = FORWARD if step.first is fwd else BACKWARD
+        self.ctx.interleave.run(lambda: self.dispatch[fwd.kind](fwd), lambda: self.dispatch[bwd.kind](bwd),
+                                first=first, turns=turns)
+        if timed:
+            end = self.clock()
+            walls = [w for w, _ in turns] + [end]
+            for (wall, side), until in zip(turns, walls[1:]):
+                if until > wall:
+                    self.record.append((self.rank, fwd if side == FORWARD else bwd, wall, until))
 
     def objective_scale(self) -> float:
         """d(what backward minimises)/d(loss_sum): loss_scale times what the caller's backward multiplies a
@@ -247,8 +272,8 @@ def run_pipeline_step(ctx: ParallelContext, chunks: Sequence[nn.Module], schedul
                       backward: Callable[[torch.Tensor], None],
                       before_backward: Callable[[int, int], None] | None = None,
                       record: Record | None = None, stats: PipelineStats | None = None,
-                      schedules: ScheduleCache | None = None, lazy_sends: bool = True
-                      ) -> torch.Tensor:
+                      schedules: ScheduleCache | None = None, lazy_sends: bool = True,
+                      ep_overlap: bool = False) -> torch.Tensor:
     """Forward and backward of ``len(mbs)`` microbatches through this rank's ``chunks``.
 
     The last stage calls ``backward(loss_sum * loss_scale)`` per microbatch (for split backwards,
@@ -258,14 +283,17 @@ def run_pipeline_step(ctx: ParallelContext, chunks: Sequence[nn.Module], schedul
     ``record`` gets ``(pp rank, action, start, end)`` per action (``Timeline.from_events``),
     ``stats`` the peak of live activations. ``schedules`` caches verified schedules across steps;
     ``lazy_sends=False`` waits for every send where it is posted (the verifier's strict model).
+    ``ep_overlap``: backward/forward pairs of different microbatches run in turns, so each one's expert
+    all-to-alls travel while the other computes (``pairing.py``, ``interleave.py``).
     """
     _check_chunks(ctx, chunks, mbs, placement_of(schedule))
     cache = schedules or ScheduleCache()
-    placement = placement_for(cache.get(schedule, ctx.spec.pp, len(mbs), len(chunks)))
+    placement = placement_for(cache.get(schedule, ctx.spec.pp, len(mbs), len(chunks), ep_overlap))
     run = _Executor(ctx, chunks, mbs, loss_scale, backward, before_backward, record,
                     stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends,
                     placement=placement)
-    return run.run(cache.plan(schedule, ctx.spec.pp, len(mbs), len(chunks), ctx.coords.pp, run.mail.queue.early))
+    return run.run(cache.plan(schedule, ctx.spec.pp, len(mbs), len(chunks), ctx.coords.pp, run.mail.queue.early,
+                              ep_overlap))
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from .actions import Action, ActionKind
-from .placement import locate, stage_of
+from .pairing import paired_schedule
+from .placement import Schedule, locate, placement_for, stage_of
 from .schedules import build_schedule
 from .posting import receives_early, sends_early, split_steps
 from .verify import verify
@@ -22,7 +23,15 @@ class Post:
     ops: tuple[Action, ...]
 
 
-Step = Union[Action, Post]
+@dataclass(frozen=True)
+class Pair:
+    """Two computes of different microbatches run in turns, a backward and a forward (``pairing.py``;
+    ``interleave.py`` hands the turn over at each expert all-to-all), ``first`` first."""
+    first: Action
+    second: Action
+
+
+Step = Union[Action, Post, Pair]
 
 
 # Schedules whose plan also posts each send right after the compute that made it (``rank_plan``'s
@@ -30,7 +39,8 @@ Step = Union[Action, Post]
 PAIRED = frozenset({"dualpipe-v"})
 
 
-def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False) -> tuple[Step, ...]:
+def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False,
+              pairs: Sequence[tuple[Action, Action]] = ()) -> tuple[Step, ...]:
     """One rank's list as the runtime walks it: compute actions and :class:`Post` groups.
 
     ``early``: every group's receives move to the group before it (the first group's to a new one
@@ -39,10 +49,21 @@ def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False)
     stay where they are (after the compute that produced them) and receives keep their order.
     ``early_sends`` (with ``early`` only): each send is posted right after the compute that produced
     it instead, as long as no earlier-listed send to the same peer is passed (FIFO pairing); it
-    travels during the next compute and is waited at the end of the step (lazy sends)."""
+    travels during the next compute and is waited at the end of the step (lazy sends).
+    ``pairs`` (``pairing.pair_computes``, back to back in ``actions``): each becomes one :class:`Pair`
+    step; ``early_sends`` does not apply then (a pair's sends follow it)."""
     if early:
-        actions = receives_early(sends_early(actions) if early_sends else actions)
-    return tuple(Post(tuple(s)) if isinstance(s, list) else s for s in split_steps(actions))
+        actions = receives_early(sends_early(actions) if early_sends and not pairs else actions)
+    steps: list[Step] = []
+    paired = {first: second for first, second in pairs}
+    for s in split_steps(actions):
+        if isinstance(s, list):
+            steps.append(Post(tuple(s)))
+        elif steps and isinstance(steps[-1], Action) and paired.get(steps[-1]) == s:
+            steps[-1] = Pair(steps[-1], s)
+        else:
+            steps.append(s)
+    return tuple(steps)
 
 
 class ScheduleCache:
@@ -50,21 +71,35 @@ class ScheduleCache:
     the whole schedule, so a trainer that keeps one of these pays for it once instead of every step."""
 
     def __init__(self) -> None:
-        self._lists: dict[tuple[str, int, int, int], list[list[Action]]] = {}
+        self._lists: dict[tuple, list[list[Action]]] = {}
+        self._pairs: dict[tuple, list[list[tuple[Action, Action]]]] = {}
         self._plans: dict[tuple, tuple[Step, ...]] = {}
 
-    def get(self, name: str, p: int, m: int, v: int) -> list[list[Action]]:
-        key = (name, p, m, v)
+    def get(self, name: str, p: int, m: int, v: int, paired: bool = False) -> list[list[Action]]:
+        """The verified lists; `paired`: with backward/forward pairs made adjacent (pairing.py)."""
+        key = (name, p, m, v, paired)
         if key not in self._lists:
             lists = build_schedule(name, p, m, v)  # ValueError with the user's mistake, unchanged
+            pairs: list = [[] for _ in range(p)]
+            if paired:
+                new, pairs = paired_schedule(lists, move_messages=name != "interleaved")
+                lists = Schedule(new, placement_for(lists))
             verify(lists, p, m, v)
-            self._lists[key] = lists
+            self._lists[key], self._pairs[key] = lists, pairs
         return self._lists[key]
 
-    def plan(self, name: str, p: int, m: int, v: int, rank: int, early: bool) -> tuple[Step, ...]:
-        key = (name, p, m, v, rank, early)
+    def pairs(self, name: str, p: int, m: int, v: int, rank: int) -> list[tuple[Action, Action]]:
+        """This rank's pairs of the paired schedule (pairing.py), in order."""
+        self.get(name, p, m, v, True)
+        return self._pairs[(name, p, m, v, True)][rank]
+
+    def plan(self, name: str, p: int, m: int, v: int, rank: int, early: bool, paired: bool = False
+             ) -> tuple[Step, ...]:
+        key = (name, p, m, v, rank, early, paired)
         if key not in self._plans:
-            self._plans[key] = rank_plan(self.get(name, p, m, v)[rank], early, early_sends=name in PAIRED)
+            pairs = self.pairs(name, p, m, v, rank) if paired else ()
+            self._plans[key] = rank_plan(self.get(name, p, m, v, paired)[rank], early,
+                                         early_sends=name in PAIRED, pairs=pairs)
         return self._plans[key]
 
 

@@ -88,6 +88,7 @@ class ParallelConfig:
     quant_block: int = 256       # values per quantisation scale (qwZ, qgZ)
     zero3_fp8_gather: bool = False  # ZeRO-3 gathers the fp8 linears' weights as e4m3 + scales (train.fp8 on)
     overlap_param_gather: bool = False  # ZeRO-1/2: the step's parameter all-gathers run beside the next forward
+    ep_overlap: bool = False     # MoE: a backward and another microbatch's forward run in turns, each one's expert all-to-alls beside the other's compute (1f1b, interleaved, dualpipe-v)
     gpus_per_node: int = 8       # ranks per node (consecutive), for hpZ's intra-node groups
 
 

@@ -97,6 +97,8 @@ class Trainer:
         self.placement = placement_of(p.schedule)
         self.stage_ids = stage_ids(ctx.coords.pp, p.pp, v, self.placement)
         last = p.pp * v - 1
+        if p.ep_overlap:  # the MoE count exchanges' own process group (expert_parallel/layer.py), made by all ranks
+            ctx.clone("ep")
         with torch.device(ctx.device):  # parameters are created where they live (no host copy first)
             self.chunks = [build_stage(stages[s], s == 0, s == last) for s in self.stage_ids]
         for chunk in self.chunks:
@@ -157,7 +159,7 @@ class Trainer:
         opt = self.optimizer
         p = self.cfg.parallel
         return run_pipeline_step(self.ctx, self.chunks, p.schedule, mbs, loss_scale=1.0 / tokens,
-                                 schedules=self.schedules, record=record,
+                                 schedules=self.schedules, record=record, ep_overlap=p.ep_overlap,
                                  backward=lambda loss: opt.scale_loss(loss).backward(),
                                  before_backward=lambda mb, chunk: opt.set_last_microbatch(mb == len(mbs) - 1, chunk))
 

@@ -196,6 +196,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     if p.pp > 1 and p.zero == 3:
         from parallel3d.data_parallel.zero3 import check_split_backward
         _owned(lambda: check_split_backward(p.schedule in SPLIT_BACKWARD), f"schedule={p.schedule}: ")
+    if p.ep_overlap:
+        from parallel3d.pipeline.pairing import check_ep_overlap
+        _owned(lambda: check_ep_overlap(p.schedule, p.ep, p.zero, p.offload_params))
     try:  # the partition owns what a stage may hold (empty first/last stages are fine)
         partition_layers(m.num_layers, p.pp, v, p.layers_per_stage)
     except ValueError as e:
