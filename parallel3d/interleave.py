@@ -18,8 +18,9 @@ Why threads and not generators: the pieces are ordinary module forwards and ``to
 calls, whose switch points lie deep inside autograd; a thread keeps its own autograd state (the backward's
 graph task is not the forward's, so ``params.in_backward`` still tells a recomputation from a forward). On
 CUDA, autograd runs the backward's nodes on its device thread: every thread other than the forward's is the
-backward's side. The helper thread takes the caller's grad mode, CUDA device and stream, and the dispatch
-modes in force (the planner's tracker), so the backward runs as it would on the calling thread.
+backward's side. The helper thread takes the caller's grad mode, CUDA device and stream, the dispatch modes and
+the saved-tensor hooks in force (the planner's tracker), so the backward runs as it would on the calling
+thread.
 """
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ class _Inherit:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         self.grad = torch.is_grad_enabled()
         self.modes = list(_get_current_dispatch_mode_stack())
+        self.saved = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (pack, unpack) or None
         self.stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
             else None
 
@@ -141,9 +143,13 @@ class _Inherit:
             torch.cuda.set_stream(self.stream)
         for mode in self.modes:
             _push_mode(mode)
+        if self.saved is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self.saved)
 
     def __exit__(self, *exc) -> None:
         from torch.utils._python_dispatch import _pop_mode
+        if self.saved is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         for _ in self.modes:
             _pop_mode()
 

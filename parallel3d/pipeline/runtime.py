@@ -288,7 +288,7 @@ def run_pipeline_step(ctx: ParallelContext, chunks: Sequence[nn.Module], schedul
     """
     _check_chunks(ctx, chunks, mbs, placement_of(schedule))
     cache = schedules or ScheduleCache()
-    placement = placement_for(cache.get(schedule, ctx.spec.pp, len(mbs), len(chunks), ep_overlap))
+    placement = placement_for(cache.get(schedule, ctx.spec.pp, len(mbs), len(chunks)))
     run = _Executor(ctx, chunks, mbs, loss_scale, backward, before_backward, record,
                     stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends,
                     placement=placement)

@@ -8,7 +8,7 @@ from typing import Sequence, Union
 
 from .actions import Action, ActionKind
 from .pairing import paired_schedule
-from .placement import Schedule, locate, placement_for, stage_of
+from .placement import locate, stage_of
 from .schedules import build_schedule
 from .posting import receives_early, sends_early, split_steps
 from .verify import verify
@@ -51,7 +51,7 @@ def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False,
     it instead, as long as no earlier-listed send to the same peer is passed (FIFO pairing); it
     travels during the next compute and is waited at the end of the step (lazy sends).
     ``pairs`` (``pairing.pair_computes``, back to back in ``actions``): each becomes one :class:`Pair`
-    step; ``early_sends`` does not apply then (a pair's sends follow it)."""
+    step; ``early_sends`` does not apply then (a send would split an F-first pair: it follows the pair)."""
     if early:
         actions = receives_early(sends_early(actions) if early_sends and not pairs else actions)
     steps: list[Step] = []
@@ -75,31 +75,28 @@ class ScheduleCache:
         self._pairs: dict[tuple, list[list[tuple[Action, Action]]]] = {}
         self._plans: dict[tuple, tuple[Step, ...]] = {}
 
-    def get(self, name: str, p: int, m: int, v: int, paired: bool = False) -> list[list[Action]]:
-        """The verified lists; `paired`: with backward/forward pairs made adjacent (pairing.py)."""
-        key = (name, p, m, v, paired)
+    def get(self, name: str, p: int, m: int, v: int) -> list[list[Action]]:
+        key = (name, p, m, v)
         if key not in self._lists:
             lists = build_schedule(name, p, m, v)  # ValueError with the user's mistake, unchanged
-            pairs: list = [[] for _ in range(p)]
-            if paired:
-                new, pairs = paired_schedule(lists, move_messages=name != "interleaved")
-                lists = Schedule(new, placement_for(lists))
             verify(lists, p, m, v)
-            self._lists[key], self._pairs[key] = lists, pairs
+            self._lists[key] = lists
         return self._lists[key]
 
     def pairs(self, name: str, p: int, m: int, v: int, rank: int) -> list[tuple[Action, Action]]:
-        """This rank's pairs of the paired schedule (pairing.py), in order."""
-        self.get(name, p, m, v, True)
-        return self._pairs[(name, p, m, v, True)][rank]
+        """This rank's forward/backward pairs (parallel.ep_overlap; pairing.py), in order."""
+        key = (name, p, m, v)
+        if key not in self._pairs:
+            self._pairs[key] = paired_schedule(self.get(name, p, m, v))
+        return self._pairs[key][rank]
 
     def plan(self, name: str, p: int, m: int, v: int, rank: int, early: bool, paired: bool = False
              ) -> tuple[Step, ...]:
         key = (name, p, m, v, rank, early, paired)
         if key not in self._plans:
             pairs = self.pairs(name, p, m, v, rank) if paired else ()
-            self._plans[key] = rank_plan(self.get(name, p, m, v, paired)[rank], early,
-                                         early_sends=name in PAIRED, pairs=pairs)
+            self._plans[key] = rank_plan(self.get(name, p, m, v)[rank], early, early_sends=name in PAIRED,
+                                         pairs=pairs)
         return self._plans[key]
 
 

@@ -75,8 +75,11 @@ def run_role(cfg: ExperimentConfig, rank: int, stage_builder: StageBuilder, gpu:
         ctx.stats.listener = ctx.stats.on_wait = None
     peak, split = tracker.peak()
     live = tracker.live()
+    p = cfg.parallel
+    pairs = (trainer.schedules.pairs(p.schedule, p.pp, cfg.train.num_microbatches, len(trainer.chunks),
+                                     ctx.coords.pp) if p.ep_overlap else ())
     result = price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu,
-                        trainer.optimizer.per_microbatch)
+                        trainer.optimizer.per_microbatch, pairs)
     if trainer.optimizer.zero == 3:
         shards = {b.param_flat.untyped_storage() for b in trainer.optimizer.buckets
                   if b.param_flat is not b.adam.master}  # fp32: the shard is the master (optimizer state)

@@ -26,6 +26,7 @@ import torch
 from parallel3d.expert_parallel.dispatch import check_expert_load
 from parallel3d.host_sync import PER_LAYER
 from parallel3d.mesh import MeshSpec
+from parallel3d.pipeline.pairing import paired_schedule
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import V_SCHEDULES, chunks_per_rank, placement_of, stage_ids
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD, build_schedule
@@ -169,9 +170,18 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     priced = [{key: max((run.actions[key] for run in ran_for[r] if key in run.actions), key=lambda c: c.time_s)
                for key in stage_run[r].actions} for r in range(p.pp)]
 
+    # parallel.ep_overlap: the schedule's back-to-back forward/backward pairs run in turns, their expert
+    # all-to-alls beside the partner's compute (pipeline/pairing.py): priced as the dry run's paired instances
+    pairs = [{a for pair in rank_pairs for a in pair} for rank_pairs in paired_schedule(schedule)] \
+        if p.ep_overlap else [set() for _ in range(p.pp)]
+    paired = [{key: max((run.paired_actions[key] for run in ran_for[r] if key in run.paired_actions),
+                        key=lambda c: c.time_s) for key in stage_run[r].paired_actions} for r in range(p.pp)]
+
     def cost(rank: int, action) -> float:
         if action.kind.is_compute:
-            c = priced[rank].get((action.kind.name, action.chunk))
+            key = (action.kind.name, action.chunk)
+            c = paired[rank].get(key) if action in pairs[rank] else None
+            c = c or priced[rank].get(key)
             return 0.0 if c is None else c.time_s
         return max(run.p2p_s.get(action.kind.name, 0.0) for run in ran_for[rank])
 

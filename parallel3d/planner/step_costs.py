@@ -8,6 +8,7 @@ import bisect
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
+from typing import Sequence
 
 from parallel3d.pipeline.schedules import ActionKind
 from parallel3d.planner import op_replay
@@ -58,7 +59,7 @@ class RoleRun:
     pp_rank: int
     memory: dict                       # bytes per category at the step's peak, and "peak"
     model_state: dict                  # params / grads / optimizer bytes alive after the step
-    actions: dict                      # (kind name, chunk) -> mean ActionCost per microbatch
+    actions: dict                      # (kind name, chunk) -> mean ActionCost per microbatch (unpaired)
     p2p_s: dict                        # comm kind name -> mean seconds per message
     outside: ActionCost                # optimizer step, gradient-sync tail, clipping, loss reductions
     comm_bytes: dict                   # "<group>.<op>" -> bytes in the step (the JSONL field)
@@ -76,6 +77,9 @@ class RoleRun:
     # once per step, behind the last backward as their buckets become ready (cost.exposed_buckets); the
     # rest of them is in `outside`
     grad_sync_parts: list = field(default_factory=list)
+    # parallel.ep_overlap: (kind name, chunk) -> mean ActionCost of the instances run in a pair (their expert
+    # all-to-alls hidden behind the partner: pipeline/pairing.py), which the plan's pairs are priced at
+    paired_actions: dict = field(default_factory=dict)
 
 
 def cold_seconds(op, gpu: GPU, cold_output_s: float = 0.0) -> float:
@@ -136,14 +140,22 @@ def in_order_stretches(out: dict, tracker: StepTracker, pp_rank: int) -> tuple[l
     return stretches, [op_replay.in_order_key(s, "") for s in stretches for _ in s]
 
 
-def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: GPU, per_microbatch: bool
-               ) -> RoleRun:
+def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: GPU, per_microbatch: bool,
+               pairs: Sequence = ()) -> RoleRun:
     """One rank's recorded dry-run step priced (run_role's `events`: its collectives as recorded, with
     their alpha-beta seconds; `waits`: the walls it waited for started ones at) into a RoleRun: each op and
-    collective attributed to the pipeline action that ran it."""
+    collective attributed to the pipeline action that ran it. `pairs` (parallel.ep_overlap: this rank's
+    backward/forward pairs, pipeline/pairing.py): their turns are recorded as several rows per action, and
+    an expert all-to-all one member starts hides behind whatever either member runs before it is waited."""
     mine, index = action_index(out, ctx.coords.pp)
     costs = [ActionCost() for _ in mine]
     outside = ActionCost()
+    instance = [(r[1], r[2], r[3]) if ActionKind[r[1]].is_compute else ("comm", i) for i, r in enumerate(mine)]
+    pair_of = {(a.kind.name, a.microbatch, a.chunk): ("pair", n) for n, pair in enumerate(pairs) for a in pair}
+
+    def timeline_of(i: int):
+        """The marks' timeline row i belongs to: its pair's (both members' turns, in wall order) or its own."""
+        return pair_of.get(instance[i], i) if i >= 0 else None
 
     derated: dict = {}
     op_seconds: dict = {}
@@ -151,7 +163,7 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     stretches, prefixes = in_order_stretches(out, tracker, ctx.coords.pp)
     measured = (op_replay.measure(tracker.signatures, gpu.op_times, stretches)
                 if gpu.op_times is not None else {})
-    queued: dict = defaultdict(list)  # id(slot) -> its ops' device seconds in issue order
+    queued: dict = defaultdict(list)  # queue (an action's row, a pair, "outside") -> its ops' device seconds in order
     walls, done = [], [0.0]           # op walls and the modeled seconds of the ops up to each (prefix sums)
     marks: dict = defaultdict(list)   # action index -> (wall, mark): its ops and collectives (cost.exposed_in_action)
     for op, in_order in zip(tracker.ops, prefixes):
@@ -171,21 +183,27 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             seconds = op_time(op.flops, op.nbytes, gpu.peak(op.dtype), gpu, factor, op.dtype, op.name)
         c.compute_s += seconds
         if c is not outside:
-            marks[i].append((op.wall, ("op", seconds)))
+            marks[timeline_of(i)].append((op.wall, ("op", seconds)))
         c.flops += op.flops
-        queued[id(c)].append(seconds)
+        queued["outside" if c is outside else timeline_of(i)].append(seconds)
+        c.ops += 1
         walls.append(op.wall)
         done.append(done[-1] + seconds)
         tally = op_seconds.setdefault(op.name, [0, 0.0])  # per op: what a profile of the real step is set beside
         tally[0] += 1
         tally[1] += seconds
-    for c in [*costs, outside]:
-        c.ops = len(queued[id(c)])
-        issue = gpu.host_step_op_s if c is outside else gpu.host_op_s
-        if issue:  # a GPU's queue runs behind the host: an action lasts its queue's span
-            span = queue_seconds(queued[id(c)], issue)
-            c.host_stall_s = max(0.0, span - c.compute_s)
-            c.compute_s = max(span, c.compute_s)
+    for key, seconds in queued.items():
+        issue = gpu.host_step_op_s if key == "outside" else gpu.host_op_s
+        if not issue:
+            continue
+        # a GPU's queue runs behind the host: an action lasts its queue's span (a pair's turns are one queue,
+        # the host issuing both members' ops in turn; its stall is shared by their compute)
+        members = [outside] if key == "outside" else [costs[j] for j in range(len(mine)) if timeline_of(j) == key]
+        total = sum(seconds)
+        stall = max(0.0, queue_seconds(seconds, issue) - total)
+        for c in members:
+            c.host_stall_s = stall * (c.compute_s / total if total else 1 / len(members))
+            c.compute_s += c.host_stall_s
     comm_s: dict = defaultdict(float)
     inside: dict = defaultdict(int)
     grad_sync_parts: list = []
@@ -194,9 +212,10 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     longest: dict = {}   # batch (comm.CommStats.batch) -> its longest transfer priced so far
     taken: dict = {}     # (post window, op) -> the pipeline messages placed in it (message_action)
     for wall, group, op, seconds, nbytes, serial, batch in _with_waits(events, waits):
-        if group is None:   # the rank waits for call `serial`: a mark where it started in this action
-            if started.get(serial, -1) == index(wall) >= 0:
-                marks[started[serial]].append((wall, ("wait", serial)))
+        if group is None:   # the rank waits for call `serial`: a mark where it started in this action (pair)
+            key = timeline_of(index(wall))
+            if key is not None and started.get(serial) == key:
+                marks[key].append((wall, ("wait", serial)))
             continue
         i = message_action(mine, index(wall), op, taken)
         c = costs[i] if i >= 0 else outside
@@ -209,7 +228,9 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             seconds = max(0.0, seconds - before)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
         # started beside compute, not waited in at once
-        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS)
+        # (an expert all-to-all is started, and so overlapped, only inside an ep_overlap pair: interleave.py)
+        paired_a2a = op == "all_to_all" and serial in waits and isinstance(timeline_of(i), tuple)
+        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS or paired_a2a)
         # arriving from compute costs every call more, started beside compute or not; the extra is split
         # like the rest of the call between the rank's cores and what hides (cost.wake_seconds)
         since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_call)]
@@ -223,28 +244,46 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             continue
         if c is not outside:
             inside[f"{group}.{op}"] += nbytes  # pipeline messages land in their SEND/RECV action
-            marks[i].append((wall, ("block", seconds - hidden)))   # what the rank pays at the call, then
-            if hidden:                                             # the transfer beside its compute
-                marks[i].append((wall, ("start", serial, base_group(group), hidden)))
-                started[serial] = i
+            key = timeline_of(i)
+            marks[key].append((wall, ("block", seconds - hidden)))   # what the rank pays at the call, then
+            if hidden:                                               # the transfer beside its compute
+                marks[key].append((wall, ("start", serial, base_group(group), hidden)))
+                started[serial] = key
         c.overlapped_comm_s += hidden
         c.blocking_comm_s += seconds - hidden
-    for i, c in enumerate(costs):
-        timeline = [mark for _, mark in sorted(marks[i], key=lambda m: m[0])]   # (stable: a call's two marks)
-        c.exposed_comm_s = exposed_in_action(timeline, gpu.host_op_s or 0.0)
+    # one cost per action: the rows of its turns in a pair summed
+    merged: dict = {}
+    for key, c in zip(instance, costs):
+        m = merged.setdefault(key, ActionCost())
+        for f in fields(ActionCost):
+            setattr(m, f.name, getattr(m, f.name) + getattr(c, f.name))
+    for key, timeline_marks in marks.items():
+        timeline = [mark for _, mark in sorted(timeline_marks, key=lambda m: m[0])]   # (stable: a call's two marks)
+        exposed = exposed_in_action(timeline, gpu.host_op_s or 0.0)
+        members = [k for k, v in pair_of.items() if v == key and k in merged] if isinstance(key, tuple) \
+            else [instance[key]]
+        hidden = sum(merged[k].overlapped_comm_s for k in members)
+        for k in members:   # a pair's wait shared by what each member started
+            merged[k].exposed_comm_s = exposed * (merged[k].overlapped_comm_s / hidden if hidden else 1 / len(members))
     per_action: dict = defaultdict(list)
+    per_paired: dict = defaultdict(list)
     p2p: dict = defaultdict(list)
-    for row, c in zip(mine, costs):
-        if ActionKind[row[1]].is_compute:
-            per_action[(row[1], row[3])].append(c)
+    for key, c in merged.items():
+        if key[0] == "comm":
+            p2p[mine[key[1]][1]].append(c.blocking_comm_s)
         else:
-            p2p[row[1]].append(c.blocking_comm_s)
-    actions = {k: ActionCost(**{f.name: statistics.mean(getattr(c, f.name) for c in v) for f in fields(ActionCost)})
-               for k, v in per_action.items()}
+            (per_paired if key in pair_of else per_action)[(key[0], key[2])].append(c)
+
+    def mean(costs: list) -> ActionCost:
+        return ActionCost(**{f.name: statistics.mean(getattr(c, f.name) for c in costs) for f in fields(ActionCost)})
+    # an action the dry run only ran paired stands for itself unpaired too (the breakdown reads `actions`)
+    actions = {k: mean(per_action.get(k) or per_paired[k]) for k in {*per_action, *per_paired}}
+    paired_actions = {k: mean(v) for k, v in per_paired.items()}
     memory = {k: split[k] for k in CATEGORIES}
     memory["peak"] = peak
     return RoleRun(rank=rank, pp_rank=ctx.coords.pp, memory=memory,
                    model_state={k: live[k] for k in ("params", "grads", "optimizer")}, actions=actions,
+                   paired_actions=paired_actions,
                    p2p_s={k: statistics.mean(v) for k, v in p2p.items()}, outside=outside,
                    grad_sync_parts=grad_sync_parts,
                    comm_bytes=dict(out["comm_bytes"]), comm_s=dict(comm_s), comm_bytes_in_actions=dict(inside),

@@ -198,7 +198,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
         _owned(lambda: check_split_backward(p.schedule in SPLIT_BACKWARD), f"schedule={p.schedule}: ")
     if p.ep_overlap:
         from parallel3d.pipeline.pairing import check_ep_overlap
-        _owned(lambda: check_ep_overlap(p.schedule, p.ep, p.zero, p.offload_params))
+        _owned(lambda: check_ep_overlap(p.schedule, p.ep, p.zero, p.offload_params, p.pp))
     try:  # the partition owns what a stage may hold (empty first/last stages are fine)
         partition_layers(m.num_layers, p.pp, v, p.layers_per_stage)
     except ValueError as e:
