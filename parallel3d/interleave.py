@@ -130,6 +130,7 @@ class _Inherit:
     def __init__(self) -> None:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         self.grad = torch.is_grad_enabled()
+        self.threads = torch.get_num_threads()   # (OpenMP's count is per thread: a new one takes every core)
         self.modes = list(_get_current_dispatch_mode_stack())
         self.saved = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (pack, unpack) or None
         self.stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
@@ -138,6 +139,8 @@ class _Inherit:
     def __enter__(self) -> None:
         from torch.utils._python_dispatch import _push_mode
         torch.set_grad_enabled(self.grad)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         if self.stream is not None:
             torch.cuda.set_device(self.stream.device)
             torch.cuda.set_stream(self.stream)

@@ -116,6 +116,9 @@ def test_refusals_name_the_keys(schedule, zero, words):
 OVERLAP = ["parallel.ep_overlap=true", "train.micro_batch_size=1"]
 CASES = {
     "1f1b-pp1-dp2-ep2": (2, ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", *MOE]),
+    # the backward's recomputation exchanges (and switches) again, replaying the split sizes its forward read
+    "1f1b-pp1-dp2-ep2-full-recompute": (2, ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8",
+                                            "train.activation_checkpointing=full", *MOE]),
     "interleaved-pp2-dp2-ep2-zero1": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
                                           "parallel.schedule=interleaved",
                                     "parallel.virtual_stages=2", "model.num_layers=4", "train.global_batch_size=8",
@@ -180,3 +183,20 @@ def test_the_dry_run_prices_a_pairs_all_to_alls_behind_its_partner():
         assert paired.blocking_comm_s < plain.blocking_comm_s
         assert paired.blocking_comm_s + paired.overlapped_comm_s == pytest.approx(plain.blocking_comm_s)
         assert on.actions[key].blocking_comm_s == pytest.approx(plain.blocking_comm_s)   # the unpaired F0, B7
+
+
+def test_the_benchmark_reads_a_pairs_span_from_its_turns():
+    """benchmarks/ep_overlap.py: a pair's span runs from its first turn's start to its last turn's end, set
+    against the forward and backward measured apart."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "ep_overlap.py")
+    spec = importlib.util.spec_from_file_location("ep_overlap_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    apart = {"step_s": 1.0, "rows": [("FORWARD", 0, 0.0, 2.0), ("BACKWARD", 0, 2.0, 5.0)]}
+    # B0 then F1 in turns: B 10-11, F 11-12, B 12-13, F 13-14 (the unpaired F0 at 8-10 is left out)
+    paired = {"step_s": 0.9, "rows": [("FORWARD", 0, 8.0, 10.0), ("BACKWARD", 0, 10.0, 11.0), ("FORWARD", 1, 11.0, 12.0),
+                                      ("BACKWARD", 0, 12.0, 13.0), ("FORWARD", 1, 13.0, 14.0)]}
+    row = bench.summarise(apart, paired)
+    assert row["pairs"] == 1 and row["pair_span_s"] == 4.0 and row["ratio"] == pytest.approx(4.0 / 5.0)

@@ -86,8 +86,10 @@ def test_moe_expert_parallel_losses_match_world_size_1(tmp_path):
     logs = [tmp_path / "ws1.jsonl", tmp_path / "ep.jsonl"]
     _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=1", *SMALL, *MOE,
           f"log.jsonl={logs[0]}"])
+    # EP folded over TP x DP, whole experts (etp=1), each backward paired with the next microbatch's forward
+    # (ep_overlap: the all-to-alls in turns; the plain exchange is the Trainer tests' and the sweep's)
     _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=2", "parallel.ep=4", "parallel.sp=true",
-          *SMALL, *MOE, f"log.jsonl={logs[1]}"], nproc=4)   # EP folded over TP x DP, whole experts (etp=1)
+          "parallel.ep_overlap=true", *SMALL, *MOE, f"log.jsonl={logs[1]}"], nproc=4)
     records = [json.loads(line) for line in open(logs[1])]
     assert any(k.startswith("moe_imbalance") for k in records[0])  # load telemetry in the metrics log
     assert records[0]["comm_bytes"]["ep.all_to_all"] > 0  # this rank's bytes per "<group>.<op>" in the step
@@ -104,6 +106,8 @@ def test_moe_expert_parallel_losses_match_world_size_1(tmp_path):
     (["parallel.tp=1", "train.optimizer=muon", "train.muon_tp_mode=rows"], "train.muon_tp_mode='rows'", "main"),
     (["parallel.tp=1", "parallel.etp=2", "model.num_experts=4", "model.moe_top_k=2"],
      "parallel.ep*etp=1*2=2 must divide tp*cp*dp=1*1*1=1", "main"),
+    (["parallel.tp=1", "parallel.ep_overlap=true", "model.num_experts=4", "model.moe_top_k=2"],
+     "parallel.ep_overlap=true hides the expert all-to-alls: it needs parallel.ep > 1", "main"),
     pytest.param(["parallel.tp=1", "log.tensorboard=/tmp/tb"], "pip install tensorboard", "main",
                  marks=pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
                                           reason="tensorboard is installed here")),
