@@ -128,8 +128,8 @@ CASES = {
 }
 
 
-def _overlapped(worker, overrides, world):
-    return _train(worker, [*overrides, *OVERLAP], world)
+def _overlapped(worker, overrides, world, strict=True):
+    return _train(worker, [*overrides, *OVERLAP], world, strict=strict)
 
 
 def _switches(worker, overrides):
@@ -149,6 +149,18 @@ def test_overlapped_pairs_match_world_size_1_on_the_strict_backend(multirank, na
     assert all(not g["reports"] for g in got), got[0]["reports"]
     ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
     check({"precision": "fp32"}, got, ref)
+
+
+def test_dualpipe_v_pairs_post_their_messages_early_on_plain_gloo(multirank):
+    """On gloo (not the strict backend's NCCL paths) receives are posted a group early and DualPipe-V's sends
+    right after the compute that made them: inside a pair, that group leaves as soon as the first compute is
+    done (runtime_schedules.Pair.posts), while the partner finishes."""
+    world, overrides = CASES["dualpipe-v-pp2-dp2-ep2"]
+    got = multirank(_overlapped, world, overrides, world, False)
+    ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
+    check({"precision": "fp32"}, got, ref)
+    plan = ScheduleCache().plan("dualpipe-v", 2, 4, 2, 0, early=True, paired=True)
+    assert any(isinstance(s, Pair) and s.posts for s in plan)
 
 
 def test_the_pairs_hand_over_at_every_all_to_all(multirank):

@@ -182,14 +182,24 @@ class _Executor:
         self.mail.resumed = start
         turns: list | None = [] if timed else None
         first = FORWARD if step.first is fwd else BACKWARD
-        self.ctx.interleave.run(lambda: self.dispatch[fwd.kind](fwd), lambda: self.dispatch[bwd.kind](bwd),
-                                first=first, turns=turns)
+        run = {fwd: lambda: self.dispatch[fwd.kind](fwd), bwd: lambda: self.dispatch[bwd.kind](bwd)}
+        if step.posts:  # the first's outputs leave as soon as it is done, during its partner's last turns
+            compute = run[step.first]
+            run[step.first] = lambda: (compute(), self._post(step.posts))
+        self.ctx.interleave.run(run[fwd], run[bwd], first=first, turns=turns)
         if timed:
             end = self.clock()
             walls = [w for w, _ in turns] + [end]
             for (wall, side), until in zip(turns, walls[1:]):
                 if until > wall:
                     self.record.append((self.rank, fwd if side == FORWARD else bwd, wall, until))
+
+    def _post(self, ops: tuple) -> None:
+        start = self.clock() if self.record is not None else 0.0
+        waited = self.mail.communicate(ops)
+        if self.record is not None:
+            end = self.clock()
+            self.record += [(self.rank, a, start, end) for a in ops if waited or a.kind.is_send]
 
     def objective_scale(self) -> float:
         """d(what backward minimises)/d(loss_sum): loss_scale times what the caller's backward multiplies a

@@ -26,9 +26,12 @@ class Post:
 @dataclass(frozen=True)
 class Pair:
     """Two computes of different microbatches run in turns, a backward and a forward (``pairing.py``;
-    ``interleave.py`` hands the turn over at each expert all-to-all), ``first`` first."""
+    ``interleave.py`` hands the turn over at each expert all-to-all), ``first`` first. ``posts``: the group
+    that early posting (gloo) placed between the two (``first``'s outputs, and receives of later computes),
+    posted as soon as ``first`` is done, so it travels while the partner finishes (DualPipe's pairs)."""
     first: Action
     second: Action
+    posts: tuple[Action, ...] = ()
 
 
 Step = Union[Action, Post, Pair]
@@ -51,9 +54,9 @@ def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False,
     it instead, as long as no earlier-listed send to the same peer is passed (FIFO pairing); it
     travels during the next compute and is waited at the end of the step (lazy sends).
     ``pairs`` (``pairing.pair_computes``, back to back in ``actions``): each becomes one :class:`Pair`
-    step; ``early_sends`` does not apply then (a send would split an F-first pair: it follows the pair)."""
+    step; a group that early posting put between its two computes goes with it (``Pair.posts``)."""
     if early:
-        actions = receives_early(sends_early(actions) if early_sends and not pairs else actions)
+        actions = receives_early(sends_early(actions) if early_sends else actions)
     steps: list[Step] = []
     paired = {first: second for first, second in pairs}
     for s in split_steps(actions):
@@ -61,6 +64,10 @@ def rank_plan(actions: Sequence[Action], early: bool, early_sends: bool = False,
             steps.append(Post(tuple(s)))
         elif steps and isinstance(steps[-1], Action) and paired.get(steps[-1]) == s:
             steps[-1] = Pair(steps[-1], s)
+        elif (early and len(steps) > 1 and type(steps[-1]) is Post and isinstance(steps[-2], Action)
+              and paired.get(steps[-2]) == s):
+            posts = steps.pop().ops
+            steps[-1] = Pair(steps[-1], s, posts)
         else:
             steps.append(s)
     return tuple(steps)
