@@ -30,7 +30,8 @@
 #                  TorchTitan's 128-GPU FSDP, 70B at FSDP32 x TP8 (256), 405B at TP8 PP16 as the planner fits it
 #                  (8192), Mixtral 8x7B at its preset's EP 8 (32); SIMRANK_S per run, default 180; SIMRANK_GPU h200)
 #   sanitizer      TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer) over simulated ranks of a 4-layer
-#                  llama_100m, 2 steps each: ZeRO 1-3, HSDP, offload, overlap_param_gather, MoE with ep == dp, TP+PP
+#                  llama_100m, 2 steps each: ZeRO 1-3, HSDP, offload, overlap_param_gather, MoE with ep == dp
+#                  (plain and parallel.ep_overlap: pairs in turns, the backward on autograd's device thread), TP+PP
 #                  (SANITIZER_LAYOUTS; SANITIZER_S per layout, default 90). A race ends the run: exit 1, "CSAN" in the log
 #
 # OUTDIR/env.log holds the device, driver, torch and triton versions and the commit; each phase's output
@@ -153,6 +154,7 @@ sanitizer_layout() {
     offload3) echo "8 3 parallel.zero=3 parallel.offload_params=cpu parallel.offload_optimizer=cpu" ;;
     overlap) echo "8 3 parallel.zero=1 parallel.overlap_param_gather=true" ;;
     moe) echo "8 3 parallel.zero=1 parallel.ep=8 model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=512" ;;
+    moe_overlap) echo "8 3 parallel.zero=1 parallel.ep=8 model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=512 parallel.ep_overlap=true" ;;
     tp_pp) echo "16 15 parallel.zero=1 parallel.tp=2 parallel.pp=2 parallel.sp=true" ;;
     *) echo "" ;;
     esac
@@ -210,7 +212,7 @@ for p in $PHASES; do
         done
         wait ;;
     sanitizer)
-        for name in ${SANITIZER_LAYOUTS:-zero1 zero2 zero3 hsdp offload offload3 overlap moe tp_pp}; do
+        for name in ${SANITIZER_LAYOUTS:-zero1 zero2 zero3 hsdp offload offload3 overlap moe moe_overlap tp_pp}; do
             read -r world rank ov <<<"$(sanitizer_layout "$name")"
             [ -n "$world" ] || { echo "unknown sanitizer layout $name"; continue; }
             # shellcheck disable=SC2086

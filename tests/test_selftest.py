@@ -94,7 +94,7 @@ def test_layouts_cover_every_dimension_and_validate_at_worlds_4_and_8():
     options = [f"parallel.schedule={s}" for s in SCHEDULE_NAMES] + [f"parallel.zero={z}" for z in (1, 2, 3)]
     options += [f"parallel.cp_mode={m}" for m in ("ring", "allgather", "ulysses")]
     options += ["parallel.sp=true", "parallel.dp_shard", "parallel.overlap_param_gather=true",
-                "parallel.offload_optimizer=cpu"]
+                "parallel.offload_optimizer=cpu", "parallel.ep_overlap=true"]
     for option in options:
         assert option in words, option
     assert {"moe", "documents"} <= {layout.model for layout in layouts.LAYOUTS}
