@@ -126,6 +126,12 @@ CASES = {
     "dualpipe-v-pp2-dp2-ep2": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=dualpipe-v",
                                    "model.num_layers=4", "train.global_batch_size=8", *MOE]),
 }
+SWEEP_CASES = {   # make sweep: the pairs beside TP/SP's and CP's own collectives, and activation offload
+    "1f1b-tp2-sp-dp2-ep4-zero2": (4, ["parallel.tp=2", "parallel.sp=true", "parallel.dp=2", "parallel.ep=4",
+                                      "parallel.zero=2", "train.global_batch_size=8", *MOE]),
+    "1f1b-cp2-dp2-ep4-offload": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=4", "train.global_batch_size=8",
+                                     "train.activation_offload=true", *MOE]),
+}
 
 
 def _overlapped(worker, overrides, world, strict=True):
@@ -142,9 +148,9 @@ def _switches(worker, overrides):
     return ctx.interleave.switches - before, list(ctx.stats.strict.reports)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *(pytest.param(n, marks=pytest.mark.sweep) for n in SWEEP_CASES)])
 def test_overlapped_pairs_match_world_size_1_on_the_strict_backend(multirank, name):
-    world, overrides = CASES[name]
+    world, overrides = {**CASES, **SWEEP_CASES}[name]
     got = multirank(_overlapped, world, overrides, world)
     assert all(not g["reports"] for g in got), got[0]["reports"]
     ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
