@@ -134,7 +134,8 @@ for name, f in rope.items():
     print(f"rope b{b} s{s} hq{hq} hk{hk} d{d} {name}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, bwd alone {bwd:.3f} ms")
 kf = bench(lambda: rp.rope_apply(q.detach(), k.detach(), cos, sin))
 kb = bench(lambda: rp.rope_apply(dq, dk, cos, sin, backward=True))
-print(f"rope kernels alone: forward {kf:.3f} ms, backward {kb:.3f} ms")
+kb1 = bench(lambda: rp.rope_apply(dq, dk, cos, sin, backward=True, tokens_per_program=1))
+print(f"rope kernels alone: forward {kf:.3f} ms, backward {kb:.3f} ms (one token per program: {kb1:.3f} ms)")
 o, c = out["ours"], out["compile"]
 print(f"RATIO rope compile/ours: fwd {c[0] / o[0]:.2f}, fwd+bwd {c[1] / o[1]:.2f}, bwd alone {c[2] / o[2]:.2f}")
 del q, k, dq, dk

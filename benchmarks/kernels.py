@@ -5,11 +5,12 @@
 For each op it times forward and forward+backward (triton.testing.do_bench, median ms) and prints the
 achieved memory bandwidth (TB/s, for the memory-bound ops: bytes a perfect kernel must move) or compute
 rate (TFLOP/s: matmul FLOPs, causal attention counted at half, backward = 2.5x forward as in the
-FlashAttention papers; fused linear+CE counts the unfused 6*n*h*v so the recomputation is not rewarded),
+FlashAttention papers; fused linear+CE counts the unfused 6*n*h*v, so a recomputation is not rewarded),
 and the ratio other/ours (> 1 means ours is faster); "bwd" is forward+backward less forward (the backward
 with the gradient seeds' fill). The fused linear + CE row "ours" is the summed form the model's head runs
-(gradients formed in the forward), against compile's unfused head summed the same way. Implementations that are not installed or fail are
-listed as skipped. Timings are never asserted anywhere; results go to benchmarks/RESULTS.md by hand.
+(gradients formed in the forward), against compile's unfused head summed the same way. Implementations
+that are not installed or fail are listed as skipped. Timings are never asserted anywhere; results go to
+benchmarks/RESULTS.md by hand.
 
 Without CUDA it prints a message and exits 0; `--cpu-smoke` instead runs tiny shapes through the torch
 paths only, to check the script itself.

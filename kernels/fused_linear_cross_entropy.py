@@ -55,18 +55,19 @@ TWIN_ROWS = 256  # the torch path's row block for its fp32 temporaries (the Trit
 _FP32_OUT_ADDMM: dict = {}
 
 
-def _fp32_out_addmm(device: torch.device) -> bool:
-    """Whether this device's addmm takes 16-bit operands into an fp32 output in place (CUDA in recent torch;
-    asked once per device type on tiny tensors)."""
-    if device.type not in _FP32_OUT_ADDMM:
+def _fp32_out_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device's addmm takes `dtype` (16-bit) operands into an fp32 output in place (CUDA in
+    recent torch; asked once per device type and dtype on tiny tensors)."""
+    key = (device.type, dtype)
+    if key not in _FP32_OUT_ADDMM:
         try:
             c = torch.ones(2, 2, device=device)
-            a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+            a = torch.ones(2, 2, device=device, dtype=dtype)
             torch.addmm(c, a, a, out_dtype=torch.float32, out=c)  # C aliased: accumulates, 1 + 2
-            _FP32_OUT_ADDMM[device.type] = bool(c[0, 0].item() == 3.0)
+            _FP32_OUT_ADDMM[key] = bool(c[0, 0].item() == 3.0)
         except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT_ADDMM[device.type] = False
-    return _FP32_OUT_ADDMM[device.type]
+            _FP32_OUT_ADDMM[key] = False
+    return _FP32_OUT_ADDMM[key]
 
 
 def _accumulate_dweight(dweight: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor,
@@ -74,7 +75,7 @@ def _accumulate_dweight(dweight: torch.Tensor, dlogits: torch.Tensor, hidden: to
     """dweight (v, h) += dlogits^T (v, c) @ hidden (c, h), in the accumulator's dtype."""
     if dweight.dtype == dlogits.dtype:  # fp32 / fp64: in place, no temporary
         dweight.addmm_(dlogits.t(), hidden)
-    elif use_triton and _fp32_out_addmm(dweight.device):  # 16-bit operands, fp32 C in the GEMM's epilogue
+    elif use_triton and _fp32_out_addmm(dweight.device, dlogits.dtype):  # 16-bit operands, fp32 C (epilogue)
         torch.addmm(dweight, dlogits.t(), hidden, out_dtype=dweight.dtype, out=dweight)
     elif use_triton:  # older torch on the GPU: tensor-core product (a (v, h) temporary), added in fp32
         dweight.add_(dlogits.t() @ hidden)
