@@ -220,10 +220,12 @@ class FusedLinearCrossEntropySumFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
         dhidden, dweight = ctx.saved_tensors  # formed with dloss = 1: scale by the incoming scalar
-        if dhidden is not None:
-            dhidden = dhidden * dloss.to(dhidden.dtype)  # (n, h); not in place: retain_graph may reuse it
+        dloss = dloss.to(_acc_dtype(dloss.dtype))  # the scale stays fp32 (never rounded to 16 bits first)
+        if dhidden is not None:  # (n, h), scaled in fp32; not in place: retain_graph may reuse it
+            dhidden = torch.mul(dhidden.to(dloss.dtype), dloss,
+                                out=torch.empty(dhidden.shape, dtype=dhidden.dtype, device=dhidden.device))
         if dweight is not None:  # (v, h): scaled in fp32 and cast in one pass
-            dweight = torch.mul(dweight, dloss.to(dweight.dtype),
+            dweight = torch.mul(dweight, dloss,
                                 out=torch.empty(dweight.shape, dtype=ctx.weight_dtype, device=dweight.device))
         return (dhidden, dweight) + (None,) * 9
 
