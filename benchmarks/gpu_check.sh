@@ -24,7 +24,8 @@
 #   bwd49          issue 49.3: the fused linear + CE (n8192 h4096 v128256, summed as the model's head and per-token)
 #                  and RoPE (b4 s4096 hq32 hk8 d128), bf16, against torch.compile: forward, forward + backward,
 #                  backward, their compile/ours ratios (> 1: ours faster), the head's peak memory above its
-#                  inputs, and RoPE's raw forward / backward kernel times beside the autograd backward
+#                  inputs (also at 4096-row chunks: fewer fp32 d weight passes, twice the chunk logits), and
+#                  RoPE's raw forward / backward kernel times (also one token per program) beside the autograd backward
 #   selftest2      launch/selftest.py at world 2 on ONE GPU, two NCCL ranks sharing it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #                  NCCL 2.30 or newer; else it says why not): the first real NCCL run on a one-GPU session
 #   selftest       launch/selftest.py on every GPU of the node (at least 2), one rank each
@@ -144,7 +145,8 @@ hid = torch.randn(n, h, device="cuda", dtype=bf, requires_grad=True)
 wt = (0.02 * torch.randn(v, h, device="cuda")).to(bf).requires_grad_()
 tgt = torch.randint(0, v, (n,), device="cuda")
 summed = torch.compile(lambda x, w, t: fl.fused_linear_cross_entropy_reference(x, w, t).sum())
-head = {"ours": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt, reduction="sum"),
+head = {"ours": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt, reduction="sum"),   # 2048-row chunks
+        "ours-chunk4096": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt, chunk=4096, reduction="sum"),
         "ours-per-token": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt).sum(),
         "compile": lambda: summed(hid, wt, tgt)}
 res = {}
@@ -156,9 +158,10 @@ for name, f in head.items():
     print(f"head n{n} h{h} v{v} {name}: fwd {fwd:.2f} ms, fwd+bwd {fb:.2f} ms, bwd {fb - fwd:.2f} ms, "
           f"peak {res[name][2]:.2f} GiB above the inputs")
 c = res["compile"]
-for name in ("ours", "ours-per-token"):
+for name in ("ours", "ours-chunk4096", "ours-per-token"):
     o = res[name]
-    print(f"RATIO head {name} compile/ours: fwd+bwd {c[1] / o[1]:.2f}, bwd {(c[1] - c[0]) / max(o[1] - o[0], 1e-3):.2f}, "
+    bwd = (c[1] - c[0]) / max(o[1] - o[0], 1e-3)
+    print(f"RATIO head {name} compile/ours: fwd+bwd {c[1] / o[1]:.2f}, bwd {bwd:.2f}, "
           f"peak {o[2]:.2f} GiB vs compile {c[2]:.2f} GiB")
 '
 
