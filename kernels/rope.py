@@ -159,7 +159,7 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         cos.stride(0), cos.stride(1), BACKWARD=backward, ACC=acc_dtype(q.dtype, k.dtype, cos.dtype),
         BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(half), TOKENS=tokens,
-        num_warps=4 if hq * d <= 8192 else 8)
+        num_warps=4 if hq * d * tokens <= 8192 else 8)
     return q_out, k_out
 
 
