@@ -118,9 +118,10 @@ def _rope_kernel(Q, K, QO, KO, COS, SIN, n_tokens, seq_len, n_q_heads, n_k_heads
 
 
 def rope_tokens_per_program(n_tokens: int, heads: int, head_dim: int) -> int:
-    """Tokens per program: 4 (each program then moves 4 * heads * head_dim elements, 80 KiB of bf16 q and k
-    at Llama-3 8B's 32 + 8 heads of 128), fewer for short inputs, 1 where one token is already >= 16K
-    elements. A power of two (a constexpr: few compiled variants)."""
+    """Tokens per program: 4 (each program then reads 4 * heads * head_dim elements, 40 KiB of bf16 q and k
+    at Llama-3 8B's 32 + 8 heads of 128, and writes as much; launched with 8 warps, which keeps it at ~50
+    registers), fewer for short inputs, 1 where one token is already >= 16K elements. A power of two (a
+    constexpr: few compiled variants)."""
     if heads * head_dim >= 16384:
         return 1
     return 4 if n_tokens >= 4096 else (2 if n_tokens >= 64 else 1)
