@@ -21,6 +21,11 @@
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
 #   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
+#   bwd49          issue 49.3: the fused linear + CE (n8192 h4096 v128256, summed as the model's head and per-token)
+#                  and RoPE (b4 s4096 hq32 hk8 d128), bf16, against torch.compile: forward, forward + backward,
+#                  backward, their compile/ours ratios (> 1: ours faster), the head's peak memory above its
+#                  inputs (also at 4096-row chunks: fewer fp32 d weight passes, twice the chunk logits), and
+#                  RoPE's raw forward / backward kernel times (also one token per program) beside the autograd backward
 #   selftest2      launch/selftest.py at world 2 on ONE GPU, two NCCL ranks sharing it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #                  NCCL 2.30 or newer; else it says why not): the first real NCCL run on a one-GPU session
 #   selftest       launch/selftest.py on every GPU of the node (at least 2), one rank each
@@ -39,7 +44,7 @@
 set -u
 OUTDIR=${1:-/tmp/gpu_check}
 shift || true
-PHASES=${*:-tests_kernels tests_gpu planner attn_rates train_eager train_compile kernels}
+PHASES=${*:-tests_kernels tests_gpu bwd49 planner attn_rates train_eager train_compile kernels}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 
@@ -107,6 +112,58 @@ for b, s, hq, hk, d in ((2, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 
         ms_both = triton.testing.do_bench(lambda: f().sum().backward())   # forward + backward
         print(f"b{b} s{s} hq{hq} hk{hk} d{d} {name}: forward {fwd / (ms * 1e-3) / peak:.2f} of peak, "
               f"backward {2.5 * fwd / ((ms_both - ms) * 1e-3) / peak:.2f}")
+'
+
+# issue 49.3: the fused head and RoPE backward against torch.compile at the issue's shapes (ratios: compile / ours)
+BWD49='
+import torch, triton.testing
+from parallel3d.kernels import fused_linear_cross_entropy as fl, rope as rp
+bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median")
+bf = torch.bfloat16
+b, s, hq, hk, d = 4, 4096, 32, 8, 128
+q = torch.randn(b, s, hq, d, device="cuda", dtype=bf, requires_grad=True)
+k = torch.randn(b, s, hk, d, device="cuda", dtype=bf, requires_grad=True)
+dq, dk = torch.randn_like(q), torch.randn_like(k)
+cos, sin = rp.rope_cos_sin(torch.arange(s, device="cuda"), rp.rope_inv_freq(d, 500000.0))
+ref = torch.compile(rp.rope_reference)
+rope = {"ours": lambda: rp.rope(q, k, cos, sin), "compile": lambda: ref(q, k, cos, sin)}
+out = {}
+for name, f in rope.items():
+    fwd, fb = bench(f), bench(lambda: torch.autograd.grad(f(), (q, k), (dq, dk)))
+    kept = f()   # the backward alone: one forward, graph retained
+    bwd = bench(lambda: torch.autograd.grad(kept, (q, k), (dq, dk), retain_graph=True))
+    out[name] = (fwd, fb, bwd)
+    print(f"rope b{b} s{s} hq{hq} hk{hk} d{d} {name}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, bwd alone {bwd:.3f} ms")
+kf = bench(lambda: rp.rope_apply(q.detach(), k.detach(), cos, sin))
+kb = bench(lambda: rp.rope_apply(dq, dk, cos, sin, backward=True))
+kb1 = bench(lambda: rp.rope_apply(dq, dk, cos, sin, backward=True, tokens_per_program=1))
+print(f"rope kernels alone: forward {kf:.3f} ms, backward {kb:.3f} ms (one token per program: {kb1:.3f} ms)")
+o, c = out["ours"], out["compile"]
+print(f"RATIO rope compile/ours: fwd {c[0] / o[0]:.2f}, fwd+bwd {c[1] / o[1]:.2f}, bwd alone {c[2] / o[2]:.2f}")
+del q, k, dq, dk
+n, h, v = 8192, 4096, 128256
+hid = torch.randn(n, h, device="cuda", dtype=bf, requires_grad=True)
+wt = (0.02 * torch.randn(v, h, device="cuda")).to(bf).requires_grad_()
+tgt = torch.randint(0, v, (n,), device="cuda")
+summed = torch.compile(lambda x, w, t: fl.fused_linear_cross_entropy_reference(x, w, t).sum())
+head = {"ours": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt, reduction="sum"),   # 2048-row chunks
+        "ours-chunk4096": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt, chunk=4096, reduction="sum"),
+        "ours-per-token": lambda: fl.fused_linear_cross_entropy(hid, wt, tgt).sum(),
+        "compile": lambda: summed(hid, wt, tgt)}
+res = {}
+for name, f in head.items():
+    fwd, fb = bench(f), bench(lambda: torch.autograd.grad(f(), (hid, wt)))
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+    torch.autograd.grad(f(), (hid, wt)); torch.cuda.synchronize()
+    res[name] = (fwd, fb, (torch.cuda.max_memory_allocated() - base) / 2 ** 30)
+    print(f"head n{n} h{h} v{v} {name}: fwd {fwd:.2f} ms, fwd+bwd {fb:.2f} ms, bwd {fb - fwd:.2f} ms, "
+          f"peak {res[name][2]:.2f} GiB above the inputs")
+c = res["compile"]
+for name in ("ours", "ours-chunk4096", "ours-per-token"):
+    o = res[name]
+    bwd = (c[1] - c[0]) / max(o[1] - o[0], 1e-3)
+    print(f"RATIO head {name} compile/ours: fwd+bwd {c[1] / o[1]:.2f}, bwd {bwd:.2f}, "
+          f"peak {o[2]:.2f} GiB vs compile {c[2]:.2f} GiB")
 '
 
 # the selftest at world 2 on one GPU: NCCL lets two ranks share a GPU from 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1)
@@ -190,6 +247,7 @@ for p in $PHASES; do
     train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
         --impl parallel3d+compile transformers+compile ;;
     kernels) phase kernels 90 python3 benchmarks/kernels.py --markdown ;;
+    bwd49) TAIL=16 phase bwd49 150 python3 -c "$BWD49" ;;
     selftest2) TAIL=45 phase selftest2 240 bash -c "$SELFTEST2" selftest2 "$OUTDIR" ;;
     selftest) TAIL=45 phase selftest 300 python3 -m torch.distributed.run --standalone \
         --nproc_per_node="$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")" \

@@ -156,6 +156,11 @@ def launches(quick: bool = False, arch: int = 80, attention_only: bool = False) 
             with recording(f"{t} d={d}", out, arch):
                 rope_apply(q, k, cos, cos)
                 rope_apply(q, k, cos, cos, backward=True)
+            q, k = torch.zeros(1, 4096, 32, d, dtype=dt), torch.zeros(1, 4096, 8, d, dtype=dt)  # 4 tokens/program
+            cos = torch.zeros(4096, d, dtype=torch.float32)
+            with recording(f"{t} d={d} hq32 hk8 s4096", out, arch):
+                rope_apply(q, k, cos, cos)
+                rope_apply(q, k, cos, cos, backward=True)
         x, w, counts = torch.zeros(96, 512, dtype=dt), torch.zeros(4, 256, 512, dtype=dt), [40, 0, 50, 6]
         with recording(f"{t} experts 4x(256,512)", out, arch):
             y = grouped_mm_forward(x, w, counts)  # (96, 256)

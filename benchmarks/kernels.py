@@ -5,9 +5,12 @@
 For each op it times forward and forward+backward (triton.testing.do_bench, median ms) and prints the
 achieved memory bandwidth (TB/s, for the memory-bound ops: bytes a perfect kernel must move) or compute
 rate (TFLOP/s: matmul FLOPs, causal attention counted at half, backward = 2.5x forward as in the
-FlashAttention papers; fused linear+CE counts the unfused 6*n*h*v so the recomputation is not rewarded),
-and the ratio other/ours (> 1 means ours is faster). Implementations that are not installed or fail are
-listed as skipped. Timings are never asserted anywhere; results go to benchmarks/RESULTS.md by hand.
+FlashAttention papers; fused linear+CE counts the unfused 6*n*h*v, so a recomputation is not rewarded),
+and the ratio other/ours (> 1 means ours is faster); "bwd" is forward+backward less forward (the backward
+with the gradient seeds' fill). The fused linear + CE row "ours" is the summed form the model's head runs
+(gradients formed in the forward), against compile's unfused head summed the same way. Implementations
+that are not installed or fail are listed as skipped. Timings are never asserted anywhere; results go to
+benchmarks/RESULTS.md by hand.
 
 Without CUDA it prints a message and exits 0; `--cpu-smoke` instead runs tiny shapes through the torch
 paths only, to check the script itself.
@@ -151,11 +154,16 @@ def _fused_linear_ce_case(c: dict) -> Case:
     from parallel3d.kernels import fused_linear_cross_entropy as fl
     n, h, v = (64, 32, 300) if c["tiny"] else (8192, 4096, 128256)
     hid, wt, tgt = c["rnd"](n, h), c["rnd"](v, h), torch.randint(0, v, (n,), device=c["device"])
-    chunk = 16 if c["tiny"] else 2048
-    ref = c["compile"](fl.fused_linear_cross_entropy_reference)
-    impls = {"ours": lambda: lambda: ((fl.fused_linear_cross_entropy(hid, wt, tgt, -100, chunk, c["triton"]),),
-                                      (hid, wt)),
-             "eager": lambda: lambda: ((fl.fused_linear_cross_entropy_reference(hid, wt, tgt),), (hid, wt)),
+    chunk = 16 if c["tiny"] else None  # None: head_chunk_rows, what the model's head takes (2048 here)
+
+    def summed(h, w, t):  # the unfused head as the model reduces it: the sum of the token losses
+        return fl.fused_linear_cross_entropy_reference(h, w, t).sum()
+    ref = c["compile"](summed)
+    impls = {"ours": lambda: lambda: ((fl.fused_linear_cross_entropy(hid, wt, tgt, -100, chunk, c["triton"],
+                                                                     reduction="sum"),), (hid, wt)),
+             "ours-per-token": lambda: lambda: ((fl.fused_linear_cross_entropy(hid, wt, tgt, -100, chunk,
+                                                                               c["triton"]),), (hid, wt)),
+             "eager": lambda: lambda: ((summed(hid, wt, tgt),), (hid, wt)),
              "compile": lambda: lambda: ((ref(hid, wt, tgt),), (hid, wt))}
     liger = _liger("liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss")
     if liger is not None and c["triton"]:
@@ -192,7 +200,8 @@ def _cases(device: str, dtype: torch.dtype, tiny: bool, ops: set) -> list[Case]:
 
 def _run(cases: list[Case], device: str, markdown: bool) -> None:
     sep = " | " if markdown else "  "
-    header = ["op", "shape", "impl", "fwd ms", "fwd+bwd ms", "fwd rate", "fwd+bwd rate", "fwd x", "f+b x"]
+    header = ["op", "shape", "impl", "fwd ms", "fwd+bwd ms", "fwd rate", "fwd+bwd rate", "fwd x", "f+b x",
+              "bwd ms", "bwd x"]
     print(("| " if markdown else "") + sep.join(header) + (" |" if markdown else ""))
     if markdown:
         print("|" + "---|" * len(header))
@@ -213,7 +222,8 @@ def _run(cases: list[Case], device: str, markdown: bool) -> None:
             row = [case.op, case.shape, name, f"{fwd:.3f}", f"{fb:.3f}",
                    f"{case.fwd_amount / fwd * scale:.2f} {case.unit}",
                    f"{case.fwdbwd_amount / fb * scale:.2f} {case.unit}",
-                   f"{fwd / base[0]:.2f}" if base else "-", f"{fb / base[1]:.2f}" if base else "-"]
+                   f"{fwd / base[0]:.2f}" if base else "-", f"{fb / base[1]:.2f}" if base else "-",
+                   f"{fb - fwd:.3f}", f"{(fb - fwd) / (base[1] - base[0]):.2f}" if base and base[1] > base[0] else "-"]
             print(("| " if markdown else "") + sep.join(row) + (" |" if markdown else ""))
 
 

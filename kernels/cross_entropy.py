@@ -55,16 +55,20 @@ def cross_entropy_partial_stats_reference(logits: torch.Tensor, target: torch.Te
 def cross_entropy_partial_grad_reference(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
                                          lse: torch.Tensor, grad_loss: torch.Tensor,
                                          ignore_index: int = -100) -> torch.Tensor:
-    """Torch twin of `cross_entropy_partial_grad`: (softmax - onehot) * dloss on the local shard."""
-    x = logits if logits.dtype == torch.float64 else logits.float()  # (n, v_local)
-    dloss = torch.where(target != ignore_index, grad_loss.to(x.dtype),
-                        torch.zeros_like(grad_loss, dtype=x.dtype))  # (n,)
-    grad = torch.exp(x - lse[:, None].to(x.dtype))  # (n, v_local)
+    """Torch twin of `cross_entropy_partial_grad`: (softmax - onehot) * dloss on the local shard.
+
+    One (n, v_local) temporary in the compute dtype (fp32, fp64 for fp64), updated in place, then cast to the
+    logits dtype: the fused head calls this per chunk, so its peak is one fp32 chunk, not four."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(acc, copy=True)  # (n, v_local), never aliases the caller's logits
+    valid = target != ignore_index
+    dloss = torch.where(valid, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))  # (n,)
+    x.sub_(lse.to(acc)[:, None]).exp_()  # softmax (n, v_local) from the global lse
     local_t = target - vocab_start
-    owned = (target != ignore_index) & (local_t >= 0) & (local_t < x.shape[1])
-    onehot = torch.zeros_like(grad).scatter_(1, torch.where(owned, local_t, 0)[:, None],
-                                               owned[:, None].to(x.dtype))
-    return ((grad - onehot) * dloss[:, None]).to(logits.dtype)
+    owned = valid & (local_t >= 0) & (local_t < x.shape[1])  # (n,) rows whose target is on this shard
+    rows = torch.arange(x.shape[0], device=x.device)
+    x.index_put_((rows, torch.where(owned, local_t, 0)), -owned.to(acc), accumulate=True)  # - onehot
+    return x.mul_(dloss[:, None]).to(logits.dtype)
 
 
 @triton.jit
@@ -141,11 +145,18 @@ def cross_entropy_partial_stats(logits: torch.Tensor, target: torch.Tensor, voca
 
 def cross_entropy_partial_grad(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
                                lse: torch.Tensor, grad_loss: torch.Tensor, ignore_index: int = -100,
-                               block_v: Optional[int] = None) -> torch.Tensor:
-    """Triton: d loss / d logits for a shard (n, v_local) given the global lse (n,) and dloss (n,)."""
+                               block_v: Optional[int] = None, out: Optional[torch.Tensor] = None
+                               ) -> torch.Tensor:
+    """Triton: d loss / d logits for a shard (n, v_local) given the global lse (n,) and dloss (n,).
+
+    out: where to write it ((n, v_local), last dim contiguous); `out=logits` overwrites the logits in place
+    (each element is read, then written, by the same program), which the fused head does with its
+    per-chunk logits so that no second (chunk, v) buffer is allocated."""
     logits = _rows(logits)
     n, v = logits.shape
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)  # (n, v_local)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if out is None else out  # (n, v)
+    if grad.shape != logits.shape or grad.stride(1) != 1:
+        raise ValueError(f"out must be ({n}, {v}) with a contiguous last dim, got {tuple(grad.shape)}")
     if n > 0 and v > 0:
         block = _block_v(v, block_v)
         _ce_grad_kernel[(n, triton.cdiv(v, block))](

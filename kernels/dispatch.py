@@ -130,14 +130,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                ignore_index: int = -100, chunk: Optional[int] = None, backend: str = "auto",
                                vocab_start: int = 0,
                                all_reduce_max: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                               all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                               ) -> torch.Tensor:
+                               all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                               reduction: str = "none") -> torch.Tensor:
     """Per-token loss (n,) of CE(hidden @ weight.T) computed `chunk` rows at a time (never the full logits;
-    None: kernels.fused_linear_cross_entropy.head_chunk_rows). The chunking is used on both paths;
+    None: kernels.fused_linear_cross_entropy.head_chunk_rows), or with reduction="sum" their sum, whose
+    gradients are formed in the forward (no logits recomputed). The chunking is used on both paths;
     `backend` picks the per-chunk CE (Triton kernels or torch).
     Vocab-parallel weight shard: pass vocab_start and the TP-group all-reduces (see the kernel module)."""
     return _fused_linear_ce(hidden, weight, target, ignore_index, chunk, use_triton(backend, hidden),
-                            vocab_start, all_reduce_max, all_reduce_sum)
+                            vocab_start, all_reduce_max, all_reduce_sum, reduction)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

@@ -201,7 +201,8 @@ class Llama(nn.Module):
 
     def fused_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss of the LM head without the (b*s, V/tp) logits: the fused linear + CE takes the
-        tokens in chunks and recomputes each chunk's logits in backward (kernels.fused_linear_cross_entropy).
+        tokens in chunks and forms each chunk's gradients in the forward while its logits are live
+        (reduction="sum", kernels.fused_linear_cross_entropy); the backward only scales them.
         Under TP each rank holds a vocabulary shard; the per-token max / sum-exp / target logit are combined
         over the TP group inside it, and d x is this rank's partial sum, all-reduced by enter_tp_region's
         backward exactly as for the unfused head."""
@@ -212,10 +213,11 @@ class Llama(nn.Module):
         reduce_max = reduce_sum = None
         if tp.size > 1:
             reduce_max, reduce_sum = (lambda t: comm.all_reduce(t, tp, op="max")), (lambda t: comm.all_reduce(t, tp))
-        losses = dispatch.fused_linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX,
-                                                     backend=self.cfg.kernels, vocab_start=self.vocab_start,
-                                                     all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)  # (b*s,)
-        return losses.sum()
+        loss = dispatch.fused_linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX,
+                                                   backend=self.cfg.kernels, vocab_start=self.vocab_start,
+                                                   all_reduce_max=reduce_max, all_reduce_sum=reduce_sum,
+                                                   reduction="sum")  # () summed over the b*s tokens
+        return loss
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 documents=None) -> torch.Tensor:

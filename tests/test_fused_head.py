@@ -111,3 +111,17 @@ def test_evaluate_same_loss_fused_and_unfused(worlds):
     padded_ref, _ = _evaluate(None, [*UNFUSED, "model.vocab_size=255"])
     for loss, _ in worlds.run(2, _evaluate, ["parallel.tp=2", "model.vocab_size=255"]):
         assert loss == pytest.approx(padded_ref, rel=1e-5)
+
+
+def test_fused_head_peak_memory_llama3_8b_head(monkeypatch):
+    """Peak bytes of the head's forward + backward at Llama-3 8B's head (8192 tokens, h 4096, v 128256,
+    bf16), counted exactly on `meta` by benchmarks/head_memory.py: the fused head (gradients formed in the
+    forward, 2048-row chunks) stays near the fp32 d weight accumulator it needs anyway (2 GiB) plus one chunk
+    of logits, and at least 3.5x under the unfused head's."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import head_memory
+    fused = head_memory.peak_bytes(True, 8192, 128256, 4096)
+    unfused = head_memory.peak_bytes(False, 8192, 128256, 4096)
+    assert fused <= 4.0 * 2 ** 30, fused / 2 ** 30
+    assert unfused >= 3.5 * fused, (unfused / 2 ** 30, fused / 2 ** 30)

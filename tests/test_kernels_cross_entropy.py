@@ -115,6 +115,64 @@ def test_fused_linear_cross_entropy_gradcheck_fp64_and_dispatch():
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("n,h,v,chunk", [(21, 24, 150, 8), (13, 10, 67, 13), (9, 6, 33, 4)])
+def test_fused_linear_cross_entropy_sum_grads_in_forward(dtype, use_triton, n, h, v, chunk):
+    """reduction="sum" (the model's head): gradients formed in the forward, scaled by the incoming scalar,
+    match the unfused head's over odd shapes, ragged chunks and ignored rows; no_grad runs statistics only."""
+    torch.manual_seed(n)
+    hidden = torch.randn(n, h, dtype=dtype, device=DEVICE, requires_grad=True)
+    weight = (0.3 * torch.randn(v, h, device=DEVICE)).to(dtype).requires_grad_()
+    target = torch.randint(0, v, (n,), device=DEVICE)
+    target[[0, n - 1]] = -100
+    loss = fused_linear_cross_entropy(hidden, weight, target, -100, chunk=chunk, use_triton=use_triton,
+                                      reduction="sum")
+    ref = fused_linear_cross_entropy_reference(hidden, weight, target, -100).sum()
+    assert loss.shape == () and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, **LOSS_TOL[dtype])
+    g = torch.tensor(0.37, device=DEVICE)
+    grads, grads_ref = torch.autograd.grad(loss, (hidden, weight), g), torch.autograd.grad(ref, (hidden, weight), g)
+    for a, b in zip(grads, grads_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **GRAD_TOL[dtype])
+    with torch.no_grad():
+        torch.testing.assert_close(fused_linear_cross_entropy(hidden, weight, target, -100, chunk=chunk,
+                                                              use_triton=use_triton, reduction="sum"), loss)
+
+
+def test_fused_linear_cross_entropy_sum_gradcheck_and_one_input():
+    hidden = torch.randn(5, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    weight = torch.randn(7, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    target = torch.tensor([0, 6, -100, 3, 2], device=DEVICE)
+    for use_triton in (True, False):
+        assert torch.autograd.gradcheck(
+            lambda h, w: fused_linear_cross_entropy(h, w, target, -100, 2, use_triton, reduction="sum"),
+            (hidden, weight), fast_mode=True)
+    # only the weight needs a gradient (a frozen trunk): d hidden is not formed
+    loss = fused_linear_cross_entropy(hidden.detach(), weight, target, -100, 2, True, reduction="sum")
+    ref = fused_linear_cross_entropy_reference(hidden.detach(), weight, target, -100).sum()
+    torch.testing.assert_close(torch.autograd.grad(loss, weight)[0], torch.autograd.grad(ref, weight)[0])
+
+
+def test_fused_linear_cross_entropy_sum_scales_16_bit_grads_in_fp32():
+    """The backward's scale (e.g. 1 / tokens) multiplies the bf16 gradients in fp32, one rounding: never
+    rounded to bf16 itself first (an error of up to 2^-9 on every gradient)."""
+    torch.manual_seed(5)
+    hidden = torch.randn(12, 16, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 40, (12,), device=DEVICE)
+
+    def grads(g):
+        loss = fused_linear_cross_entropy(hidden, weight, target, -100, 5, False, reduction="sum")
+        return torch.autograd.grad(loss, (hidden, weight), torch.tensor(g, device=DEVICE))
+    g = 1 / 3000
+    (dh1, dw1), (dh, dw) = grads(1.0), grads(g)
+    torch.testing.assert_close(dh, (dh1.float() * g).to(torch.bfloat16), rtol=0, atol=0)  # bf16 d hidden rows
+    # d weight: its fp32 accumulator times g, rounded once (dw1 is that accumulator already rounded)
+    torch.testing.assert_close(dw.float(), dw1.float() * g, rtol=2 ** -7, atol=0)  # two roundings at most
+
+
 class _ThreadGroup:
     """A fake TP group for ranks run as threads in one process: all-reduce = barrier + stack + reduce."""
 
@@ -133,7 +191,8 @@ class _ThreadGroup:
         return all_reduce
 
 
-def test_fused_linear_cross_entropy_vocab_parallel_threads():
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_fused_linear_cross_entropy_vocab_parallel_threads(reduction):
     """tp=2 with uneven vocab shards (threads as ranks, torch per-chunk path: the Triton partial kernels
     are covered above): every rank gets the full loss, shard weight grads concatenate to the full one and
     the partial d hidden sum to it."""
@@ -144,7 +203,11 @@ def test_fused_linear_cross_entropy_vocab_parallel_threads():
     target[0] = -100
     ref = fused_linear_cross_entropy_reference(hidden, weight, target, -100)
     g = torch.rand_like(ref)
-    ref_dh, ref_dw = torch.autograd.grad(ref, (hidden, weight), g)
+    ref_dh, ref_dw = torch.autograd.grad(ref, (hidden, weight), g, retain_graph=True)
+    gs = torch.tensor(0.7, device=DEVICE)
+    if reduction == "sum":  # the summed loss: the reference's gradients for the scalar dloss gs
+        ref = ref.sum()
+        ref_dh, ref_dw = torch.autograd.grad(ref, (hidden, weight), gs)
     bounds, group, results = [0, 40, 90], _ThreadGroup(2), [None, None]
 
     def rank_fn(rank: int) -> None:
@@ -152,8 +215,8 @@ def test_fused_linear_cross_entropy_vocab_parallel_threads():
         w = weight.detach()[bounds[rank]:bounds[rank + 1]].clone().requires_grad_()
         loss = fused_linear_cross_entropy(h, w, target, -100, chunk=4, use_triton=False,
                                           vocab_start=bounds[rank], all_reduce_max=group.reducer(rank, "max"),
-                                          all_reduce_sum=group.reducer(rank, "sum"))
-        results[rank] = (loss.detach(), *torch.autograd.grad(loss, (h, w), g))
+                                          all_reduce_sum=group.reducer(rank, "sum"), reduction=reduction)
+        results[rank] = (loss.detach(), *torch.autograd.grad(loss, (h, w), g if reduction == "none" else gs))
 
     threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(2)]
     for t in threads:

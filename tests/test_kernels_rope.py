@@ -49,6 +49,27 @@ def test_rope_per_batch_positions_and_uneven_halves():
     _check(q, k, cos, sin, torch.float32)
 
 
+@pytest.mark.parametrize("tokens", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_several_tokens_per_program_ragged_tail(tokens, dtype):
+    """Several tokens per program with a token count that leaves a ragged last program (b*s = 3*7 = 21), odd
+    head counts, per-batch positions, a strided q; forward and the backward kernel (the transposed rotation)
+    against the reference and its autograd."""
+    from parallel3d.kernels.rope import rope_apply
+    torch.manual_seed(tokens)
+    b, s, hq, hk, d = 3, 7, 5, 3, 12
+    qkv = torch.randn(b, s, hq + 2 * hk, d, device=DEVICE).to(dtype)
+    q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hk]
+    cos, sin = rope_cos_sin(torch.randint(0, 50, (b, s), device=DEVICE), rope_inv_freq(d, 10000.0))
+    for a, r in zip(rope_apply(q, k, cos, sin, tokens_per_program=tokens), rope_reference(q, k, cos, sin)):
+        torch.testing.assert_close(a, r, **TOL[dtype])
+    qr, kr = q.float().requires_grad_(), k.float().requires_grad_()
+    dq, dk = torch.randn(b, s, hq, d, device=DEVICE).to(dtype), torch.randn(b, s, hk, d, device=DEVICE).to(dtype)
+    ref = torch.autograd.grad(rope_reference(qr, kr, cos, sin), (qr, kr), (dq.float(), dk.float()))
+    for a, r in zip(rope_apply(dq, dk, cos, sin, backward=True, tokens_per_program=tokens), ref):
+        torch.testing.assert_close(a.float(), r, **TOL[dtype])
+
+
 def test_rope_gradcheck_fp64():
     q = torch.randn(1, 3, 2, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     k = torch.randn(1, 3, 1, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
