@@ -1,0 +1,97 @@
+"""train.fp8's weight casts, once per optimizer step (tensor_parallel/fp8.py Fp8Casts), through the real
+Trainer: with 4 microbatches each fp8 weight is cast once per step per scale axis (tensorwise one copy,
+rowwise two: rows for y, columns for dx), and the run is bit-identical to the run that casts at every use
+(losses and every parameter after the steps). ZeRO-3 casts at every use (its weights are gathered per use).
+The fused Triton casts (forced, under the interpreter) give the same run as the torch twin, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_helpers import make_config
+from parallel3d.tensor_parallel.fp8 import casts_of
+
+MICROBATCHES = 4  # ckpt_helpers' TINY: global batch 4, micro batch 1
+
+
+def _trainer(overrides, worker=None):
+    from ckpt_helpers import context_for
+    from launch.common import stage_builder
+    from parallel3d.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = make_config(["train.precision=bf16", *overrides], 1 if worker is None else worker.world_size)
+    ctx = context_for(cfg, worker)
+    return Trainer(cfg, ctx, stage_builder(cfg, ctx))
+
+
+def _run(trainer, steps, params=True):
+    """(losses, parameters after the steps, weight casts per step, fp8 layer count); ZeRO-3 (params=False)
+    holds no parameter values between steps."""
+    casts = casts_of(trainer.chunks)
+    layers = sum(1 for c in trainer.chunks for m in c.modules() if getattr(m, "fp8_casts", None) is not None)
+    losses, counts = [], []
+    for _ in range(steps):
+        before = sum(c.weight_casts for c in casts)
+        losses.append(trainer.train_step()["loss"])
+        counts.append(sum(c.weight_casts for c in casts) - before)
+    assert all(not c.copies for c in casts), "the step's copies are dropped when it ends"
+    weights = [p.detach().clone() for c in trainer.chunks for p in c.parameters()] if params else []
+    return losses, weights, counts, layers
+
+
+def _same_run(a, b):
+    assert a[0] == b[0], f"losses {a[0]} vs {b[0]}"
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1])), "parameters differ"
+
+
+@pytest.mark.parametrize("recipe,layout", [("tensorwise", []), ("rowwise", []),
+                                           ("tensorwise", ["parallel.zero=1"]),
+                                           ("rowwise", ["train.activation_checkpointing=full"])])
+def test_weights_cast_once_per_step_and_the_run_is_the_uncached_one(recipe, layout):
+    overrides = [f"train.fp8={recipe}", *layout]
+    cached = _run(_trainer(overrides), 3)
+    assert _trainer(overrides).cfg.train.num_microbatches == MICROBATCHES
+    uncached_trainer = _trainer(overrides)
+    uncached_trainer.fp8_casts = []  # never opened: every use casts
+    uncached = _run(uncached_trainer, 3)
+    _same_run(cached, uncached)
+    layers, axes = cached[3], 1 if recipe == "tensorwise" else 2
+    assert layers >= 7 * 2  # q, k, v, o, gate, up, down in each of 2 blocks (the head stays bf16)
+    assert cached[2] == [layers * axes] * 3
+    uses = 3 if layout == ["train.activation_checkpointing=full"] else 2  # forward (recomputed), backward
+    assert uncached[2] == [layers * MICROBATCHES * uses] * 3
+
+
+def _cached_and_uncached(worker, overrides, steps):
+    cached = _run(_trainer(overrides, worker), steps)
+    uncached_trainer = _trainer(overrides, worker)
+    uncached_trainer.fp8_casts = []
+    return cached, _run(uncached_trainer, steps)
+
+
+def test_zero2_in_place_publishing_recasts_after_each_step(worlds):
+    """dp=2, ZeRO-2: the optimizer's all-gather publishes into the parameters in place between steps; the
+    copies of a step are never read in the next (else the run would drift from the uncached one)."""
+    overrides = ["train.fp8=tensorwise", "parallel.zero=2", "train.micro_batch_size=1", "train.global_batch_size=8"]
+    for cached, uncached in worlds.run(2, _cached_and_uncached, overrides, 3):
+        _same_run(cached, uncached)
+        assert cached[2] == [cached[3]] * 3 and uncached[2] == [cached[3] * MICROBATCHES * 2] * 3
+
+
+def test_zero3_casts_at_every_use():
+    """ZeRO-3 frees each weight after use and gathers it again: no copy outlives the gathered weight."""
+    losses, _, counts, layers = _run(_trainer(["train.fp8=tensorwise", "parallel.zero=3"]), 2, False)
+    assert counts == [layers * MICROBATCHES * 2] * 2
+    ref = _run(_trainer(["train.fp8=tensorwise"]), 2)[0]
+    assert losses == pytest.approx(ref, rel=1e-3)
+
+
+def test_triton_casts_give_the_twins_run():
+    """The fused kernels (forced; the interpreter on this CPU) against the twin, through the Trainer."""
+    def run(backend):
+        trainer = _trainer(["train.fp8=rowwise", "model.num_layers=1"])
+        for casts in casts_of(trainer.chunks):
+            casts.backend = backend
+        return _run(trainer, 2)
+    _same_run(run("triton"), run("torch"))
