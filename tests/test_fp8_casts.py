@@ -95,3 +95,25 @@ def test_triton_casts_give_the_twins_run():
             casts.backend = backend
         return _run(trainer, 2)
     _same_run(run("triton"), run("torch"))
+
+
+@pytest.mark.parametrize("recipe,per_mb,per_step", [("tensorwise", 3, 1), ("rowwise", 4, 2)])
+def test_planner_dry_run_prices_the_fused_casts_once_per_step_for_weights(recipe, per_mb, per_step):
+    """The meta dry run (planner) runs what CUDA runs: the fused cast ops, and the weights' casts once per
+    step: per fp8 layer, `per_mb` activation/gradient casts per microbatch plus `per_step` weight casts
+    (tensorwise: x, dy, x for dW; rowwise: x, dy, dy and x by columns for dW; the weight by rows and columns)."""
+    from launch.common import stage_builder
+    from parallel3d.planner.dryrun import run_role
+    from parallel3d.planner.hardware import gpu
+
+    op = "fp8_scale_cast" if recipe == "tensorwise" else "fp8_cast_axis"
+    counts, gemms = [], []
+    for microbatches in (1, MICROBATCHES):
+        cfg = make_config(["train.precision=bf16", f"train.fp8={recipe}", "model.kernels=auto",
+                           f"train.global_batch_size={microbatches}"], 1)
+        run = run_role(cfg, 0, stage_builder, gpu("h100"), 8)
+        counts.append(run.op_seconds[op][0])
+        gemms.append(run.op_seconds["_scaled_mm"][0])
+    layers = counts[0] // (per_mb + per_step)
+    assert layers >= 14 and counts == [layers * (per_mb + per_step), layers * (per_mb * MICROBATCHES + per_step)]
+    assert gemms == [3 * layers, 3 * layers * MICROBATCHES]  # y, dx, dW per microbatch
