@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import custom_op
 
-from parallel3d.kernels._triton_utils import interpreting, next_pow2
+from parallel3d.kernels._triton_utils import interpreting, next_pow2, num_programs_hint
 
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, 7), torch.float8_e5m2: (tl.float8e5, 2, 15)}  # (tl, mant, bias)
 TILE = 8192  # elements per program tile
@@ -126,12 +126,15 @@ def _cast_store(x, s, Y, m, FMAX: tl.constexpr, OUT: tl.constexpr, MANT: tl.cons
 
 
 @triton.jit
-def _axis_kernel(X, AMAX, Y, INV, n_lanes, n_red, sx_l, sx_r, sy_l, sy_r, MODE: tl.constexpr,
+def _axis_kernel(X, AMAX, Y, INV, n_lanes, n_red, red_per_prog, sx_l, sx_r, sy_l, sy_r, MODE: tl.constexpr,
                  FMAX: tl.constexpr, OUT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
                  MANUAL: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, ONE_TILE: tl.constexpr):
-    """Axiswise: each lane (a row for row scales, a column for column scales) reduced along `red`.
-    MODE 0: amax only (into AMAX); 1: amax, scale and cast in one pass; 2: cast with the given AMAX.
-    ONE_TILE (the lane fits in BR): x is read once; else the amax loop, then the cast loop."""
+    """Axiswise: each lane (a row for row scales, a column for column scales) reduced along `red`; program
+    (i, j) takes lanes [i BL, (i + 1) BL) and `red_per_prog` of the reduced dimension from j red_per_prog.
+    MODE 0: amax only (partial maxima into AMAX[j, lane]); 1: amax, scale and cast in one pass (one program
+    along red); 2: cast with the given AMAX (lane,). ONE_TILE (one program along red, which fits in BR): x is
+    read once; else the amax loop, then the cast loop."""
+    pid_r = tl.program_id(1)
     lanes = tl.program_id(0) * BL + tl.arange(0, BL)  # (BL,)
     lmask = lanes < n_lanes
     xl = X + lanes[:, None].to(tl.int64) * sx_l  # (BL, 1) lane bases
@@ -151,22 +154,25 @@ def _axis_kernel(X, AMAX, Y, INV, n_lanes, n_red, sx_l, sx_r, sy_l, sy_r, MODE: 
             tl.store(INV + lanes, tl.math.div_rn(1.0, s), mask=lmask)
             _cast_store(x, s, yl + red[None, :].to(tl.int64) * sy_r, m, FMAX, OUT, MANT, BIAS, MANUAL)
     else:
+        r_start = pid_r * red_per_prog
+        r_end = tl.minimum(r_start + red_per_prog, n_red)
         if MODE == 2:
             amax = tl.load(AMAX + lanes, mask=lmask, other=1.0)  # (BL,)
         else:
             acc = tl.zeros((BL, BR), dtype=tl.float32)
-            for r0 in range(0, n_red, BR):
-                m = lmask[:, None] & (r0 + red[None, :] < n_red)
+            for r0 in range(r_start, r_end, BR):
+                m = lmask[:, None] & (r0 + red[None, :] < r_end)
                 x = tl.load(xl + (r0 + red[None, :]).to(tl.int64) * sx_r, mask=m, other=0.0).to(tl.float32)
                 acc = tl.maximum(acc, tl.abs(x))  # (BL, BR)
             amax = tl.max(acc, axis=1)  # (BL,)
         if MODE == 0:
-            tl.store(AMAX + lanes, amax, mask=lmask)
+            tl.store(AMAX + pid_r.to(tl.int64) * n_lanes + lanes, amax, mask=lmask)
         else:
             s = _scale_of(amax, FMAX)  # (BL,)
-            tl.store(INV + lanes, tl.math.div_rn(1.0, s), mask=lmask)
-            for r0 in range(0, n_red, BR):
-                m = lmask[:, None] & (r0 + red[None, :] < n_red)
+            if pid_r == 0:
+                tl.store(INV + lanes, tl.math.div_rn(1.0, s), mask=lmask)
+            for r0 in range(r_start, r_end, BR):
+                m = lmask[:, None] & (r0 + red[None, :] < r_end)
                 x = tl.load(xl + (r0 + red[None, :]).to(tl.int64) * sx_r, mask=m, other=0.0).to(tl.float32)
                 _cast_store(x, s, yl + (r0 + red[None, :]).to(tl.int64) * sy_r, m, FMAX, OUT, MANT, BIAS, MANUAL)
 
@@ -210,30 +216,41 @@ def scale_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Ten
     return y, inv
 
 
-def _axis_launch(t: Tensor, axis: int, mode: int, dtype: torch.dtype, amax: Optional[Tensor],
+def _axis_launch(t: Tensor, axis: int, mode: int, dtype: Optional[torch.dtype], amax: Optional[Tensor],
                  max_block: int) -> tuple[Optional[Tensor], Tensor]:
+    """MODE 0 / 1 / 2 of _axis_kernel over a 2-D t. Too few lane blocks to fill the device (columns of a
+    (tokens, 4096) tensor: 64 programs) split the reduced dimension over programs as well; a fused cast is
+    then an amax launch (partial maxima, reduced here), then a cast launch with that amax."""
     n, k = t.shape
     lanes, red = (n, k) if axis == 1 else (k, n)
     sx_l, sx_r = (t.stride(0), t.stride(1)) if axis == 1 else (t.stride(1), t.stride(0))
-    shape = (n, 1) if axis == 1 else (1, k)
-    y = torch.empty((n, k), dtype=dtype, device=t.device) if mode else None  # (n, k)
     sy_l, sy_r = ((k, 1) if axis == 1 else (1, k))
-    stat = amax.float().contiguous() if mode == 2 else torch.empty(shape, dtype=torch.float32, device=t.device)
-    inv = torch.empty(shape, dtype=torch.float32, device=t.device)
+    shape = (n, 1) if axis == 1 else (1, k)
     if axis == 1:   # rows: the reduced dimension is contiguous, a few rows per program
         br = min(next_pow2(red), max_block)
         bl = min(next_pow2(lanes), max(2048 // br, 1))
     else:           # columns: lanes contiguous, rows looped
         bl = min(next_pow2(lanes), 64)
         br = min(next_pow2(red), max(max_block // bl, 1))
-    if t.numel():
-        _axis_kernel[(triton.cdiv(lanes, bl),)](
-            t, stat, y.view(torch.uint8) if mode else t, inv, lanes, red, sx_l, sx_r, sy_l, sy_r, MODE=mode,
-            BL=bl, BR=br, ONE_TILE=red <= br, num_warps=min(max(bl * br // 512, 1), 16),
-            **_consts(torch.float8_e4m3fn if dtype is None else dtype))
-    elif mode:
+    lane_progs, want = triton.cdiv(lanes, bl), num_programs_hint(t.device)
+    split = min(triton.cdiv(red, br), triton.cdiv(want, lane_progs)) if lane_progs < want else 1
+    per_prog = triton.cdiv(triton.cdiv(red, split), br) * br  # (a multiple of BR)
+    split = triton.cdiv(red, per_prog)
+    if t.numel() == 0:
+        if mode == 0:
+            return None, amax_reference(t, axis)
         return scale_cast_reference(t, amax_reference(t, axis) if mode == 1 else amax, dtype)
-    return y, (stat if mode == 0 else inv)
+    if mode == 1 and split > 1:
+        mode, amax = 2, _axis_launch(t, axis, 0, None, None, max_block)[1]
+    y = torch.empty((n, k), dtype=dtype, device=t.device) if mode else None  # (n, k)
+    stat = (amax.float().contiguous() if mode == 2 else
+            torch.empty((split, lanes), dtype=torch.float32, device=t.device))  # (lanes,) / (split, lanes)
+    inv = torch.empty(shape, dtype=torch.float32, device=t.device)
+    _axis_kernel[(lane_progs, split)](
+        t, stat, y.view(torch.uint8) if mode else t, inv, lanes, red, per_prog, sx_l, sx_r, sy_l, sy_r, MODE=mode,
+        BL=bl, BR=br, ONE_TILE=split == 1 and red <= br, num_warps=min(max(bl * br // 512, 1), 16),
+        **_consts(torch.float8_e4m3fn if dtype is None else dtype))
+    return (y, inv) if mode else (None, stat.amax(0).view(shape))
 
 
 def amax_axis(t: Tensor, axis: int, max_block: int = TILE) -> Tensor:
