@@ -21,6 +21,8 @@
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
 #   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
+#   fp8_kernels    tests/test_kernels_fp8_cast.py compiled on the GPU: the fused fp8 casts' bytes (the hardware's
+#                  conversion) against the torch twin's, both fp8 formats, odd shapes
 #   fp8_step       benchmarks/fp8_step.py: the training step at Llama-3 8B layer shapes (h 4096, ffn 14336, GQA 32/8,
 #                  seq 8192, as many layers as fit), bf16 vs train.fp8=tensorwise vs rowwise: s/step, ratios, loss
 #                  difference, fp8 weight casts per step (FP8_LAYERS overrides the layer count)
@@ -191,6 +193,7 @@ for p in $PHASES; do
     train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
         --impl parallel3d+compile transformers+compile ;;
     kernels) phase kernels 90 python3 benchmarks/kernels.py --markdown ;;
+    fp8_kernels) phase fp8_kernels 90 python3 -m pytest -q -rfEs --timeout 80 tests/test_kernels_fp8_cast.py ;;
     fp8_step) TAIL=12 phase fp8_step 90 python3 benchmarks/fp8_step.py --layers "${FP8_LAYERS:-0}" --steps 3 --warmup 2 ;;
     selftest2) TAIL=45 phase selftest2 240 bash -c "$SELFTEST2" selftest2 "$OUTDIR" ;;
     selftest) TAIL=45 phase selftest 300 python3 -m torch.distributed.run --standalone \
