@@ -95,6 +95,16 @@ def fp8_cast(t: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,
     return fp8_cast_reference(t, dtype, axis, reduce_amax)
 
 
+def fp8_scale_cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,
+                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The cast pass alone, with a given fp32 amax (shape (), (n, 1) or (1, k) for axis None, 1, 0)."""
+    if use_kernel_op(backend, t):
+        from parallel3d.kernels import fp8_cast as fc
+        return fc.fp8_scale_cast(t, amax, axis, dtype)
+    from parallel3d.kernels.fp8_cast import scale_cast_reference
+    return scale_cast_reference(t, amax, dtype)
+
+
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   backend: str = "auto") -> torch.Tensor:
     """Per-token losses (n,) fp32."""

@@ -104,3 +104,13 @@ def test_opcheck(name):
     args = {"fp8_amax": (t, 0), "fp8_scale_cast": (t, fc.amax_tensor(t), None, torch.float8_e5m2),
             "fp8_cast_axis": (t, 1, torch.float8_e4m3fn)}[name]
     torch.library.opcheck(getattr(fc, name), args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("axis", [None, 1, 0])
+def test_the_cast_pass_alone_with_a_given_amax(axis):
+    """dispatch.fp8_scale_cast (ZeRO-3's fp8 gathers cast shards with the amax reduced over the shard group)."""
+    t = _values((10, 24), torch.bfloat16, seed=5)
+    amax = fc.amax_reference(t, axis) * 0.75  # reduced elsewhere: here below the shard's own, so some saturate
+    want = fc.scale_cast_reference(t, amax, torch.float8_e4m3fn)
+    for backend in ("torch", "triton"):
+        _same(dispatch.fp8_scale_cast(t, amax, torch.float8_e4m3fn, axis, backend), want)
