@@ -3,8 +3,9 @@
 A weight the fp8 linears consume (tagged `weight.fp8` by convert_to_fp8) is quantised to e4m3 on its owner's
 shard (on CUDA by the fused cast pass of kernels/fp8_cast.py: dispatch.fp8_scale_cast) and travels as 1
 byte per value instead of bf16's 2; the GEMMs take the gathered bytes and inverse scale as they are
-(tensor_parallel/fp8.py `_weight8`). The scale must be the one the unsharded quantisation would use, so the bytes are *identical* to quantising the gathered bf16 weight, and training
-is bit-for-bit the run without fp8 gathers:
+(tensor_parallel/fp8.py `_weight8`). The scale must be the one the unsharded quantisation would use, so
+the bytes are *identical* to quantising the gathered bf16 weight, and training is bit-for-bit the run
+without fp8 gathers:
 
     tensorwise  scale = fp8_max / amax(W): every rank's shard amax, MAX all-reduced over the shard group
                 (one small all-reduce per bucket; torchao's float8 all-gather for FSDP2 does the same),
