@@ -120,3 +120,23 @@ def test_planner_dry_run_prices_the_fused_casts_once_per_step_for_weights(recipe
     layers = counts[0] // (per_mb + per_step)
     assert layers >= 14 and counts == [layers * (per_mb + per_step), layers * (per_mb * MICROBATCHES + per_step)]
     assert gemms == [3 * layers, 3 * layers * MICROBATCHES]  # y, dx, dW per microbatch
+
+
+@pytest.mark.parametrize("recipe,casts_per_step", [("tensorwise", 1), ("rowwise", 2)])
+def test_the_dx_copy_is_kept_transposed(recipe, casts_per_step):
+    """dx = dy @ W takes W^T contiguous (column-major for _scaled_mm): that copy is made once per step too, by
+    transposing y's copy (tensorwise) or casting the column-scaled one (rowwise), not in every backward."""
+    from parallel3d.mesh import ParallelContext
+    from parallel3d.tensor_parallel.fp8 import Fp8Casts
+    from parallel3d.tensor_parallel.layers import ColumnParallelLinear, convert_to_fp8
+
+    layer = ColumnParallelLinear(32, 48, ParallelContext.single().tp).bfloat16()
+    casts = Fp8Casts("torch")
+    convert_to_fp8(layer, recipe, casts)
+    casts.open()
+    for _ in range(3):
+        layer(torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    assert casts.weight_casts == casts_per_step
+    (w8, _), = [copy for (_, _, col), (_, copy) in casts.copies.items() if col]
+    assert w8.shape == (48, 32) and w8.t().is_contiguous()
+    casts.close()

@@ -117,7 +117,8 @@ class Fp8Casts:
     Reuse is scoped explicitly: between open() and close() (Trainer.train_step, around the step's forwards
     and backwards, where no parameter changes: the optimizer, its ZeRO-1/2 publishing, checkpoint loads and
     everything else run outside) each weight is cast once per scale axis (tensorwise: one copy serves y and
-    dx; rowwise: a row-scaled copy for y, a column-scaled one for dx) and the copy reused by every later
+    dx, kept twice: row-major for y and transposed for dx, whose GEMM takes W^T contiguous; rowwise: a
+    row-scaled copy for y, a column-scaled transposed one for dx) and the copy reused by every later
     microbatch, recomputed forward and backward. close() drops the copies: nothing is held between steps,
     so no copy can outlive the weights it was cast from. The scope is what makes reuse correct: the optimizer
     writes parameters through `.data` and flat buffers, which the parameter's version counter does not see.
@@ -132,7 +133,7 @@ class Fp8Casts:
     def __init__(self, backend: str = "auto") -> None:
         self.backend = backend
         self.reuse = False
-        self.copies: dict = {}  # (layer, axis) -> ((data_ptr, shape, version), (w8, inverse scale))
+        self.copies: dict = {}  # (layer, axis, col_major) -> ((data_ptr, shape, version), (w8, inverse scale))
         self.weight_casts = 0
 
     def open(self) -> None:
@@ -141,18 +142,26 @@ class Fp8Casts:
     def close(self) -> None:
         self.reuse, self.copies = False, {}
 
-    def weight(self, key: object, axis: Optional[int], w: torch.Tensor, cast) -> tuple[torch.Tensor, torch.Tensor]:
-        """The copy of weight `w` (of layer `key`) along `axis`: reused while open and unchanged, else cast()."""
+    def weight(self, key: object, axis: Optional[int], w: torch.Tensor, cast, col_major: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy of weight `w` (of layer `key`) along `axis`: reused while open and unchanged, else cast().
+        col_major: laid out as dx's GEMM takes it (W^T contiguous): the step's row-major copy transposed once
+        if there is one (tensorwise: y's), else cast and transposed (rowwise's column-scaled copy)."""
         if torch.compiler.is_compiling():
             return cast()
         stamp = (w.data_ptr(), tuple(w.shape), w._version)
-        hit = self.copies.get((key, axis)) if self.reuse else None
+        hit = self.copies.get((key, axis, col_major)) if self.reuse else None
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        self.weight_casts += 1
-        out = cast()
+        row = self.copies.get((key, axis, False)) if col_major and self.reuse else None
+        if row is not None and row[0] == stamp:
+            w8, inv = row[1]
+        else:
+            self.weight_casts += 1
+            w8, inv = cast()  # (out, in)
+        out = (_col_major(w8), inv) if col_major else (w8, inv)
         if self.reuse:
-            self.copies[(key, axis)] = (stamp, out)
+            self.copies[(key, axis, col_major)] = (stamp, out)
         return out
 
 
@@ -197,10 +206,11 @@ def _mm(a8: torch.Tensor, a_inv: torch.Tensor, b8: torch.Tensor, b_inv: torch.Te
 
 
 def _weight8(weight: torch.Tensor, axis: Optional[int], kind: str, group: Optional[Group],
-             tag: Optional[Fp8Weight] = None, casts: Optional[Fp8Casts] = None, key: object = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight in e4m3 with scales along `axis`: ZeRO-3's gathered fp8 copy when there is one (its bytes
-    are what this quantisation gives: fp8_gather.py), else the step's copy in `casts`, else cast here."""
+             tag: Optional[Fp8Weight] = None, casts: Optional[Fp8Casts] = None, key: object = None,
+             col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight (out, in) in e4m3 with scales along `axis`: ZeRO-3's gathered fp8 copy when there is one
+    (its bytes are what this quantisation gives: fp8_gather.py), else the step's copy in `casts` (col_major:
+    stored transposed, the layout dx's GEMM takes: Fp8Casts.weight), else cast here."""
     tag = tag if tag is not None else getattr(weight, "fp8", None)
     if tag is not None and tag.gathered:
         if axis not in tag.gathered:
@@ -210,7 +220,7 @@ def _weight8(weight: torch.Tensor, axis: Optional[int], kind: str, group: Option
 
     def cast() -> tuple[torch.Tensor, torch.Tensor]:
         return _cast(weight, axis, weight_reduce_group(kind, group, axis), E4M3, _backend(casts))
-    return cast() if casts is None else casts.weight(key, axis, weight, cast)
+    return cast() if casts is None else casts.weight(key, axis, weight, cast, col_major)
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -259,7 +269,7 @@ def grad_input(state: tuple, weight: torch.Tensor, recipe: str, kind: str, group
                ) -> torch.Tensor:
     """dx (n, in) = dy @ W in fp8 (rowwise: W's scales (1, in), columns over out)."""
     _, g8, g_inv = state
-    w8, w_inv = _weight8(weight, None if recipe == "tensorwise" else 0, kind, group, tag, casts, key)
+    w8, w_inv = _weight8(weight, None if recipe == "tensorwise" else 0, kind, group, tag, casts, key, True)
     return _mm(g8, g_inv, w8, w_inv, dtype)
 
 
