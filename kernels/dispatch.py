@@ -85,14 +85,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
 
 
 def fp8_cast(t: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,
-             reduce_amax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, backend: str = "auto"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             reduce_amax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, backend: str = "auto",
+             col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(t8, fp32 inverse scale) of a 2-D t: one scale (axis None, shape ()), one per row (axis 1, (n, 1)) or
-    per column (axis 0, (1, k)); `reduce_amax` (a TP MAX all-reduce) runs between the amax and the cast."""
+    per column (axis 0, (1, k)); `reduce_amax` (a TP MAX all-reduce) runs between the amax and the cast.
+    col_major: t8 stored transposed (strides (1, n)), the layout a GEMM takes its second operand in."""
     if use_kernel_op(backend, t):
         from parallel3d.kernels import fp8_cast as fc
-        return fc.cast(t, dtype, axis, reduce_amax)
-    return fp8_cast_reference(t, dtype, axis, reduce_amax)
+        return fc.cast(t, dtype, axis, reduce_amax, col_major)
+    return fp8_cast_reference(t, dtype, axis, reduce_amax, col_major)
 
 
 def fp8_scale_cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,

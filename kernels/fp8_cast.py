@@ -51,11 +51,23 @@ def scale_cast_reference(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[T
     return t8, scale.reciprocal()
 
 
-def cast_reference(t: Tensor, dtype: torch.dtype, axis: Optional[int] = None, reduce_amax=None
-                   ) -> tuple[Tensor, Tensor]:
-    """The whole cast; `reduce_amax` (e.g. a TP MAX all-reduce) is applied to the amax before scaling."""
+def cast_reference(t: Tensor, dtype: torch.dtype, axis: Optional[int] = None, reduce_amax=None,
+                   col_major: bool = False) -> tuple[Tensor, Tensor]:
+    """The whole cast; `reduce_amax` (e.g. a TP MAX all-reduce) is applied to the amax before scaling.
+    col_major: t8 (n, k) stored transposed (strides (1, n)), as a GEMM takes its second operand."""
     amax = amax_reference(t, axis)
-    return scale_cast_reference(t, amax if reduce_amax is None else reduce_amax(amax), dtype)
+    t8, inv = scale_cast_reference(t, amax if reduce_amax is None else reduce_amax(amax), dtype)
+    return (_col_major(t8) if col_major else t8), inv
+
+
+def _col_major(t: Tensor) -> Tensor:
+    return t.t().contiguous().t()
+
+
+def _out(t: Tensor, dtype: torch.dtype, col_major: bool) -> Tensor:
+    """The (n, k) fp8 output: row-major, or column-major (strides (1, n))."""
+    n, k = t.shape
+    return torch.empty_strided((n, k), (1, n) if col_major else (k, 1), dtype=dtype, device=t.device)
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
@@ -201,10 +213,10 @@ def amax_tensor(t: Tensor) -> Tensor:
     return part.amax()
 
 
-def scale_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def scale_cast(t: Tensor, amax: Tensor, dtype: torch.dtype, col_major: bool = False) -> tuple[Tensor, Tensor]:
     """Tensorwise fused scale + cast + saturate of a 2-D t with a scalar fp32 amax -> (t8, inv ())."""
     n, k = t.shape
-    y = torch.empty((n, k), dtype=dtype, device=t.device)  # (n, k) contiguous, as the twin's
+    y = _out(t, dtype, col_major)  # (n, k)
     inv = torch.empty((), dtype=torch.float32, device=t.device)
     br, bc = _tile(n, k)
     if t.numel():
@@ -217,14 +229,15 @@ def scale_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Ten
 
 
 def _axis_launch(t: Tensor, axis: int, mode: int, dtype: Optional[torch.dtype], amax: Optional[Tensor],
-                 max_block: int) -> tuple[Optional[Tensor], Tensor]:
+                 max_block: int, col_major: bool = False) -> tuple[Optional[Tensor], Tensor]:
     """MODE 0 / 1 / 2 of _axis_kernel over a 2-D t. Too few lane blocks to fill the device (columns of a
     (tokens, 4096) tensor: 64 programs) split the reduced dimension over programs as well; a fused cast is
     then an amax launch (partial maxima, reduced here), then a cast launch with that amax."""
     n, k = t.shape
     lanes, red = (n, k) if axis == 1 else (k, n)
     sx_l, sx_r = (t.stride(0), t.stride(1)) if axis == 1 else (t.stride(1), t.stride(0))
-    sy_l, sy_r = ((k, 1) if axis == 1 else (1, k))
+    sy = (1, n) if col_major else (k, 1)  # the output's strides
+    sy_l, sy_r = sy if axis == 1 else sy[::-1]
     shape = (n, 1) if axis == 1 else (1, k)
     if axis == 1:   # rows: the reduced dimension is contiguous, a few rows per program
         br = min(next_pow2(red), max_block)
@@ -239,10 +252,11 @@ def _axis_launch(t: Tensor, axis: int, mode: int, dtype: Optional[torch.dtype], 
     if t.numel() == 0:
         if mode == 0:
             return None, amax_reference(t, axis)
-        return scale_cast_reference(t, amax_reference(t, axis) if mode == 1 else amax, dtype)
+        t8, inv = scale_cast_reference(t, amax_reference(t, axis) if mode == 1 else amax, dtype)
+        return (_col_major(t8) if col_major else t8), inv
     if mode == 1 and split > 1:
         mode, amax = 2, _axis_launch(t, axis, 0, None, None, max_block)[1]
-    y = torch.empty((n, k), dtype=dtype, device=t.device) if mode else None  # (n, k)
+    y = _out(t, dtype, col_major) if mode else None  # (n, k)
     stat = (amax.float().contiguous() if mode == 2 else
             torch.empty((split, lanes), dtype=torch.float32, device=t.device))  # (lanes,) / (split, lanes)
     inv = torch.empty(shape, dtype=torch.float32, device=t.device)
@@ -258,10 +272,10 @@ def amax_axis(t: Tensor, axis: int, max_block: int = TILE) -> Tensor:
     return _axis_launch(t, axis, 0, None, None, max_block)[1]
 
 
-def cast_axis(t: Tensor, axis: int, dtype: torch.dtype, amax: Optional[Tensor] = None, max_block: int = TILE
-              ) -> tuple[Tensor, Tensor]:
+def cast_axis(t: Tensor, axis: int, dtype: torch.dtype, amax: Optional[Tensor] = None, max_block: int = TILE,
+              col_major: bool = False) -> tuple[Tensor, Tensor]:
     """Axiswise (t8, inv shaped like the amax): one fused pass, or with a given (reduced) `amax`."""
-    return _axis_launch(t, axis, 1 if amax is None else 2, dtype, amax, max_block)
+    return _axis_launch(t, axis, 1 if amax is None else 2, dtype, amax, max_block, col_major)
 
 
 # ---- custom ops (fake implementations: meta tensors and the planner's dry run) -------------------------
@@ -280,29 +294,32 @@ def _(t, axis):
 
 
 @custom_op("parallel3d::fp8_scale_cast", mutates_args=())
-def fp8_scale_cast(t: Tensor, amax: Tensor, axis: Optional[int], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return scale_cast(t, amax, dtype) if axis is None else cast_axis(t, axis, dtype, amax)
+def fp8_scale_cast(t: Tensor, amax: Tensor, axis: Optional[int], dtype: torch.dtype, col_major: bool = False
+                   ) -> tuple[Tensor, Tensor]:
+    return (scale_cast(t, amax, dtype, col_major) if axis is None else
+            cast_axis(t, axis, dtype, amax, col_major=col_major))
 
 
 @fp8_scale_cast.register_fake
-def _(t, amax, axis, dtype):
-    return t.new_empty(t.shape, dtype=dtype), t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
+def _(t, amax, axis, dtype, col_major=False):
+    return _out(t, dtype, col_major), t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
 
 
 @custom_op("parallel3d::fp8_cast_axis", mutates_args=())
-def fp8_cast_axis(t: Tensor, axis: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return cast_axis(t, axis, dtype)
+def fp8_cast_axis(t: Tensor, axis: int, dtype: torch.dtype, col_major: bool = False) -> tuple[Tensor, Tensor]:
+    return cast_axis(t, axis, dtype, col_major=col_major)
 
 
 @fp8_cast_axis.register_fake
-def _(t, axis, dtype):
-    return t.new_empty(t.shape, dtype=dtype), t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
+def _(t, axis, dtype, col_major=False):
+    return _out(t, dtype, col_major), t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
 
 
-def cast(t: Tensor, dtype: torch.dtype, axis: Optional[int] = None, reduce_amax=None) -> tuple[Tensor, Tensor]:
+def cast(t: Tensor, dtype: torch.dtype, axis: Optional[int] = None, reduce_amax=None, col_major: bool = False
+         ) -> tuple[Tensor, Tensor]:
     """The kernels' cast_reference through the custom ops: tensorwise amax op, (reduce), fused scale-cast op;
     axiswise one fused op, or amax op, reduce, cast op when the amax must be reduced first."""
     if axis is not None and reduce_amax is None:
-        return fp8_cast_axis(t, axis, dtype)
+        return fp8_cast_axis(t, axis, dtype, col_major)
     amax = fp8_amax(t, axis)
-    return fp8_scale_cast(t, amax if reduce_amax is None else reduce_amax(amax), axis, dtype)
+    return fp8_scale_cast(t, amax if reduce_amax is None else reduce_amax(amax), axis, dtype, col_major)

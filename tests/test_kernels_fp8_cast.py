@@ -61,6 +61,20 @@ def test_axiswise_bytes_equal_the_twin(fp8, src, shape, axis):
 
 
 @pytest.mark.parametrize("axis", [None, 1, 0])
+def test_column_major_output(axis):
+    """col_major: the same bytes written transposed (the layout the GEMM takes its second operand in)."""
+    t = _values((37, 20), torch.bfloat16, seed=6)
+    for backend in ("torch", "triton"):
+        got = dispatch.fp8_cast(t, torch.float8_e4m3fn, axis, backend=backend, col_major=True)
+        assert got[0].stride() == (1, 37)
+        _same(got, fc.cast_reference(t, torch.float8_e4m3fn, axis))
+    amax = fc.amax_axis(t, 0, max_block=16)
+    got = fc.cast_axis(t, 0, torch.float8_e5m2, amax=amax, max_block=16, col_major=True)  # split, given amax
+    assert got[0].stride() == (1, 37)
+    _same(got, fc.cast_reference(t, torch.float8_e5m2, 0))
+
+
+@pytest.mark.parametrize("axis", [None, 1, 0])
 def test_strided_input_and_saturation(axis):
     """A transposed (column-major) view, and a reduced amax below the tensor's own: values saturate to
     +-fp8_max exactly as the twin's clamp."""
@@ -98,11 +112,12 @@ def test_meta_runs_the_custom_ops():
     assert t8.is_meta
 
 
-@pytest.mark.parametrize("name", ["fp8_amax", "fp8_scale_cast", "fp8_cast_axis"])
+@pytest.mark.parametrize("name", ["fp8_amax", "fp8_scale_cast", "fp8_cast_axis", "fp8_cast_axis_col"])
 def test_opcheck(name):
     t = _values((5, 40), torch.bfloat16, seed=4)
-    args = {"fp8_amax": (t, 0), "fp8_scale_cast": (t, fc.amax_tensor(t), None, torch.float8_e5m2),
-            "fp8_cast_axis": (t, 1, torch.float8_e4m3fn)}[name]
+    args = {"fp8_amax": (t, 0), "fp8_scale_cast": (t, fc.amax_tensor(t), None, torch.float8_e5m2, True),
+            "fp8_cast_axis": (t, 1, torch.float8_e4m3fn), "fp8_cast_axis_col": (t, 0, torch.float8_e4m3fn, True)}[name]
+    name = name.replace("_col", "")
     torch.library.opcheck(getattr(fc, name), args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -175,12 +175,12 @@ def _backend(casts: Optional[Fp8Casts]) -> str:
     return "auto" if casts is None else casts.backend
 
 
-def _cast(t: torch.Tensor, axis: Optional[int], group: Optional[Group], dtype: torch.dtype, backend: str
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast(t: torch.Tensor, axis: Optional[int], group: Optional[Group], dtype: torch.dtype, backend: str,
+          col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(t8, fp32 inverse scale) of a 2-D t along `axis` (None: one scale); the amax MAX-reduced over `group`
-    (if given) between the amax pass and the cast pass."""
+    (if given) between the amax pass and the cast pass; col_major: t8 written transposed (_mm's layouts)."""
     reduce = None if group is None else (lambda a: comm.all_reduce(a, group, op="max"))
-    return dispatch.fp8_cast(t, dtype, axis, reduce, backend)
+    return dispatch.fp8_cast(t, dtype, axis, reduce, backend, col_major)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -275,14 +275,15 @@ def grad_input(state: tuple, weight: torch.Tensor, recipe: str, kind: str, group
 
 def grad_weight(state: tuple, x2: torch.Tensor, recipe: str, dtype: torch.dtype, row: Optional[Group] = None,
                 casts: Optional[Fp8Casts] = None) -> torch.Tensor:
-    """dW (out, in) = dy^T @ x in fp8 (x (n, in); tensorwise: x's amax MAX-reduced over `row`)."""
+    """dW (out, in) = dy^T @ x in fp8 (x (n, in); tensorwise: x's amax MAX-reduced over `row`). The casts
+    made for this GEMM alone are written in the layouts _mm takes (dy^T row-major, x column-major)."""
     dy2, g8, g_inv = state
     backend = _backend(casts)
     if recipe == "tensorwise":
-        x8, x_inv = _cast(x2, None, row, E4M3, backend)
+        x8, x_inv = _cast(x2, None, row, E4M3, backend, col_major=True)  # (n, in) stored (in, n)
         return _mm(g8.t(), g_inv, x8, x_inv, dtype)
-    gt8, gt_inv = _cast(dy2, 0, None, E4M3, backend)  # (1, out): columns over n
-    x8, x_inv = _cast(x2, 0, None, E4M3, backend)  # (1, in)
+    gt8, gt_inv = _cast(dy2, 0, None, E4M3, backend, col_major=True)  # (n, out) stored (out, n); (1, out)
+    x8, x_inv = _cast(x2, 0, None, E4M3, backend, col_major=True)  # (n, in) stored (in, n); (1, in)
     return _mm(gt8.t(), gt_inv.t(), x8, x_inv, dtype)
 
 
