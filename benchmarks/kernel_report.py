@@ -189,6 +189,8 @@ def fp8_launches(arch: int, dt: torch.dtype, quick: bool) -> list[Launch]:
                 fc.scale_cast(x, amax, e5)
                 fc.cast_axis(x, 0, e4)
                 fc.cast_axis(x, 1, e4, amax=fc.amax_axis(x, 1))
+                fc.scale_cast(x, amax, e4, col_major=True)    # dW's x (tensorwise)
+                fc.cast_axis(x, 0, e4, col_major=True)         # dW's x and dy^T (rowwise)
     return out
 
 

@@ -190,7 +190,12 @@ def _axis_kernel(X, AMAX, Y, INV, n_lanes, n_red, red_per_prog, sx_l, sx_r, sy_l
 
 
 # ---- launch functions (2-D tensors, any strides) ------------------------------------------------------
-def _tile(n_rows: int, n_cols: int) -> tuple[int, int]:
+def _tile(n_rows: int, n_cols: int, col_major: bool = False) -> tuple[int, int]:
+    """(rows, cols) of a program's tile: wide rows; 128 rows when the output is stored column-major (runs of
+    128 bytes there too, the compiler converting the layout between the load and the store)."""
+    if col_major:
+        br = min(next_pow2(n_rows), 128)
+        return br, min(next_pow2(n_cols), max(TILE // br, 1))
     bc = min(next_pow2(n_cols), 1024)
     return min(next_pow2(n_rows), max(TILE // bc, 1)), bc
 
@@ -218,7 +223,7 @@ def scale_cast(t: Tensor, amax: Tensor, dtype: torch.dtype, col_major: bool = Fa
     n, k = t.shape
     y = _out(t, dtype, col_major)  # (n, k)
     inv = torch.empty((), dtype=torch.float32, device=t.device)
-    br, bc = _tile(n, k)
+    br, bc = _tile(n, k, col_major)
     if t.numel():
         _scale_cast_kernel[(triton.cdiv(n, br), triton.cdiv(k, bc))](
             t, amax.reshape(()).float(), y.view(torch.uint8), inv, n, k, t.stride(0), t.stride(1), y.stride(0),
