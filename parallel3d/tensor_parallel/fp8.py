@@ -126,7 +126,7 @@ class Fp8Casts:
     step (an in-place write to the parameter itself) casts again.
     Closed (evaluation, a test's own loop) every use casts, as does code under torch.compile (a cached
     Python object cannot live in the graph). The trainer does not open it under ZeRO-3, whose weights are
-    gathered for each use and freed again: copies kept for the step would hold 1-2 bytes per parameter of the
+    gathered for each use and freed again: copies kept for the step would hold 2 bytes per parameter of the
     unsharded model that ZeRO-3 exists not to hold (its fp8 gathers cast the shard instead).
     `weight_casts` counts the weight casts made (the tests read it)."""
 
@@ -146,20 +146,20 @@ class Fp8Casts:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The copy of weight `w` (of layer `key`) along `axis`: reused while open and unchanged, else cast().
         col_major: laid out as dx's GEMM takes it (W^T contiguous): the step's row-major copy transposed once
-        if there is one (tensorwise: y's), else cast and transposed (rowwise's column-scaled copy)."""
+        if there is one (tensorwise: y's), else cast into that layout (rowwise's column-scaled copy).
+        cast(col_major) -> (w8 (out, in), inverse scale)."""
         if torch.compiler.is_compiling():
-            return cast()
+            return cast(col_major)
         stamp = (w.data_ptr(), tuple(w.shape), w._version)
         hit = self.copies.get((key, axis, col_major)) if self.reuse else None
         if hit is not None and hit[0] == stamp:
             return hit[1]
         row = self.copies.get((key, axis, False)) if col_major and self.reuse else None
         if row is not None and row[0] == stamp:
-            w8, inv = row[1]
+            out = (_col_major(row[1][0]), row[1][1])
         else:
             self.weight_casts += 1
-            w8, inv = cast()  # (out, in)
-        out = (_col_major(w8), inv) if col_major else (w8, inv)
+            out = cast(col_major)  # (out, in)
         if self.reuse:
             self.copies[(key, axis, col_major)] = (stamp, out)
         return out
@@ -218,9 +218,9 @@ def _weight8(weight: torch.Tensor, axis: Optional[int], kind: str, group: Option
                                f"needs axis {axis} (a forward recomputed in backward under rowwise?)")
         return tag.gathered[axis]
 
-    def cast() -> tuple[torch.Tensor, torch.Tensor]:
-        return _cast(weight, axis, weight_reduce_group(kind, group, axis), E4M3, _backend(casts))
-    return cast() if casts is None else casts.weight(key, axis, weight, cast, col_major)
+    def cast(col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return _cast(weight, axis, weight_reduce_group(kind, group, axis), E4M3, _backend(casts), col_major)
+    return cast(col_major) if casts is None else casts.weight(key, axis, weight, cast, col_major)
 
 
 class Fp8Linear(torch.autograd.Function):
