@@ -239,6 +239,11 @@ def _axis_launch(t: Tensor, axis: int, mode: int, dtype: Optional[torch.dtype], 
     (tokens, 4096) tensor: 64 programs) split the reduced dimension over programs as well; a fused cast is
     then an amax launch (partial maxima, reduced here), then a cast launch with that amax."""
     n, k = t.shape
+    if t.numel() == 0:  # (the twin's answer, or its error for an empty reduction)
+        if mode == 0:
+            return None, amax_reference(t, axis)
+        t8, inv = scale_cast_reference(t, amax_reference(t, axis) if mode == 1 else amax, dtype)
+        return (_col_major(t8) if col_major else t8), inv
     lanes, red = (n, k) if axis == 1 else (k, n)
     sx_l, sx_r = (t.stride(0), t.stride(1)) if axis == 1 else (t.stride(1), t.stride(0))
     sy = (1, n) if col_major else (k, 1)  # the output's strides
@@ -254,11 +259,6 @@ def _axis_launch(t: Tensor, axis: int, mode: int, dtype: Optional[torch.dtype], 
     split = min(triton.cdiv(red, br), triton.cdiv(want, lane_progs)) if lane_progs < want else 1
     per_prog = triton.cdiv(triton.cdiv(red, split), br) * br  # (a multiple of BR)
     split = triton.cdiv(red, per_prog)
-    if t.numel() == 0:
-        if mode == 0:
-            return None, amax_reference(t, axis)
-        t8, inv = scale_cast_reference(t, amax_reference(t, axis) if mode == 1 else amax, dtype)
-        return (_col_major(t8) if col_major else t8), inv
     if mode == 1 and split > 1:
         mode, amax = 2, _axis_launch(t, axis, 0, None, None, max_block)[1]
     y = _out(t, dtype, col_major) if mode else None  # (n, k)
