@@ -154,13 +154,14 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     shape = TINY if args.tiny else LLAMA3_8B
     layers = args.layers or auto_layers(device)
-    while True:
+    rows = None
+    while rows is None:
         try:
             rows = compare(shape, layers, device, args.steps, args.warmup, args.microbatches)
-            break
         except torch.OutOfMemoryError:
             if layers == 1:
                 raise
+        if rows is None:  # outside the handler: its traceback (holding the failed trainer) is gone
             gc.collect()
             torch.cuda.empty_cache()
             layers = max(1, layers * 3 // 4)
