@@ -10,7 +10,8 @@ Entries: rms_norm, rms_norm_residual (fused add + norm), rope, swiglu, cross_ent
 vocab), cross_entropy_partial_stats / cross_entropy_partial_grad / vocab_parallel_cross_entropy (the
 vocab-parallel pieces), fused_linear_cross_entropy (chunked, never the full logits), attention,
 attention_with_lse (both with optional per-token document ids: packed-document / varlen attention;
-backends: kernels.attention_backend), fp8_cast (train.fp8's fused amax + scale + saturating cast).
+backends: kernels.attention_backend), fp8_cast (train.fp8's fused amax + scale + saturating cast) and
+fp8_scale_cast (its cast pass alone, with a given amax).
 """
 from __future__ import annotations
 
