@@ -140,3 +140,23 @@ def test_the_dx_copy_is_kept_transposed(recipe, casts_per_step):
     (w8, _), = [copy for (_, _, col), (_, copy) in casts.copies.items() if col]
     assert w8.shape == (48, 32) and w8.t().is_contiguous()
     casts.close()
+
+
+def _backends_run(worker, overrides, steps):
+    out = []
+    for backend in ("triton", "torch"):
+        trainer = _trainer(overrides, worker)
+        for casts in casts_of(trainer.chunks):
+            casts.backend = backend
+        out.append(_run(trainer, steps))
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="forces Triton on CPU tensors: the interpreter")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_triton_casts_under_tensor_parallelism(worlds, recipe):
+    """tp=2 with sp: the amaxes MAX all-reduced between the kernels' amax and cast passes; the same run as
+    the twin's on every rank, bit for bit."""
+    overrides = ["parallel.tp=2", "parallel.sp=true", f"train.fp8={recipe}", "model.num_layers=1"]
+    for triton_run, torch_run in worlds.run(2, _backends_run, overrides, 2):
+        _same_run(triton_run, torch_run)
