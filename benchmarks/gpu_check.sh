@@ -26,6 +26,11 @@
 #                  backward, their compile/ours ratios (> 1: ours faster), the head's peak memory above its
 #                  inputs (also at 4096-row chunks: fewer fp32 d weight passes, twice the chunk logits), and
 #                  RoPE's raw forward / backward kernel times (also one token per program) beside the autograd backward
+#   fp8_kernels    tests/test_kernels_fp8_cast.py compiled on the GPU: the fused fp8 casts' bytes (the hardware's
+#                  conversion) against the torch twin's, both fp8 formats, odd shapes
+#   fp8_step       benchmarks/fp8_step.py: the training step at Llama-3 8B layer shapes (h 4096, ffn 14336, GQA 32/8,
+#                  seq 8192, as many layers as fit), bf16 vs train.fp8=tensorwise vs rowwise: s/step, ratios, loss
+#                  difference, fp8 weight casts per step (FP8_LAYERS overrides the layer count)
 #   selftest2      launch/selftest.py at world 2 on ONE GPU, two NCCL ranks sharing it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #                  NCCL 2.30 or newer; else it says why not): the first real NCCL run on a one-GPU session
 #   selftest       launch/selftest.py on every GPU of the node (at least 2), one rank each
@@ -248,6 +253,8 @@ for p in $PHASES; do
         --impl parallel3d+compile transformers+compile ;;
     kernels) phase kernels 90 python3 benchmarks/kernels.py --markdown ;;
     bwd49) TAIL=16 phase bwd49 150 python3 -c "$BWD49" ;;
+    fp8_kernels) phase fp8_kernels 90 python3 -m pytest -q -rfEs --timeout 80 tests/test_kernels_fp8_cast.py ;;
+    fp8_step) TAIL=12 phase fp8_step 90 python3 benchmarks/fp8_step.py --layers "${FP8_LAYERS:-0}" --steps 3 --warmup 2 ;;
     selftest2) TAIL=45 phase selftest2 240 bash -c "$SELFTEST2" selftest2 "$OUTDIR" ;;
     selftest) TAIL=45 phase selftest 300 python3 -m torch.distributed.run --standalone \
         --nproc_per_node="$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")" \

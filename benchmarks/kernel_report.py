@@ -52,7 +52,8 @@ ATTENTION_HEAD_DIMS = (64, 128, 256)
 DOT_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_grouped_mm_kernel",
                "_grouped_mm_wgrad_kernel"}  # kernels with tl.dot
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-          torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}
+          torch.int64: "i64", torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}
+FP8_ARCH = 89  # float8 conversions (train.fp8's casts) need sm_89+: compiled for the report's archs from here
 
 
 @dataclass
@@ -170,6 +171,31 @@ def launches(quick: bool = False, arch: int = 80, attention_only: bool = False) 
         with recording(f"{t} vocab/tp=32000", out, arch):
             cross_entropy_partial_stats(logits, target, 0)
             cross_entropy_partial_grad(logits, target, 0, torch.zeros(4), torch.zeros(4))
+        if arch >= FP8_ARCH:
+            out += fp8_launches(arch, dt, quick)
+    return out
+
+
+def fp8_launches(arch: int, dt: torch.dtype, quick: bool) -> list[Launch]:
+    """train.fp8's casts (kernels/fp8_cast.py): tensorwise amax + scale-cast, rowwise fused one pass (rows:
+    forward; columns: the weight-gradient GEMM's operands) and amax + given-amax cast (TP-reduced), for e4m3
+    and e5m2 (tensorwise gradients); --quick: the forward's casts. h=14336 rows take the two-loop path."""
+    from parallel3d.kernels import fp8_cast as fc
+
+    out: list[Launch] = []
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    for h in ([4096] if quick else [4096, 14336]):
+        x = torch.zeros(4, h, dtype=dt)
+        with recording(f"{_TYPES[dt]} fp8 h={h}", out, arch):
+            amax = fc.amax_tensor(x)
+            fc.scale_cast(x, amax, e4)
+            fc.cast_axis(x, 1, e4)
+            if not quick:
+                fc.scale_cast(x, amax, e5)
+                fc.cast_axis(x, 0, e4)
+                fc.cast_axis(x, 1, e4, amax=fc.amax_axis(x, 1))
+                fc.scale_cast(x, amax, e4, col_major=True)    # dW's x (tensorwise)
+                fc.cast_axis(x, 0, e4, col_major=True)         # dW's x and dy^T (rowwise)
     return out
 
 

@@ -10,7 +10,8 @@ Entries: rms_norm, rms_norm_residual (fused add + norm), rope, swiglu, cross_ent
 vocab), cross_entropy_partial_stats / cross_entropy_partial_grad / vocab_parallel_cross_entropy (the
 vocab-parallel pieces), fused_linear_cross_entropy (chunked, never the full logits), attention,
 attention_with_lse (both with optional per-token document ids: packed-document / varlen attention;
-backends: kernels.attention_backend).
+backends: kernels.attention_backend), fp8_cast (train.fp8's fused amax + scale + saturating cast) and
+fp8_scale_cast (its cast pass alone, with a given amax).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from parallel3d.kernels.attention_backend import (ATTENTION_BACKENDS, SdpaBlockF
 from parallel3d.kernels.cross_entropy import (cross_entropy_partial_grad_reference, cross_entropy_partial_stats_reference,
                                    cross_entropy_reference)
 from parallel3d.kernels.flash_attention import attention_reference, sdpa_attention
+from parallel3d.kernels.fp8_cast import cast_reference as fp8_cast_reference
 from parallel3d.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy as _fused_linear_ce
 from parallel3d.kernels.rmsnorm import rmsnorm_reference, rmsnorm_residual_reference
 from parallel3d.kernels.rope import rope_reference
@@ -81,6 +83,28 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
         from parallel3d.kernels import ops
         return ops.swiglu(gate, up)
     return swiglu_reference(gate, up)
+
+
+def fp8_cast(t: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,
+             reduce_amax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, backend: str = "auto",
+             col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t8, fp32 inverse scale) of a 2-D t: one scale (axis None, shape ()), one per row (axis 1, (n, 1)) or
+    per column (axis 0, (1, k)); `reduce_amax` (a TP MAX all-reduce) runs between the amax and the cast.
+    col_major: t8 stored transposed (strides (1, n)), the layout a GEMM takes its second operand in."""
+    if use_kernel_op(backend, t):
+        from parallel3d.kernels import fp8_cast as fc
+        return fc.cast(t, dtype, axis, reduce_amax, col_major)
+    return fp8_cast_reference(t, dtype, axis, reduce_amax, col_major)
+
+
+def fp8_scale_cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,
+                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The cast pass alone, with a given fp32 amax (shape (), (n, 1) or (1, k) for axis None, 1, 0)."""
+    if use_kernel_op(backend, t):
+        from parallel3d.kernels import fp8_cast as fc
+        return fc.fp8_scale_cast(t, amax, axis, dtype)
+    from parallel3d.kernels.fp8_cast import scale_cast_reference
+    return scale_cast_reference(t, amax, dtype)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,

@@ -128,8 +128,9 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
         model = model_cls(cfg.model, ctx, layers=layer_ids, pre=pre, post=post, sequence_parallel=p.sp,
                           cp_mode=p.cp_mode, recompute=recompute, compile_blocks=cfg.train.compile)
         if cfg.train.fp8 != "none":
+            from parallel3d.tensor_parallel.fp8 import Fp8Casts
             from parallel3d.tensor_parallel.layers import convert_to_fp8
-            convert_to_fp8(model, cfg.train.fp8)
+            convert_to_fp8(model, cfg.train.fp8, Fp8Casts(cfg.model.kernels))  # the trainer opens it per step
         return model
     return build
 

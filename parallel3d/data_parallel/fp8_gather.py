@@ -1,10 +1,11 @@
 """ZeRO-3 parameter all-gathers in fp8 (parallel.zero3_fp8_gather, with train.fp8=tensorwise|rowwise).
 
-A weight the fp8 linears consume (tagged `weight.fp8` by convert_to_fp8) is quantised to e4m3 on its
-owner's shard and travels as 1 byte per value instead of bf16's 2; the GEMMs take the gathered bytes and
-inverse scale as they are (tensor_parallel/fp8.py `_weight8`). The scale must be the one the unsharded
-quantisation would use, so the bytes are *identical* to quantising the gathered bf16 weight, and training
-is bit-for-bit the run without fp8 gathers:
+A weight the fp8 linears consume (tagged `weight.fp8` by convert_to_fp8) is quantised to e4m3 on its owner's
+shard (on CUDA by the fused cast pass of kernels/fp8_cast.py: dispatch.fp8_scale_cast) and travels as 1
+byte per value instead of bf16's 2; the GEMMs take the gathered bytes and inverse scale as they are
+(tensor_parallel/fp8.py `_weight8`). The scale must be the one the unsharded quantisation would use, so
+the bytes are *identical* to quantising the gathered bf16 weight, and training is bit-for-bit the run
+without fp8 gathers:
 
     tensorwise  scale = fp8_max / amax(W): every rank's shard amax, MAX all-reduced over the shard group
                 (one small all-reduce per bucket; torchao's float8 all-gather for FSDP2 does the same),
@@ -33,7 +34,8 @@ import torch
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.data_parallel.buffer import Bucket, Slot
-from parallel3d.tensor_parallel.fp8 import E4M3, quantize, weight_axes, weight_reduce_group
+from parallel3d.kernels.dispatch import fp8_scale_cast  # the fused cast pass on CUDA (kernels/fp8_cast.py)
+from parallel3d.tensor_parallel.fp8 import E4M3, weight_axes, weight_reduce_group
 
 
 def check_fp8_gather(enabled: bool, zero: int, fp8: str, quantized_weights: bool, hpz: bool,
@@ -102,7 +104,7 @@ def fp8_all_gather(b: Bucket, shard: torch.Tensor, full: torch.Tensor, slots: li
         if axis != 1:                                 # the reduced dimension spans the shards
             amax = _max_reduce(amax, [group] * len(amax))
         amax = _max_reduce(amax, [weight_reduce_group(s.param.fp8.kind, s.param.fp8.group, axis) for s in slots])
-        q = [quantize(w, a, E4M3) for w, a in zip(local, amax)]                     # (c, in) e4m3, inverse scales
+        q = [fp8_scale_cast(w, a, E4M3, axis) for w, a in zip(local, amax)]         # (c, in) e4m3, inverse scales
         got8 = comm.all_gather(torch.cat([t.reshape(-1) for t, _ in q]).view(torch.uint8), group).view(n, -1)
         if axis == 1:                                  # row scales live with their rows
             inv_all = comm.all_gather(torch.cat([inv.reshape(-1) for _, inv in q]), group).view(n, -1)

@@ -64,11 +64,13 @@ class ColumnParallelLinear(nn.Module):
         if bias:  # split like the output rows (zeros at init, as nn.Linear biases in Hugging Face models)
             self.bias = new_param((local,), ParamMeta((out_features,), slices[:1], init="zeros"))
         self.fp8 = "none"  # train.fp8 recipe (tensor_parallel.fp8.convert_to_fp8)
+        self.fp8_casts: Optional[fp8.Fp8Casts] = None  # the model's fp8 casting (its weight copies), ditto
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sp)  # (b, s, in)
-        y = fp8.linear(x, self.weight, self.bias, self.fp8, "column", self.group)  # (b, s, out/tp)
+        y = fp8.linear(x, self.weight, self.bias, self.fp8, "column", self.group, self.fp8_casts,
+                       self)  # (b, s, out/tp)
         return gather_from_tp(y, self.group, -1) if self.gather_output else y
 
 
@@ -91,9 +93,10 @@ class RowParallelLinear(nn.Module):
                          shard_slices((out_features, in_features), 1, group.rank, group.size), std=std, matrix=True)
         self.weight = new_param((out_features, in_features // group.size), meta)
         self.fp8 = "none"
+        self.fp8_casts: Optional[fp8.Fp8Casts] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8.linear(x, self.weight, None, self.fp8, "row", self.group)  # (b, s, out) partial sum
+        y = fp8.linear(x, self.weight, None, self.fp8, "row", self.group, self.fp8_casts, self)  # (b, s, out) partial
         if not self.reduce:
             return y
         return reduce_scatter_to_sp(y, self.group) if self.sp else reduce_from_tp(y, self.group)
@@ -123,6 +126,7 @@ class KVParallelLinear(nn.Module):
         tp = group.size
         shape = (kv_heads * head_dim, in_features)
         self.head_dim, self.group, self.fp8 = head_dim, group, "none"
+        self.fp8_casts: Optional[fp8.Fp8Casts] = None
         if kv_heads % tp == 0:
             self.row_range = None
             meta = ParamMeta(shape, shard_slices(shape, 0, group.rank, tp), std=std, matrix=True)
@@ -143,10 +147,10 @@ class KVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_range is None:  # (b, s, local_kv_heads * head_dim)
-            return fp8.linear(x, self.weight, self.bias, self.fp8, "column", self.group)
+            return fp8.linear(x, self.weight, self.bias, self.fp8, "column", self.group, self.fp8_casts, self)
         lo, hi = self.row_range  # replicated heads: fp8 scales of this rank ("local")
         return fp8.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi], self.fp8,
-                          "local", self.group)  # (b, s, head_dim)
+                          "local", self.group, self.fp8_casts, self)  # (b, s, head_dim)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -197,9 +201,11 @@ class RMSNorm(nn.Module):
         return dispatch.rms_norm_residual(x, residual, self.weight, self.eps, self.backend)
 
 
-def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
-    """Switch every column-, row- and KV-parallel linear of `model` to `recipe` (the LM head excepted);
+def convert_to_fp8(model: torch.nn.Module, recipe: str, casts: Optional[fp8.Fp8Casts] = None) -> int:
+    """Switch every column-, row- and KV-parallel linear of `model` to `recipe` (the LM head excepted), all
+    sharing `casts` (default: a new fp8.Fp8Casts; the trainer opens it for each step, fp8.Fp8Casts);
     returns how many layers were switched."""
+    casts = fp8.Fp8Casts() if casts is None else casts
     fp8.check_fp8(recipe, "bf16")
     param = next(model.parameters(), None)   # on the device the float8 GEMMs will run on
     if param is not None:
@@ -207,7 +213,7 @@ def convert_to_fp8(model: torch.nn.Module, recipe: str) -> int:
     n = 0
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear)) and name != "lm_head":
-            module.fp8 = recipe
+            module.fp8, module.fp8_casts = recipe, casts
             n += 1
             if getattr(module, "row_range", None) is None:  # the whole weight is the GEMM operand: ZeRO-3
                 kind = "row" if isinstance(module, RowParallelLinear) else "column"  # may gather it in fp8

@@ -44,7 +44,7 @@ def _rows(t: Optional[torch.Tensor], rows: Optional[tuple]) -> Optional[torch.Te
 
 def _gemm(x: torch.Tensor, layer, weight, bias, kind: str, rows) -> torch.Tensor:
     w, b = _rows(weight, rows), _rows(bias, rows)
-    return fp8.linear(x, w, b, layer.fp8, kind, layer.group)  # (b, s, out/tp)
+    return fp8.linear(x, w, b, layer.fp8, kind, layer.group, layer.fp8_casts, layer)  # (b, s, out/tp)
 
 
 def _gather_start(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, Optional[object]]:
@@ -105,14 +105,16 @@ class _ColumnEntry(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])  # (n, out_i/tp)
             if not need_dx:
                 states.append((dy2, None if layer.fp8 == "none" else
-                               fp8.grad_state(dy2, layer.fp8, layer.group if kind == "column" else None)))
+                               fp8.grad_state(dy2, layer.fp8, layer.group if kind == "column" else None,
+                                              layer.fp8_casts)))
                 continue
             if layer.fp8 == "none":
                 part, state = dy2 @ _rows(weight, rows), None  # (n, h)
             else:
-                state = fp8.grad_state(dy2, layer.fp8, layer.group if kind == "column" else None)
+                state = fp8.grad_state(dy2, layer.fp8, layer.group if kind == "column" else None,
+                                       layer.fp8_casts)
                 part = fp8.grad_input(state, _rows(weight, rows), layer.fp8, kind, layer.group,
-                                      ctx.fp8w[i] if rows is None else None, dy.dtype)
+                                      ctx.fp8w[i] if rows is None else None, dy.dtype, layer.fp8_casts, layer)
             dx = part if dx is None else dx.add_(part)
             states.append((dy2, state))
         if dx is not None:
@@ -129,7 +131,8 @@ class _ColumnEntry(torch.autograd.Function):
         grads = []
         for i, (layer, (dy2, state)) in enumerate(zip(layers, states)):
             weight, bias, kind, rows = _operands(layer, params[2 * i: 2 * i + 2])
-            dw = (dy2.t() @ x2 if state is None else fp8.grad_weight(state, x2, layer.fp8, weight.dtype))
+            dw = (dy2.t() @ x2 if state is None else fp8.grad_weight(state, x2, layer.fp8, weight.dtype,
+                                                                          casts=layer.fp8_casts))
             if rows is not None:  # replicated KV: only this rank's head rows have a gradient here
                 dw = torch.zeros_like(weight).index_copy_(0, torch.arange(*rows, device=dw.device), dw)
             db = None

@@ -27,6 +27,7 @@ from parallel3d.pipeline.placement import chunks_per_rank, placement_of, stage_i
 from parallel3d.pipeline.runtime import Record, ScheduleCache, run_pipeline_forward, run_pipeline_step
 from parallel3d.pipeline.timeline import to_rows
 from parallel3d.tensor_parallel.cross_entropy import IGNORE_INDEX
+from parallel3d.tensor_parallel.fp8 import casts_of
 from parallel3d.training.config import ExperimentConfig, timeline_window, to_dict
 from parallel3d.training.data import BatchSampler, TokenDataset, synthetic_tokens
 from parallel3d.training.data_sources import MixtureDataset, MixtureSampler
@@ -104,6 +105,8 @@ class Trainer:
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         apply_recompute_layers(self.chunks, cfg.train.recompute_layers)
+        # fp8 weights cast once per step, reused by its microbatches (not under ZeRO-3: fp8.Fp8Casts)
+        self.fp8_casts = casts_of(self.chunks) if p.zero != 3 else []
         self.optimizer = self._build_optimizer() if train else None
         if cfg.data.paths is not None:  # weighted mixture of token files (data_sources.py)
             self.dataset = MixtureDataset.from_spec(cfg.data.paths, cfg.train.seq_len, cfg.model.vocab_size)
@@ -175,8 +178,14 @@ class Trainer:
         opt.zero_grad()
         gather = record is None and self.step in self.timeline_window()
         record = [] if gather else record
-        with self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext():
-            loss = self._forward_backward(mbs, tokens, record).reshape(1).float()
+        for casts in self.fp8_casts:  # the weights are fixed until the optimizer step below
+            casts.open()
+        try:
+            with self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext():
+                loss = self._forward_backward(mbs, tokens, record).reshape(1).float()
+        finally:
+            for casts in self.fp8_casts:
+                casts.close()
         opt.finish_grad_sync()
         comm.all_reduce(loss, ctx.dp_cp)
         comm.all_reduce(loss, ctx.pp)  # only the last stage holds a nonzero loss
