@@ -58,3 +58,25 @@ def test_prior_prices_the_expert_exchange_on_its_link():
     batch = "train.global_batch_size=8"
     cfg = make_config([*MOE, batch, "parallel.tp=2", "parallel.ep=4", "parallel.etp=2"], 16)   # EP over 8 ranks
     assert prior(cfg, h100, 8)[1] < prior(cfg, h100, 4)[1]
+
+
+def test_plan_search_cli_enumerates_the_folds_quietly():
+    """`launch/plan.py --search` takes the folded layouts (its count is candidates()'s, which holds them) and
+    prints no ConfigWarning for the layouts it weighs; its progress lines name etp."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from parallel3d.models.config import ModelConfig
+    from parallel3d.training.config import load_config
+
+    moe = ["model.num_experts=4", "model.moe_top_k=2"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4",
+                           "--search", "--json", "--max-candidates", "1", *moe], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = candidates(load_config(str(root / "configs" / "tiny.yaml"), moe, ModelConfig), 4, 8)
+    assert {(c.parallel.ep, c.parallel.etp) for c in found if c.parallel.tp == 2} >= {(4, 1), (2, 2)}
+    assert f"{len(found)} valid layouts" in proc.stderr and " etp=" in proc.stderr
+    assert "ConfigWarning" not in proc.stderr
