@@ -1,6 +1,6 @@
 """The planner against published runs, regenerated from one command whenever the cost model changes.
 
-    python benchmarks/planner_published.py [--only megatron,llama3,llama3-fit,torchtitan,offload,moe] [--json]
+    python benchmarks/planner_published.py [--only megatron,llama3,llama3-fit,torchtitan,offload,moe,moe-load] [--json]
 
 Every row prints the exact `launch/plan.py` overrides it plans (so any row can be rerun alone), the
 published figure and ours. Groups:
@@ -24,6 +24,8 @@ published figure and ours. Groups:
               full recomputation), beside DeepSpeed ZeRO-Offload's 13B on one 32 GB V100.
   moe         Megatron-Core's three Qwen3-235B-A22B rows on 256 H100 and DeepSeek-V3 at its report's layout
               (planner_published_moe.py says what each row's run would do differently).
+  moe-load    the same MoE rows planned dropless at routing loads 1 (balanced), 1.28 (measured here), 1.5 and 2
+              (`--moe-load`): step, throughput, peak and the headroom over the balanced plan a dropless run needs.
 Plans whose dry runs are the same (offload modes: the stand-in runs without offload) share them.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import stage_builder  # noqa: E402
 from offload_capacity import shape  # noqa: E402
-from planner_published_moe import moe as moe_rows  # noqa: E402
+from planner_published_moe import moe as moe_rows, moe_load as moe_load_rows  # noqa: E402
 from parallel3d.models.config import ModelConfig  # noqa: E402
 from parallel3d.planner.dryrun import DryRunError  # noqa: E402
 from parallel3d.planner.estimate import plan  # noqa: E402
@@ -122,14 +124,16 @@ OFFLOAD_MODES = [
 ]
 
 
-def run_plan(config: str, world: int, overrides: list[str], device: GPU, gpus_per_node: int = 8):
+def run_plan(config: str, world: int, overrides: list[str], device: GPU, gpus_per_node: int = 8,
+             expert_load: float = 1.0):
     cfg = load_config(str(ROOT / "configs" / f"{config}.yaml"), overrides, ModelConfig)
     cfg = resolve_and_validate(cfg, world)
-    return plan(cfg, stage_builder, device, gpus_per_node, cache=CACHE)
+    return plan(cfg, stage_builder, device, gpus_per_node, cache=CACHE, expert_load=expert_load)
 
 
-def command(config: str, world: int, overrides: list[str], device: str) -> str:
-    return f"python launch/plan.py --config configs/{config}.yaml --world-size {world} --gpu {device} " + \
+def command(config: str, world: int, overrides: list[str], device: str, expert_load: float = 1.0) -> str:
+    load = f"--moe-load {expert_load:g} " if expert_load != 1.0 else ""
+    return f"python launch/plan.py --config configs/{config}.yaml --world-size {world} --gpu {device} {load}" + \
         " ".join(overrides)
 
 
@@ -256,8 +260,12 @@ def moe(rows: list) -> None:
     moe_rows(rows, run_plan, command, GiB)
 
 
+def moe_load(rows: list) -> None:
+    moe_load_rows(rows, run_plan, command, GiB)
+
+
 GROUPS = {"megatron": megatron, "llama3": llama3, "llama3-fit": llama3_fit, "torchtitan": torchtitan,
-          "offload": offload, "moe": moe}
+          "offload": offload, "moe": moe, "moe-load": moe_load}
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,13 @@ What our run does differently, printed with each row: our dispatcher is a plain 
 no fused permute), so Megatron's all-to-all row (200) is the comparable one; the DeepEP rows show what a
 fused dispatcher buys; the expert all-to-all is not overlapped with compute in any schedule yet (issue 50,
 item 3), which is the 276 row's gain. Routing is planned balanced (`--moe-load 1`).
+
+`moe_load` (the `moe-load` group, issue 50 item 5) plans each distinct layout above dropless at routing loads
+LOADS: the busiest EP rank's routed rows as a multiple of the balanced share, which the step waits for at
+every exchange and whose received rows set the peak. MEASURED is the load this project has measured: the
+busiest of two EP ranks in llama_100m's dropless runs (benchmarks/RESULTS.md, seventh session: 1.16-1.43 per
+step, median 1.28; tiny's runs 1.06-1.09). Those are tiny models at EP 2; the busiest of 8-64 ranks of a
+trained router is not measured here, so the sweep lets a reader take their own load.
 """
 from __future__ import annotations
 
@@ -37,6 +44,43 @@ ROWS = [  # (name, config, world, overrides, gpu key, device, published, unit, w
      ["parallel.schedule=dualpipe-v", "parallel.layers_per_stage=null"], "h100", H100, 1543, "tokens/s",
      "our DualPipe-V overlaps pipeline transfers, not EP's all-to-all; FP8 there, bf16 here"),
 ]
+
+
+MEASURED = 1.28
+LOADS = (1.0, MEASURED, 1.5, 2.0)
+
+
+def _distinct() -> list:
+    """ROWS' layouts once each (the DeepEP and overlap rows plan one layout), DualPipe-V (which does not fit
+    balanced) last."""
+    seen: dict = {}
+    for name, config, world, ov, key, device, published, unit, differs in ROWS:
+        seen.setdefault((config, world, tuple(ov)), (name, key, device, unit))
+    return sorted(seen.items(), key=lambda kv: "dualpipe" in kv[1][0].lower())
+
+
+def moe_load(rows: list, run_plan, command, GiB: float) -> None:
+    """Plan every distinct MoE layout at each load in LOADS; the headroom is the peak over the balanced plan's."""
+    print(f"\n## MoE dropless at routing loads {', '.join(f'{x:g}' for x in LOADS)} (measured here: {MEASURED}, "
+          f"llama_100m EP 2)")
+    for (config, world, ov), (name, key, device, unit) in _distinct():
+        base = None
+        for load in LOADS:
+            r = run_plan(config, world, list(ov), device, expert_load=load)
+            base = base or r
+            tflops = r.mfu * peak_for(device, "bf16") / 1e12
+            per_gpu = r.tokens_per_s / world
+            extra = r.memory["peak"] - base.memory["peak"]
+            print(f"{name} at load {load:g}: step {r.step_time_s:.1f} s ({r.step_time_s / base.step_time_s:.2f}x "
+                  f"balanced), {tflops:.0f} TFLOP/s, {per_gpu:,.0f} tokens/s per GPU, peak "
+                  f"{r.memory['peak'] / GiB:.1f} GiB (activations {r.memory['activations'] / GiB:.1f}, fits "
+                  f"{r.fits}), headroom over balanced {extra / GiB:+.1f} GiB\n    "
+                  f"{command(config, world, list(ov), key, load)}", flush=True)
+            rows.append({"group": "moe-load", "name": name, "load": load, "step_s": r.step_time_s,
+                         "tflops_per_gpu": tflops, "tokens_per_s_per_gpu": per_gpu, "mfu": r.mfu,
+                         "peak_bytes": r.memory["peak"], "activation_bytes": r.memory["activations"],
+                         "headroom_bytes": extra, "fits": r.fits, "gpu": device.name,
+                         "command": command(config, world, list(ov), key, load)})
 
 
 def moe(rows: list, run_plan, command, GiB: float) -> None:

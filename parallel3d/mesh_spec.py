@@ -223,9 +223,21 @@ class MeshSpec:
         return [r for r in near if self._key(dim, self.coords(r)) == key]
 
 
+def expert_folds(tp: int, cp: int, dp: int) -> list[tuple[int, int]]:
+    """Every (ep, etp) a stage of tp*cp*dp ranks can fold its experts over (check_expert_fold's rule), etp
+    first: what a layout search enumerates."""
+    stage = tp * cp * dp
+    ranks = [d for d in range(1, stage + 1) if stage % d == 0]
+    return [(ep, etp) for etp in ranks for ep in ranks if _folds(stage, ep, etp)]
+
+
+def _folds(stage: int, ep: int, etp: int) -> bool:
+    return stage % (ep * etp) == 0
+
+
 def check_expert_fold(tp: int, cp: int, dp: int, ep: int, etp: int) -> None:
     """Experts fold over the tp*cp*dp ranks of a stage: ep * etp must divide them (module docstring)."""
-    if (tp * cp * dp) % (ep * etp):
+    if not _folds(tp * cp * dp, ep, etp):
         raise ValueError(f"parallel.ep*etp={ep}*{etp}={ep * etp} must divide tp*cp*dp={tp}*{cp}*{dp}={tp * cp * dp}: "
                          f"expert parallelism is folded over the TP x CP x DP ranks of a pipeline stage")
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 
 from parallel3d.models.config import ModelConfig
 from parallel3d.training.config import ConfigError, ExperimentConfig, config_from_dict, load_config, save_yaml, to_dict
-from parallel3d.training.validate import resolve_and_validate
+from parallel3d.training.validate import ConfigWarning, resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = {"tiny": 4, "llama3_8b": 8, "llama3_70b": 32, "llama3_405b": 8192, "mixtral_8x7b": 32, "deepseek_moe": 8,
@@ -161,6 +162,26 @@ def test_valid_advanced_layouts():
     assert (r.parallel.dp, r.parallel.ep, r.parallel.etp) == (4, 8, 1)
     r = resolve_and_validate(cfg("parallel.tp=2", "parallel.ep=2", *MOE), 4)
     assert (r.parallel.dp, r.parallel.ep, r.parallel.etp) == (2, 2, 1)
+
+
+def _config_warnings(world: int, *overrides: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_and_validate(cfg(*overrides), world)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+def test_experts_replicated_over_tp_warn():
+    """etp=1 ep=1 under TP holds every expert whole on each TP rank: valid, but tp times the expert weights and
+    a MoE layer's activations 1.64x / 3.28x their 1/tp share at tp 2 / 4 (tests/test_tp_region.py's measure):
+    one warning naming the keys and the fold that avoids it, no error."""
+    msgs = _config_warnings(4, "parallel.tp=2", "parallel.sp=true", *MOE)
+    assert len(msgs) == 1 and "parallel.ep=1 parallel.etp=1 at parallel.tp=2" in msgs[0]
+    assert "set parallel.ep=2 (EP folded over the TP ranks) or parallel.etp=2" in msgs[0]
+    assert _config_warnings(8, "parallel.tp=4", "parallel.ep=2", *MOE)        # ep*etp=2 < tp=4: still copies
+    for ok in (("parallel.tp=2", "parallel.ep=2", *MOE), ("parallel.tp=2", "parallel.etp=2", *MOE),
+               ("parallel.tp=2", "parallel.ep=4", *MOE), ("parallel.ep=2", *MOE), ("parallel.tp=2",)):
+        assert not _config_warnings(4, *ok), ok
 
 
 @pytest.mark.parametrize("name,world", sorted(PRESETS.items()))

@@ -2,7 +2,8 @@
 
 Enumeration (pure arithmetic; validation is the config's own, `resolve_and_validate`): tp over divisors of
 the world up to one node and dividing the heads; cp in 1, 2, 4, 8; pp dividing what is left (at most one
-stage per layer); ep over divisors of dp * cp that divide the experts; zero 0-3; schedules 1f1b,
+stage per layer); for a MoE, every (ep, etp) the mesh folds over a stage's tp * cp * dp ranks
+(mesh_spec.expert_folds) that splits the experts (experts.check_expert_split), etp at most tp; zero 0-3; schedules 1f1b,
 interleaved with 2 chunks, zb-h1, zb-v and dualpipe-v when pp > 1 (gpipe is dominated by 1f1b: same
 bubble, more memory);
 micro-batch sizes 1, 2, 4 dividing the per-rank batch; activation checkpointing none, selective, full, and
@@ -22,15 +23,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from typing import Optional, TextIO
 
+from parallel3d.expert_parallel.experts import check_expert_split
+from parallel3d.mesh_spec import expert_folds
 from parallel3d.pipeline.placement import chunks_per_rank
 from parallel3d.planner.dryrun import StageBuilder
 from parallel3d.planner.estimate import Plan, plan
 from parallel3d.planner.hardware import GPU
 from parallel3d.training.config import ConfigError, ExperimentConfig
 from parallel3d.training.metrics import flops_per_token, param_counts, total_params
-from parallel3d.training.validate import resolve_and_validate
+from parallel3d.training.validate import ConfigWarning, resolve_and_validate
 
 DEFAULT_MAX_CANDIDATES = 8   # launch/plan.py --search: dry runs stop once this many layouts fit
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
@@ -51,17 +55,34 @@ def candidates(cfg: ExperimentConfig, world: int, gpus_per_node: int,
         for cp in [c for c in (1, 2, 4, 8) if (world // tp) % c == 0]:
             for pp in [d for d in _divisors(world // (tp * cp)) if d <= m.num_layers]:
                 dp = world // (tp * cp * pp)
-                eps = [e for e in _divisors(dp * cp) if experts % e == 0] if experts else [1]
-                for ep in eps:
+                for ep, etp in expert_layouts(cfg, tp, cp, dp):
                     for zero in (0, 1, 2, 3):
                         for schedule, v in SCHEDULES if pp > 1 else SCHEDULES[:1]:
                             for mbs in (1, 2, 4):
                                 for ac in RECOMPUTE:
                                     for n in recompute_layer_options(math.ceil(m.num_layers / (pp * v)), ac):
-                                        c = _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac,
-                                                       refusals, n)
+                                        c = _candidate(cfg, world, tp, cp, pp, dp, (ep, etp), zero, schedule, v,
+                                                       mbs, ac, refusals, n)
                                         if c is not None:
                                             out.append(c)
+    return out
+
+
+def expert_layouts(cfg: ExperimentConfig, tp: int, cp: int, dp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs to try on a stage of tp*cp*dp ranks: the mesh's folds whose split of the experts the
+    experts accept, with etp at most tp (so inside a node, and the enumeration about 2x its size before
+    etp was searched, not 4x; wider splits stay valid to plan by hand); (1, 1) for a dense model."""
+    m = cfg.model
+    if not m.num_experts:
+        return [(1, 1)]
+    out = []
+    for ep, etp in expert_folds(tp, cp, dp):
+        try:
+            check_expert_split(m.num_experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, ep, etp)
+        except ValueError:
+            continue
+        if etp <= tp:
+            out.append((ep, etp))
     return out
 
 
@@ -75,18 +96,21 @@ def recompute_layer_options(chunk_layers: int, ac: str) -> list[int]:
     return sorted({0} | {max(1, chunk_layers * q // 4) for q in (1, 2, 3)} - {chunk_layers})
 
 
-def _candidate(cfg, world, tp, cp, pp, dp, ep, zero, schedule, v, mbs, ac, refusals=None, recompute_layers=0
+def _candidate(cfg, world, tp, cp, pp, dp, fold, zero, schedule, v, mbs, ac, refusals=None, recompute_layers=0
                ) -> Optional[ExperimentConfig]:
     # resolve_and_validate copies `c` deeply: these shallow copies only keep `cfg` itself untouched (a
     # search validates tens of thousands of layouts, and two deep copies each were most of its time)
     c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel), train=dataclasses.replace(cfg.train))
     p, t = c.parallel, c.train
-    p.tp, p.cp, p.pp, p.dp, p.ep, p.zero, p.schedule, p.virtual_stages = tp, cp, pp, dp, ep, zero, schedule, v
+    p.tp, p.cp, p.pp, p.dp, p.zero, p.schedule, p.virtual_stages = tp, cp, pp, dp, zero, schedule, v
+    p.ep, p.etp = fold
     p.sp, p.layers_per_stage = tp > 1, None
     t.micro_batch_size, t.activation_checkpointing, t.num_microbatches = mbs, ac, 0
     t.recompute_layers = recompute_layers
     try:
-        return resolve_and_validate(c, world)
+        with warnings.catch_warnings():   # a search weighs layouts validation would warn about, by their plans
+            warnings.simplefilter("ignore", ConfigWarning)
+            return resolve_and_validate(c, world)
     except (ConfigError, ValueError) as e:
         if refusals is not None:
             refusals.append(str(e))
@@ -126,7 +150,21 @@ def prior(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> tuple[bool, fl
     dp_link = gpu.network_bytes_per_s if world > gpus_per_node else gpu.nvlink_bytes_per_s
     dp_comm = 0.5 * per_rank * (4 + 2) / dp_link * (1.5 if p.zero == 3 else 1.0) if p.dp * p.cp > 1 else 0.0
     cp_comm = 0.05 * (p.cp - 1) * ideal
-    return fits, (ideal * recompute + tp_comm + cp_comm) / (1 - bubble) + dp_comm
+    return fits, (ideal * recompute + tp_comm + cp_comm + _expert_comm(cfg, gpu, gpus_per_node)) / (1 - bubble) + dp_comm
+
+
+def _expert_comm(cfg: ExperimentConfig, gpu: GPU, gpus_per_node: int) -> float:
+    """Textbook seconds of a step's expert exchanges (only to order): per MoE layer and microbatch, 4
+    all-to-alls (dispatch and combine, forward and backward) of the rank's k routed rows per token, on
+    NVLink when the EP group's ep*etp consecutive ranks fit in a node; with etp > 1, 5 collectives of the
+    etp group's rows over NVLink (docs/parallelism.md, "Communication")."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not m.num_experts or p.ep * p.etp == 1:
+        return 0.0
+    rows = t.micro_batch_size * t.seq_len / (p.cp * p.tp) * m.moe_top_k * m.hidden_size * 2   # bf16 bytes
+    link = gpu.nvlink_bytes_per_s if p.ep * p.etp <= gpus_per_node else gpu.network_bytes_per_s
+    per_layer = 4 * (p.ep - 1) / p.ep * rows / link + 5 * (p.etp - 1) * rows / gpu.nvlink_bytes_per_s
+    return per_layer * math.ceil(m.num_layers / p.pp) * t.num_microbatches
 
 
 def dry_run_budget(max_candidates: int, valid: int) -> int:
@@ -157,7 +195,7 @@ def search(cfg: ExperimentConfig, world: int, stage_builder: StageBuilder, gpu: 
             spent = time.perf_counter() - t0
             left = spent / (i + 1) * (budget - i - 1)
             lay = result.layout
-            short = " ".join(f"{k}={lay[k]}" for k in ("tp", "pp", "cp", "ep", "dp", "zero", "schedule",
+            short = " ".join(f"{k}={lay[k]}" for k in ("tp", "pp", "cp", "ep", "etp", "dp", "zero", "schedule",
                                                        "micro_batch_size", "activation_checkpointing"))
             print(f"[{i + 1}/{budget} dry runs, {spent:.0f} s, at most {left:.0f} s left] {short}: "
                   f"fits={result.fits} peak={result.memory['peak'] / 2**30:.1f} GiB "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from typing import Any, Optional, Sequence
 
 from parallel3d.context_parallel.attention import CP_MODES
@@ -48,6 +49,27 @@ CHOICES: dict[str, tuple] = {
     "train.muon_ns_precision": tuple(NS_PRECISIONS),
     "train.muon_tp_mode": TP_MODES,
 }
+
+
+class ConfigWarning(UserWarning):
+    """A valid config with a clearly better choice; the message names the keys and that choice."""
+
+
+def experts_replicated_over_tp(tp: int, ep: int, etp: int, num_experts: int, expert_ffn: int) -> Optional[str]:
+    """The warning for experts held whole on several ranks of one TP group, or None. The fold (mesh_spec.py)
+    gives a stage's consecutive ranks distinct expert slices in runs of ep*etp, so below tp the TP ranks hold
+    copies: tp/(ep*etp) times the expert weights, and the MoE layer's activations grow with them
+    (tests/test_tp_region.py measures 1.64x / 3.28x its 1/tp share at etp=1 ep=1, tp 2 / 4)."""
+    if not num_experts or tp <= 1 or ep * etp >= tp:
+        return None
+    better = []
+    if tp % etp == 0 and num_experts % (tp // etp) == 0:
+        better.append(f"parallel.ep={tp // etp} (EP folded over the TP ranks)")
+    if expert_ffn % tp == 0:
+        better.append(f"parallel.etp={tp} (each expert split like the MLP)")
+    return (f"parallel.ep={ep} parallel.etp={etp} at parallel.tp={tp}: the {tp} ranks of a TP group hold only "
+            f"{ep * etp} distinct expert slice(s): each holds {tp / (ep * etp):g}x the expert weights a fold over TP leaves it, and the MoE "
+            f"layer's activations grow with them; " + (f"set {' or '.join(better)}" if better else "fold EP over the TP ranks"))
 
 
 def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
@@ -179,6 +201,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     if experts:
         _owned(lambda: check_expert_split(experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, p.ep, p.etp))
         _require(1 <= top_k <= experts, f"model.moe_top_k={top_k} must be in [1, model.num_experts={experts}]")
+        replicated = experts_replicated_over_tp(p.tp, p.ep, p.etp, experts, m.moe_ffn_hidden_size or m.ffn_hidden_size)
+        if replicated:
+            warnings.warn(replicated, ConfigWarning, stacklevel=2)
 
     # --- batch
     per_step = t.micro_batch_size * p.dp
