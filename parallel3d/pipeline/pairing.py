@@ -13,8 +13,9 @@ the schedule's messages stay where they are::
 Why not pair across a message group (moving its receives before the pair and its sends after it, which
 1F1B at p > 1 would need): the verifier accepts that schedule for B-first pairs, but each pipeline hop then
 waits for the partner too, and the simulated 1F1B step grows ~1.8x at p = 4 (interleaved and DualPipe-V
-~1.3-1.7x). Megatron-Core asks for virtual stages under pipelining for the same reason; ``check_ep_overlap``
-refuses 1F1B at p > 1, where only the first stage (which receives no activation) has pairs.
+~1.3-1.7x). Megatron-Core's combined 1F1B likewise runs without pipelining or with virtual stages.
+``check_ep_overlap`` refuses 1F1B at p > 1, where only the first stage (which receives no activation) has
+pairs.
 """
 from __future__ import annotations
 
