@@ -177,11 +177,13 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
     paired = [{key: max((run.paired_actions[key] for run in ran_for[r] if key in run.paired_actions),
                         key=lambda c: c.time_s) for key in stage_run[r].paired_actions} for r in range(p.pp)]
 
+    def priced_action(rank: int, action):
+        key = (action.kind.name, action.chunk)
+        return (paired[rank].get(key) if action in pairs[rank] else None) or priced[rank].get(key)
+
     def cost(rank: int, action) -> float:
         if action.kind.is_compute:
-            key = (action.kind.name, action.chunk)
-            c = paired[rank].get(key) if action in pairs[rank] else None
-            c = c or priced[rank].get(key)
+            c = priced_action(rank, action)
             return 0.0 if c is None else c.time_s
         return max(run.p2p_s.get(action.kind.name, 0.0) for run in ran_for[rank])
 
@@ -243,7 +245,7 @@ def plan(cfg: ExperimentConfig, stage_builder: StageBuilder, gpu: GPU, gpus_per_
         for (kind, chunk), c in stage.items():
             action_s[f"{kind}.{chunk}"].append(c.time_s)
     breakdown = {"pipeline_s": timeline.makespan, "outside_actions_s": outside, "offload": offload,
-                 "shares": _shares(priced[busiest], schedule[busiest], timeline, outside, step),
+                 "shares": _shares(lambda a: priced_action(busiest, a), schedule[busiest], timeline, outside, step),
                  "bubble_fraction": float(timeline.bubble_fraction),
                  "compute_per_microbatch_s": sum(c.compute_s for c in per_microbatch),
                  "blocking_comm_per_microbatch_s": sum(c.blocking_comm_s for c in per_microbatch),
@@ -290,14 +292,15 @@ def _scale_comm(run: RoleRun, m: int, m_run: int) -> dict:
     return out
 
 
-def _shares(actions: dict, schedule: list, timeline, outside: float, step: float) -> dict:
-    """Where the step goes on the busiest pipeline rank (its priced `actions` and its `schedule`): compute,
+def _shares(action_cost, schedule: list, timeline, outside: float, step: float) -> dict:
+    """Where the step goes on the busiest pipeline rank (`action_cost(action)`: its priced compute actions, a
+    pair's members at their paired price; its `schedule`): compute,
     TP/EP collectives on the critical path, overlapped communication that compute could not hide, the
     pipeline bubble, and the tail after the pipeline (gradient-sync remainder, clipping, optimizer step,
     ZeRO-1/2 parameter gathers)."""
     parts = {"compute": 0.0, "blocking_comm": 0.0, "exposed_overlapped_comm": 0.0}
     for a in schedule:
-        c = actions.get((a.kind.name, a.chunk)) if a.kind.is_compute else None
+        c = action_cost(a) if a.kind.is_compute else None
         if c is not None:
             parts["compute"] += c.compute_s
             parts["blocking_comm"] += c.blocking_comm_s
