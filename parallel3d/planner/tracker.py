@@ -44,6 +44,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+aten = torch.ops.aten
+# in-place matmuls (an accumulating d weight: the fused head's addmm_) count as their out-of-place forms
+_IN_PLACE = {aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm}
+
 from parallel3d.host_sync import HostSyncs, blocking_upload
 from parallel3d.planner.host_kernels import FLOPS as HOST_FLOPS
 from parallel3d.planner.kernels import CAUSAL_ARG
@@ -218,7 +222,8 @@ class StepTracker(TorchDispatchMode):
         nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
         flops = 0.0
         # our kernels' ops register theirs (kernels/ops.py); aten's CPU flash ops are counted here
-        formula = flop_registry.get(func._overloadpacket) or HOST_FLOPS.get(name)
+        formula = (flop_registry.get(func._overloadpacket) or flop_registry.get(_IN_PLACE.get(func._overloadpacket))
+                   or HOST_FLOPS.get(name))
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
         index = CAUSAL_ARG.get(name)
