@@ -41,7 +41,8 @@
 #                  (8192), Mixtral 8x7B at its preset's EP 8 (32); SIMRANK_S per run, default 180; SIMRANK_GPU h200)
 #   sanitizer      TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer) over simulated ranks of a 4-layer
 #                  llama_100m, 2 steps each: ZeRO 1-3, HSDP, offload, overlap_param_gather, MoE with ep == dp
-#                  (plain and parallel.ep_overlap: pairs in turns, the backward on autograd's device thread), TP+PP
+#                  (plain and parallel.ep_overlap + model.moe_delay_wgrad: pairs in turns, the backward on
+#                  autograd's device thread, the weight gradients beside a started all-to-all), TP+PP
 #                  (SANITIZER_LAYOUTS; SANITIZER_S per layout, default 90). A race ends the run: exit 1, "CSAN" in the log
 #
 # OUTDIR/env.log holds the device, driver, torch and triton versions and the commit; each phase's output
@@ -216,7 +217,7 @@ sanitizer_layout() {
     offload3) echo "8 3 parallel.zero=3 parallel.offload_params=cpu parallel.offload_optimizer=cpu" ;;
     overlap) echo "8 3 parallel.zero=1 parallel.overlap_param_gather=true" ;;
     moe) echo "8 3 parallel.zero=1 parallel.ep=8 model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=512" ;;
-    moe_overlap) echo "8 3 parallel.zero=1 parallel.ep=8 model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=512 parallel.ep_overlap=true" ;;
+    moe_overlap) echo "8 3 parallel.zero=1 parallel.ep=8 model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=512 parallel.ep_overlap=true model.moe_delay_wgrad=true" ;;
     tp_pp) echo "16 15 parallel.zero=1 parallel.tp=2 parallel.pp=2 parallel.sp=true" ;;
     *) echo "" ;;
     esac

@@ -80,7 +80,8 @@ class MoETransformer(Llama):
                        bias_update_rate=cfg.router_bias_update_rate, capacity_factor=cfg.capacity_factor,
                        impl=self.expert_impl, backend=cfg.kernels, num_groups=cfg.router_num_groups,
                        topk_groups=cfg.router_topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
-                       seq_aux_loss_coef=cfg.seq_aux_loss_coef, aux_scope=cfg.moe_aux_scope)
+                       seq_aux_loss_coef=cfg.seq_aux_loss_coef, aux_scope=cfg.moe_aux_scope,
+                       delay_wgrad=cfg.moe_delay_wgrad)
         return Block(cfg, self.ctx, self.sp, cp_mode, recompute, mlp=mlp)
 
     def moe_layers(self) -> dict[int, MoELayer]:

@@ -190,6 +190,29 @@ class ExpertExchange:
                                    self.interleave)  # (N_recv, h) source-major
         return received[self.regroup]
 
+    def exchange_rows(self, rows: torch.Tensor, forward: bool) -> torch.Tensor:
+        """The all-to-all alone (no autograd): forward (N_send, h) -> (N_recv, h) source-major, or back."""
+        out_splits, in_splits = self._splits(forward)
+        return _exchange(rows, self.group, out_splits, in_splits, self.interleave)
+
+    def start_rows(self, rows: torch.Tensor, forward: bool) -> tuple:
+        """Start that all-to-all (whatever the rank runs next travels beside it); finish_rows waits."""
+        out_splits, in_splits = self._splits(forward)
+        rows = rows.contiguous()  # (kept in the handle until the wait: the transfer reads it)
+        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))  # (N_out, h)
+        return out, comm.start_all_to_all(out, rows, self.group, out_splits, in_splits), rows
+
+    def finish_rows(self, pending: tuple) -> torch.Tensor:
+        """Inside an interleaved pair the partner takes its turn first; then wait for the rows."""
+        out, work, _ = pending
+        if self.interleave is not None:
+            self.interleave.switch()
+        comm.wait_work(work, self.group, "all_to_all")
+        return out
+
+    def _splits(self, forward: bool) -> tuple[list, list]:
+        return (self.recv_splits, self.send_splits) if forward else (self.send_splits, self.recv_splits)
+
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """(N_recv, h) expert outputs, expert-major -> (N_send, h) back on the source ranks, sorted order."""
         if self.regroup is None:

@@ -47,6 +47,7 @@ from torch import nn
 from parallel3d.kernels import dispatch as kernels
 from parallel3d import comm
 from parallel3d.comm import Group
+from parallel3d.expert_parallel.delayed_wgrad import check_delay_wgrad
 from parallel3d.expert_parallel.dispatch import ExpertExchange, kept_counts, permute, unpermute
 from parallel3d.expert_parallel.experts import GroupedExperts
 from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, expert_capacity, expert_counts,
@@ -145,9 +146,12 @@ class MoELayer(nn.Module):
                  bias_update_rate: float = 0.0, capacity_factor: float = 0.0, impl: str = "auto",
                  backend: str = "auto", std: Optional[float] = None, num_groups: int = 1, topk_groups: int = 1,
                  routed_scaling_factor: float = 1.0, seq_aux_loss_coef: float = 0.0,
-                 aux_scope: str = "global") -> None:
+                 aux_scope: str = "global", delay_wgrad: bool = False) -> None:
         super().__init__()
         check_aux_scope(aux_scope)
+        if delay_wgrad:
+            check_delay_wgrad(ctx.ep.size, ctx.etp.size)
+        self.delay_wgrad = delay_wgrad  # model.moe_delay_wgrad (delayed_wgrad.py)
         self.tp, self.ep, self.etp, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.etp, ctx.cp, ctx.dp_cp
         self.interleave = ctx.interleave  # a pipeline pair's turns (interleave.py): the exchange switches there
         # the split-size exchange and its host read, on a clone of EP where the trainer made one (ep_overlap):
@@ -182,12 +186,19 @@ class MoELayer(nn.Module):
         keep = self.decide(r, b, s, positions)
         exchange = self.exchange(r.indices, keep, b * s * self.top_k)
         perm = permute(r.indices, self.num_experts, keep, kept=exchange.rows_sent)
-        rows = exchange.dispatch(tokens[perm.token_index])  # (N_recv, h) by local expert
-        rows = exchange.combine(self.experts(rows, exchange.local_counts))  # (N_send, h) sorted slots
+        rows = exchange.combine(self.run_experts(exchange, tokens[perm.token_index]))  # (N_send, h) sorted slots
         out = unpermute(rows, perm, r.weights)  # (T, h) partial over TP
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return reduce_from_tp(out.view(b, s, h), self.tp)
+
+    def run_experts(self, exchange: ExpertExchange, rows: torch.Tensor) -> torch.Tensor:
+        """rows (N_send, h) sorted by global expert -> (N_recv, h) the local experts' outputs, expert-major:
+        dispatched, then run; with model.moe_delay_wgrad one node (delayed_wgrad.py), whose backward starts
+        the input gradient's all-to-all before the experts' weight gradients."""
+        if self.delay_wgrad and exchange.regroup is not None and torch.is_grad_enabled():
+            return self.experts(rows, exchange.local_counts, dispatched=exchange)
+        return self.experts(exchange.dispatch(rows), exchange.local_counts)  # (N_recv, h)
 
     def decide(self, r: Routing, b: int, s: int, positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The routing r of b x s tokens -> its capacity keep mask (T, k) or None; counts the load and keeps

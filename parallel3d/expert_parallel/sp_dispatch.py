@@ -162,9 +162,12 @@ def own_tokens_forward(layer, tokens: torch.Tensor, indices: torch.Tensor, weigh
     etp = layer.etp if layer.etp.size > 1 else None
     exchange = layer.exchange(indices, keep, tokens.shape[0] * layer.top_k, etp)
     perm = permute(indices, layer.num_experts, keep, kept=exchange.rows_sent)
-    rows = exchange.dispatch(tokens[perm.token_index])  # (n_r, h) by local expert
-    plan = TPRows(exchange.tp_counts, etp, tokens.device) if etp is not None else None
-    rows = exchange.combine(layer.experts(rows, exchange.local_counts, plan))  # (N_send, h) sorted slots
+    if etp is None:  # whole experts: dispatched and run (with model.moe_delay_wgrad, as one node)
+        rows = layer.run_experts(exchange, tokens[perm.token_index])  # (n_r, h) by local expert
+    else:
+        rows = exchange.dispatch(tokens[perm.token_index])  # (n_r, h) by local expert
+        rows = layer.experts(rows, exchange.local_counts, TPRows(exchange.tp_counts, etp, tokens.device))
+    rows = exchange.combine(rows)  # (N_send, h) sorted slots
     return unpermute(rows, perm, weights)  # (T_r, h) whole
 
 

@@ -228,9 +228,10 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             seconds = max(0.0, seconds - before)
         grad_sync = c is not outside and is_grad_sync(group, op) and not per_microbatch
         # started beside compute, not waited in at once
-        # (an expert all-to-all is started, and so overlapped, only inside an ep_overlap pair: interleave.py)
-        paired_a2a = op == "all_to_all" and serial in waits and isinstance(timeline_of(i), tuple)
-        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS or paired_a2a)
+        # an expert all-to-all the code started (and waited later) runs beside compute: inside an ep_overlap
+        # pair (interleave.py) and under model.moe_delay_wgrad (delayed_wgrad.py); a blocking one has no wait
+        started_a2a = op == "all_to_all" and serial in waits
+        beside = c is not outside and (grad_sync or base_group(group) in OVERLAPPED_GROUPS or started_a2a)
         # arriving from compute costs every call more, started beside compute or not; the extra is split
         # like the rest of the call between the rank's cores and what hides (cost.wake_seconds)
         since = done[bisect.bisect_right(walls, wall)] - done[bisect.bisect_right(walls, last_call)]

@@ -81,8 +81,10 @@ LAYOUTS: tuple[Layout, ...] = (
       for mode in ("ring", "allgather", "ulysses")),
     Layout("documents-cp2", ("parallel.cp=2",), model="documents", multiple_of=2),
     Layout("ep-eq-dp", ("parallel.ep={world}", "parallel.zero=1"), model="moe", bandwidth=("ep:all_to_all",)),
-    # each backward paired with the next forward, the all-to-alls in turns (parallel.ep_overlap)
-    Layout("ep-eq-dp-overlap", ("parallel.ep={world}", "parallel.zero=1", "parallel.ep_overlap=true"), model="moe"),
+    # each backward paired with the next forward, the all-to-alls in turns (parallel.ep_overlap), and the experts'
+    # weight gradients beside the input gradient's all-to-all (model.moe_delay_wgrad)
+    Layout("ep-eq-dp-overlap", ("parallel.ep={world}", "parallel.zero=1", "parallel.ep_overlap=true",
+                                "model.moe_delay_wgrad=true"), model="moe"),
     Layout("ep-eq-dp-tp2-sp", ("parallel.tp=2", "parallel.sp=true", "parallel.ep={half_world}"), model="moe",
            multiple_of=2, min_world=4),
     Layout("documents-cp2-tp2-sp", ("parallel.cp=2", "parallel.tp=2", "parallel.sp=true"), model="documents",

@@ -221,6 +221,9 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     if p.pp > 1 and p.zero == 3:
         from parallel3d.data_parallel.zero3 import check_split_backward
         _owned(lambda: check_split_backward(p.schedule in SPLIT_BACKWARD), f"schedule={p.schedule}: ")
+    if m.moe_delay_wgrad:
+        from parallel3d.expert_parallel.delayed_wgrad import check_delay_wgrad
+        _owned(lambda: check_delay_wgrad(p.ep, p.etp))
     if p.ep_overlap:
         from parallel3d.pipeline.pairing import check_ep_overlap
         _owned(lambda: check_ep_overlap(p.schedule, p.ep, p.zero, p.offload_params, p.pp))
