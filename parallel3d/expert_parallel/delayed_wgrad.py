@@ -84,7 +84,9 @@ class DispatchedExperts(torch.autograd.Function):
         return drows, dwg, dwu, dwd, None, None, None
 
 
-def dispatched_experts(rows: torch.Tensor, weights: Sequence[torch.Tensor], exchange, impl: str, backend: str
-                       ) -> torch.Tensor:
-    """DispatchedExperts.apply with the experts' (gate, up, down) weights."""
-    return DispatchedExperts.apply(rows, *weights, exchange, impl, backend)
+def dispatched_experts(exchange):
+    """GroupedExperts.forward's `dispatched`: rows, the experts' (gate, up, down) weights, their impl and
+    backend -> DispatchedExperts over `exchange`."""
+    def run(rows: torch.Tensor, weights: Sequence[torch.Tensor], impl: str, backend: str) -> torch.Tensor:
+        return DispatchedExperts.apply(rows, *weights, exchange, impl, backend)
+    return run

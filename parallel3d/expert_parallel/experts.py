@@ -197,14 +197,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: Sequence[int], tp_rows=None, dispatched=None) -> torch.Tensor:
         """x (N, h) rows sorted by local expert, counts (E_local,) host ints -> (N, h) (partial over etp).
         tp_rows (sp_dispatch.TPRows): x is this rank's received rows, run together with the other etp ranks'
-        -> (N, h) whole. dispatched (dispatch.ExpertExchange): x is this rank's rows to *send*, and the
-        dispatch all-to-all runs in one node with the experts (delayed_wgrad.py) -> (N_recv, h). Every way
-        through this module's forward, so the forward hooks that wait for the weights' buckets
-        (offload/publish.py) see the read."""
+        -> (N, h) whole. dispatched(x, (w_gate, w_up, w_down), impl, backend): x is this rank's rows to
+        *send*, and that runs the dispatch all-to-all in one node with the experts (delayed_wgrad.py) ->
+        (N_recv, h). Every way through this module's forward, so the forward hooks that wait for the
+        weights' buckets (offload/publish.py) see the read."""
         if dispatched is not None:
-            from parallel3d.expert_parallel.delayed_wgrad import dispatched_experts
-            return dispatched_experts(x, (self.gate_proj, self.up_proj, self.down_proj), dispatched, self.impl,
-                                      self.backend)
+            return dispatched(x, (self.gate_proj, self.up_proj, self.down_proj), self.impl, self.backend)
         if len(counts) != self.local_experts or sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts {list(counts)} do not match {x.shape[0]} rows for "
                              f"{self.local_experts} local experts")

@@ -47,7 +47,7 @@ from torch import nn
 from parallel3d.kernels import dispatch as kernels
 from parallel3d import comm
 from parallel3d.comm import Group
-from parallel3d.expert_parallel.delayed_wgrad import check_delay_wgrad
+from parallel3d.expert_parallel.delayed_wgrad import check_delay_wgrad, dispatched_experts
 from parallel3d.expert_parallel.dispatch import ExpertExchange, kept_counts, permute, unpermute
 from parallel3d.expert_parallel.experts import GroupedExperts
 from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, expert_capacity, expert_counts,
@@ -197,7 +197,7 @@ class MoELayer(nn.Module):
         dispatched, then run; with model.moe_delay_wgrad one node (delayed_wgrad.py), whose backward starts
         the input gradient's all-to-all before the experts' weight gradients."""
         if self.delay_wgrad and exchange.regroup is not None and torch.is_grad_enabled():
-            return self.experts(rows, exchange.local_counts, dispatched=exchange)
+            return self.experts(rows, exchange.local_counts, dispatched=dispatched_experts(exchange))
         return self.experts(exchange.dispatch(rows), exchange.local_counts)  # (N_recv, h)
 
     def decide(self, r: Routing, b: int, s: int, positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
