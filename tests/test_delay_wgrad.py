@@ -17,8 +17,8 @@ from parallel3d.expert_parallel.layer import MoELayer
 from parallel3d.mesh import MeshSpec, ParallelContext
 from parallel3d.params import init_parameters
 from ckpt_helpers import make_config
-from test_strict_backend import MOE, _train
-from test_sweep import check
+from test_ep_overlap import matches_world_size_1
+from test_strict_backend import MOE
 
 
 def _layer(delay: bool) -> tuple[MoELayer, ParallelContext]:
@@ -80,17 +80,9 @@ CASES = {
 }
 
 
-def _delayed(worker, overrides, world):
-    return _train(worker, [*overrides, *DELAY], world)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_delayed_weight_gradients_match_world_size_1_on_the_strict_backend(multirank, name):
-    world, overrides = CASES[name]
-    got = multirank(_delayed, world, overrides, world)
-    assert all(not g["reports"] for g in got), got[0]["reports"]
-    ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
-    check({"precision": "fp32"}, got, ref)
+    matches_world_size_1(multirank, *CASES[name], DELAY)
 
 
 def test_the_dry_run_prices_the_input_gradients_all_to_all_beside_the_weight_gradients():

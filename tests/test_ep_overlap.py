@@ -120,9 +120,8 @@ CASES = {
     "1f1b-pp1-dp2-ep2-full-recompute": (2, ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8",
                                             "train.activation_checkpointing=full", *MOE]),
     "interleaved-pp2-dp2-ep2-zero1": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
-                                          "parallel.schedule=interleaved",
-                                    "parallel.virtual_stages=2", "model.num_layers=4", "train.global_batch_size=8",
-                                    *MOE]),
+                                          "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                          "model.num_layers=4", "train.global_batch_size=8", *MOE]),
     "dualpipe-v-pp2-dp2-ep2": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=dualpipe-v",
                                    "model.num_layers=4", "train.global_batch_size=8", *MOE]),
 }
@@ -134,8 +133,17 @@ SWEEP_CASES = {   # make sweep: the pairs beside TP/SP's and CP's own collective
 }
 
 
-def _overlapped(worker, overrides, world, strict=True):
-    return _train(worker, [*overrides, *OVERLAP], world, strict=strict)
+def _overlapped(worker, overrides, world, strict=True, extra=OVERLAP):
+    return _train(worker, [*overrides, *extra], world, strict=strict)
+
+
+def matches_world_size_1(multirank, world: int, overrides: list, extra: list, strict: bool = True) -> None:
+    """The layout (`overrides` + `extra`) on `world` gloo ranks against world size 1 (the same model and batch,
+    no parallel.* key): loss, logged grad norm, weights after AdamW steps; on the strict backend no report."""
+    got = multirank(_overlapped, world, overrides, world, strict, extra)
+    assert all(not g["reports"] for g in got), got[0]["reports"]
+    ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
+    check({"precision": "fp32"}, got, ref)
 
 
 def _switches(worker, overrides):
@@ -150,21 +158,14 @@ def _switches(worker, overrides):
 
 @pytest.mark.parametrize("name", [*CASES, *(pytest.param(n, marks=pytest.mark.sweep) for n in SWEEP_CASES)])
 def test_overlapped_pairs_match_world_size_1_on_the_strict_backend(multirank, name):
-    world, overrides = {**CASES, **SWEEP_CASES}[name]
-    got = multirank(_overlapped, world, overrides, world)
-    assert all(not g["reports"] for g in got), got[0]["reports"]
-    ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
-    check({"precision": "fp32"}, got, ref)
+    matches_world_size_1(multirank, *{**CASES, **SWEEP_CASES}[name], OVERLAP)
 
 
 def test_dualpipe_v_pairs_post_their_messages_early_on_plain_gloo(multirank):
     """On gloo (not the strict backend's NCCL paths) receives are posted a group early and DualPipe-V's sends
     right after the compute that made them: inside a pair, that group leaves as soon as the first compute is
     done (runtime_schedules.Pair.posts), while the partner finishes."""
-    world, overrides = CASES["dualpipe-v-pp2-dp2-ep2"]
-    got = multirank(_overlapped, world, overrides, world, False)
-    ref = _train(None, [o for o in overrides if not o.startswith(("parallel.", "train.micro"))], world)
-    check({"precision": "fp32"}, got, ref)
+    matches_world_size_1(multirank, *CASES["dualpipe-v-pp2-dp2-ep2"], OVERLAP, strict=False)
     plan = ScheduleCache().plan("dualpipe-v", 2, 4, 2, 0, early=True, paired=True)
     assert any(isinstance(s, Pair) and s.posts for s in plan)
 
