@@ -219,3 +219,13 @@ def test_the_benchmark_reads_a_pairs_span_from_its_turns():
                                       ("BACKWARD", 0, 12.0, 13.0), ("FORWARD", 1, 13.0, 14.0)]}
     row = bench.summarise(apart, paired)
     assert row["pairs"] == 1 and row["pair_span_s"] == 4.0 and row["ratio"] == pytest.approx(4.0 / 5.0)
+
+
+def test_a_pairs_turns_add_up_to_each_actions_measured_cost():
+    """log.timeline's simulated side takes each kind's mean measured cost: a paired action's turns (one row
+    each) count as one action."""
+    from parallel3d.pipeline.actions import Action
+    from parallel3d.pipeline.timeline import mean_costs
+    b0, f1, f0 = Action(K.BACKWARD, 0), Action(K.FORWARD, 1), Action(K.FORWARD, 0)
+    rows = [(0, f0, 0.0, 2.0), (0, b0, 2.0, 3.0), (0, f1, 3.0, 4.0), (0, b0, 4.0, 6.0), (0, f1, 6.0, 9.0)]
+    assert mean_costs(rows) == {(0, K.FORWARD): 3.0, (0, K.BACKWARD): 3.0}

@@ -33,11 +33,15 @@ def from_rows(rows: Sequence[Sequence]) -> list[tuple[int, Action, float, float]
 
 
 def mean_costs(records: Sequence[tuple[int, Action, float, float]]) -> dict[tuple[int, ActionKind], float]:
-    """Mean measured duration of each compute kind on each rank."""
-    spent: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
+    """Mean measured duration of each compute kind on each rank. An action of an ep_overlap pair is recorded
+    as one row per turn (runtime.py): its turns add up to its duration."""
+    each: dict[tuple[int, Action], float] = defaultdict(float)
     for rank, action, start, end in records:
         if action.kind.is_compute:
-            spent[(rank, action.kind)].append(end - start)
+            each[(rank, action)] += end - start
+    spent: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
+    for (rank, action), seconds in each.items():
+        spent[(rank, action.kind)].append(seconds)
     return {key: statistics.mean(v) for key, v in spent.items()}
 
 
