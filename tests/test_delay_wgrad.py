@@ -73,6 +73,8 @@ CASES = {
     "dp2-ep2-ep_overlap-full-recompute": (2, ["parallel.dp=2", "parallel.ep=2", "parallel.ep_overlap=true",
                                               "train.activation_checkpointing=full", "train.global_batch_size=8",
                                               *MOE]),
+    # ZeRO-3 gathers the experts' weights for the node's forward and again for its backward
+    "dp2-ep2-zero3": (2, ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3", "train.global_batch_size=8", *MOE]),
     # the split backward: the input pass skips the weight gradients, the weight pass the all-to-all
     "pp2-zb-h1-dp2-ep2-zero1": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
                                     "parallel.schedule=zb-h1", "model.num_layers=4", "train.global_batch_size=8",
