@@ -114,7 +114,8 @@ def main() -> None:
     print(f"ep_overlap on gloo: {args.ranks} ranks (dp = ep), 1F1B pp 1, {args.microbatches} microbatches, hidden "
           f"{args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, seq {args.seq}, "
           f"{args.threads} thread(s) per rank, torch {torch.__version__}")
-    print("\n| rank | F apart ms | B apart ms | pairs | pair span ms | span / (F + B) | step apart ms | step paired ms |")
+    print("\n| rank | F apart ms | B apart ms | pairs | pair span ms | span / (F + B) | step apart ms "
+          "| step paired ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r, row in enumerate(rows):
         print(f"| {r} | {row['forward_s'] * 1e3:.1f} | {row['backward_s'] * 1e3:.1f} | {row['pairs']} | "

@@ -55,7 +55,7 @@ class ModelConfig:
     z_loss_coef: float = 0.0     # coefficient of the router z-loss (keeps router logits small)
     router_bias_update_rate: float = 0.0   # >0: DeepSeek-V3 auxiliary-loss-free balancing
     capacity_factor: float = 0.0       # 0: drop-less
-    moe_delay_wgrad: bool = False      # the experts' weight gradients beside the dispatch all-to-all's input gradient (Megatron's delay_wgrad_compute; ep > 1, etp = 1)
+    moe_delay_wgrad: bool = False      # experts' weight gradients beside the dispatch's backward all-to-all (ep > 1, etp = 1)
     # DeepSeek-V3 routing (parallel3d.expert_parallel.router): group-limited top-k, scaled combine weights
     router_num_groups: int = 1         # experts split into this many groups (HF n_group); 1: no group limit
     router_topk_groups: int = 1        # tokens pick experts only inside their best groups (HF topk_group)

@@ -146,7 +146,8 @@ class ExpertExchange:
         if ep == 1:
             device, nominal_host = counts, nominal  # (E,) sent
         else:
-            recv = comm.all_to_all(counts.contiguous(), counts_group or group).view(ep, self.local_experts)  # (ep, E_local)
+            recv = comm.all_to_all(counts.contiguous(), counts_group or group)
+            recv = recv.view(ep, self.local_experts)  # (ep, E_local)
             load = comm.simulated_expert_load(group)
             mine = [round(n * load) for n in nominal[group.rank * self.local_experts:(group.rank + 1) *
                                                      self.local_experts]]
