@@ -5,6 +5,7 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 from typing import NoReturn, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,7 +18,7 @@ from parallel3d.comm import CollectiveError  # noqa: E402
 from parallel3d.host_memory import keep_freed_memory  # noqa: E402
 from parallel3d.mesh import MeshSpec, ParallelContext, init_distributed  # noqa: E402
 from parallel3d.training.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from parallel3d.training.validate import (check_simulated_config, check_simulated_rank,  # noqa: E402
+from parallel3d.training.validate import (ConfigWarning, check_simulated_config, check_simulated_rank,  # noqa: E402
                                           resolve_and_validate)
 from parallel3d.training.data import DataError  # noqa: E402
 from parallel3d.training.trainer import NonFiniteError  # noqa: E402
@@ -74,8 +75,11 @@ def load_and_validate(config: str | None, overrides: list[str], simulate_rank: O
         raise ConfigError(f"config file {config} does not exist")
     cfg = load_config(config, overrides, ModelConfig)
     local = os.environ.get("LOCAL_WORLD_SIZE")   # torchrun's ranks on this node (none when simulated)
-    cfg = resolve_and_validate(cfg, world_size if simulated else launcher_world,
-                               None if simulated or not local else int(local))
+    with warnings.catch_warnings():   # the same config warning on every rank: rank 0 says it once, as fail()
+        if os.environ.get("RANK", "0") != "0":
+            warnings.simplefilter("ignore", ConfigWarning)
+        cfg = resolve_and_validate(cfg, world_size if simulated else launcher_world,
+                                   None if simulated or not local else int(local))
     if simulated:
         check_simulated_config(cfg)
     if cfg.data.path is not None and not os.path.isfile(cfg.data.path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
@@ -182,6 +183,23 @@ def test_experts_replicated_over_tp_warn():
     for ok in (("parallel.tp=2", "parallel.ep=2", *MOE), ("parallel.tp=2", "parallel.etp=2", *MOE),
                ("parallel.tp=2", "parallel.ep=4", *MOE), ("parallel.ep=2", *MOE), ("parallel.tp=2",)):
         assert not _config_warnings(4, *ok), ok
+
+
+def test_under_torchrun_rank_0_alone_prints_a_config_warning(monkeypatch):
+    """launch/common.load_and_validate: every rank validates the same config, so, as with its errors, only rank 0
+    shows the warning (not once per rank of the job)."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import common
+    overrides = ["parallel.tp=2", "parallel.sp=true", *MOE]
+    seen = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            common.load_and_validate(os.path.join(ROOT, "configs", "tiny.yaml"), overrides)
+        seen[rank] = [w for w in caught if issubclass(w.category, ConfigWarning)]
+    assert len(seen["0"]) == 1 and not seen["1"]
 
 
 @pytest.mark.parametrize("name,world", sorted(PRESETS.items()))
