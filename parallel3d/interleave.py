@@ -2,8 +2,8 @@
 
 The expert-parallel all-to-all of one microbatch can hide behind another microbatch's compute
 (Megatron-Core's 1F1B all-to-all overlap, DeepSeek-V3's DualPipe pairs). A pipeline schedule names the
-pairs (``pipeline/overlap.py``); this module runs one pair. The forward runs on the calling thread, the
-backward on a helper thread; exactly one of them runs at a time, handing the turn over at each *switch
+pairs (``pipeline/pairing.py``); this module runs one pair. The forward runs on the calling thread, the
+backward on a helper thread (one, kept for every pair); exactly one of them runs at a time, handing the turn over at each *switch
 point*: right after it has started a collective and before it waits for it. So
 
     forward    attn, router | start dispatch  ...........................  wait | experts | start combine ...
@@ -11,16 +11,16 @@ point*: right after it has started a collective and before it waits for it. So
 
 and the started transfer travels while the partner computes. Everything stays in one deterministic order:
 the two pieces alternate at the same points on every rank of a stage, so every process group sees its
-collectives issued in the same order on all its ranks, as NCCL requires, and the pair's arithmetic is that
-of the two pieces run one after the other (bitwise the same result).
+collectives issued in the same order on all its ranks, as NCCL requires, and the pair computes the same
+operations on the same values as the two pieces run one after the other.
 
 Why threads and not generators: the pieces are ordinary module forwards and ``torch.autograd.backward``
 calls, whose switch points lie deep inside autograd; a thread keeps its own autograd state (the backward's
 graph task is not the forward's, so ``params.in_backward`` still tells a recomputation from a forward). On
 CUDA, autograd runs the backward's nodes on its device thread: every thread other than the forward's is the
-backward's side. The helper thread takes the caller's grad mode, CUDA device and stream, the dispatch modes and
-the saved-tensor hooks in force (the planner's tracker), so the backward runs as it would on the calling
-thread.
+backward's side. The helper thread takes the caller's grad mode, thread count (OpenMP's is per thread),
+CUDA device and stream, the dispatch modes and the saved-tensor hooks in force (the planner's tracker), so
+the backward runs as it would on the calling thread.
 """
 from __future__ import annotations
 
