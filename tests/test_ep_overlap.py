@@ -119,6 +119,10 @@ CASES = {
     # the backward's recomputation exchanges (and switches) again, replaying the split sizes its forward read
     "1f1b-pp1-dp2-ep2-full-recompute": (2, ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8",
                                             "train.activation_checkpointing=full", *MOE]),
+    # the balancing statistics' blocking DP x CP all-reduce (its process group EP's at ep == dp) inside a pair
+    # while the partner's rows are in flight: they run on EP's clone (ExpertExchange.async_group)
+    "1f1b-pp1-dp2-ep2-zero2-zloss": (2, ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2",
+                                         "train.global_batch_size=8", *MOE[:-1], "model.z_loss_coef=0.001"]),
     "interleaved-pp2-dp2-ep2-zero1": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
                                           "parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                           "model.num_layers=4", "train.global_batch_size=8", *MOE]),

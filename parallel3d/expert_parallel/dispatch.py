@@ -128,13 +128,15 @@ class ExpertExchange:
 
     def __init__(self, counts: torch.Tensor, group: Group, num_rows: int, known: Optional[list] = None,
                  tp: Optional[Group] = None, interleave: Optional[Interleave] = None,
-                 counts_group: Optional[Group] = None) -> None:
+                 async_group: Optional[Group] = None) -> None:
         """`known`: the host counts (`self.host`) of an earlier exchange of the same routing, e.g. the forward
         that an activation recomputation repeats: used instead of reading the device again. `interleave`:
         inside one of its pairs, dispatch and combine (and their backwards) are started, the partner computes,
-        then they are waited (interleave.py). `counts_group`: where the counts are exchanged (a clone of
-        `group` with its own queue, so their host read never waits behind a partner's rows in flight)."""
-        self.interleave = interleave
+        then they are waited (interleave.py). `async_group`: where every all-to-all this exchange starts (and
+        waits later) runs, a clone of `group` with its own queue where the trainer made one: no blocking
+        collective of the partner on EP or on a group sharing its process group (DP x CP at ep == dp: the
+        balancing statistics) then waits behind rows in flight, nor the host read that follows it."""
+        self.interleave, self.async_group = interleave, async_group or group
         ep, num_experts = group.size, counts.numel()
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
@@ -146,8 +148,7 @@ class ExpertExchange:
         if ep == 1:
             device, nominal_host = counts, nominal  # (E,) sent
         else:
-            recv = comm.all_to_all(counts.contiguous(), counts_group or group)
-            recv = recv.view(ep, self.local_experts)  # (ep, E_local)
+            recv = comm.all_to_all(counts.contiguous(), group).view(ep, self.local_experts)  # (ep, E_local)
             load = comm.simulated_expert_load(group)
             mine = [round(n * load) for n in nominal[group.rank * self.local_experts:(group.rank + 1) *
                                                      self.local_experts]]
@@ -187,28 +188,28 @@ class ExpertExchange:
         """(N_send, h) sorted by global expert -> (N_recv, h) sorted by local expert (source order inside)."""
         if self.regroup is None:
             return rows
-        received = _AllToAll.apply(rows, self.group, self.recv_splits, self.send_splits,
-                                   self.interleave)  # (N_recv, h) source-major
-        return received[self.regroup]
+        return _AllToAll.apply(rows, self, True)[self.regroup]  # (N_recv, h) expert-major
 
     def exchange_rows(self, rows: torch.Tensor, forward: bool) -> torch.Tensor:
-        """The all-to-all alone (no autograd): forward (N_send, h) -> (N_recv, h) source-major, or back."""
-        out_splits, in_splits = self._splits(forward)
-        return _exchange(rows, self.group, out_splits, in_splits, self.interleave)
+        """The all-to-all alone (no autograd): forward (N_send, h) -> (N_recv, h) source-major, or back. Inside
+        an interleaved pair it is started, the partner computes while it travels, then it is waited."""
+        if self.interleave is None or not self.interleave.active:
+            return comm.all_to_all(rows, self.group, *self._splits(forward))
+        return self.finish_rows(self.start_rows(rows, forward))
 
     def start_rows(self, rows: torch.Tensor, forward: bool) -> tuple:
         """Start that all-to-all (whatever the rank runs next travels beside it); finish_rows waits."""
         out_splits, in_splits = self._splits(forward)
         rows = rows.contiguous()  # (kept in the handle until the wait: the transfer reads it)
         out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))  # (N_out, h)
-        return out, comm.start_all_to_all(out, rows, self.group, out_splits, in_splits), rows
+        return out, comm.start_all_to_all(out, rows, self.async_group, out_splits, in_splits), rows
 
     def finish_rows(self, pending: tuple) -> torch.Tensor:
         """Inside an interleaved pair the partner takes its turn first; then wait for the rows."""
         out, work, _ = pending
         if self.interleave is not None:
             self.interleave.switch()
-        comm.wait_work(work, self.group, "all_to_all")
+        comm.wait_work(work, self.async_group, "all_to_all")
         return out
 
     def _splits(self, forward: bool) -> tuple[list, list]:
@@ -218,32 +219,18 @@ class ExpertExchange:
         """(N_recv, h) expert outputs, expert-major -> (N_send, h) back on the source ranks, sorted order."""
         if self.regroup is None:
             return rows
-        return _AllToAll.apply(rows[self.ungroup], self.group, self.send_splits, self.recv_splits, self.interleave)
-
-
-def _exchange(x: torch.Tensor, group: Group, out_splits: list, in_splits: list,
-              interleave: Optional[Interleave]) -> torch.Tensor:
-    """(sum(in_splits), h) -> (sum(out_splits), h) over the EP group. Inside an interleaved pair: start the
-    all-to-all, let the partner compute while it travels, then wait for it."""
-    if interleave is None or not interleave.active:
-        return comm.all_to_all(x, group, out_splits, in_splits)
-    x = x.contiguous()  # (kept alive until the wait: the transfer reads it)
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))  # (N_out, h)
-    work = comm.start_all_to_all(out, x, group, out_splits, in_splits)
-    interleave.switch()
-    comm.wait_work(work, group, "all_to_all")
-    return out
+        return _AllToAll.apply(rows[self.ungroup], self, False)
 
 
 class _AllToAll(torch.autograd.Function):
-    """The exchange's all-to-all (dispatch or combine). Backward: dL/dx is the all-to-all of dL/dout with the
-    splits swapped (each row goes back to where it came from), overlapped the same way."""
+    """The exchange's all-to-all, dispatch (forward=True) or combine. Backward: dL/dx is the all-to-all of
+    dL/dout the other way (each row goes back to where it came from), overlapped the same way."""
 
     @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits, interleave):
-        ctx.args = (group, in_splits, out_splits, interleave)
-        return _exchange(x, group, out_splits, in_splits, interleave)
+    def forward(ctx, x, exchange: ExpertExchange, forward: bool):
+        ctx.exchange, ctx.forward = exchange, forward
+        return exchange.exchange_rows(x, forward)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad.contiguous(), *ctx.args), None, None, None, None
+        return ctx.exchange.exchange_rows(grad, not ctx.forward), None, None

@@ -154,9 +154,9 @@ class MoELayer(nn.Module):
         self.delay_wgrad = delay_wgrad  # model.moe_delay_wgrad (delayed_wgrad.py)
         self.tp, self.ep, self.etp, self.cp, self.dp_cp = ctx.tp, ctx.ep, ctx.etp, ctx.cp, ctx.dp_cp
         self.interleave = ctx.interleave  # a pipeline pair's turns (interleave.py): the exchange switches there
-        # the split-size exchange and its host read, on a clone of EP where the trainer made one (ep_overlap):
-        # inside a pair the partner's rows may still be in flight on EP itself, and the read would wait for them
-        self.ep_counts = ctx.cloned("ep")
+        # the all-to-alls the exchange starts, on a clone of EP where the trainer made one (ep_overlap): inside a
+        # pair they are in flight while the partner runs blocking collectives on EP and DP x CP, and host reads
+        self.ep_async = ctx.cloned("ep")
         self.aux_scope = aux_scope
         self.sp = sequence_parallel and ctx.tp.size > 1
         self.num_experts, self.top_k = num_experts, top_k
@@ -223,7 +223,7 @@ class MoELayer(nn.Module):
         tape = self._tape
         known = tape.replay() if tape is not None and tape.replaying else None
         exchange = ExpertExchange(kept_counts(indices, self.num_experts, keep), self.ep, num_rows, known, tp,
-                                  self.interleave, self.ep_counts)
+                                  self.interleave, self.ep_async)
         if tape is not None and not tape.replaying:
             tape.record(exchange.host)
         return exchange

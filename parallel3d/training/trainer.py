@@ -98,7 +98,7 @@ class Trainer:
         self.placement = placement_of(p.schedule)
         self.stage_ids = stage_ids(ctx.coords.pp, p.pp, v, self.placement)
         last = p.pp * v - 1
-        if p.ep_overlap:  # the MoE count exchanges' own process group (expert_parallel/layer.py), made by all ranks
+        if p.ep_overlap:  # the pairs' started all-to-alls' own process group (expert_parallel/layer.py), by all ranks
             ctx.clone("ep")
         with torch.device(ctx.device):  # parameters are created where they live (no host copy first)
             self.chunks = [build_stage(stages[s], s == 0, s == last) for s in self.stage_ids]
