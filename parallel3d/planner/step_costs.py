@@ -156,6 +156,9 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     def timeline_of(i: int):
         """The marks' timeline row i belongs to: its pair's (both members' turns, in wall order) or its own."""
         return pair_of.get(instance[i], i) if i >= 0 else None
+    rows_of: dict = defaultdict(list)       # timeline -> its rows
+    for j in range(len(mine)):
+        rows_of[timeline_of(j)].append(j)
 
     derated: dict = {}
     op_seconds: dict = {}
@@ -198,7 +201,7 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
             continue
         # a GPU's queue runs behind the host: an action lasts its queue's span (a pair's turns are one queue,
         # the host issuing both members' ops in turn; its stall is shared by their compute)
-        members = [outside] if key == "outside" else [costs[j] for j in range(len(mine)) if timeline_of(j) == key]
+        members = [outside] if key == "outside" else [costs[j] for j in rows_of[key]]
         total = sum(seconds)
         stall = max(0.0, queue_seconds(seconds, issue) - total)
         for c in members:
@@ -261,8 +264,7 @@ def price_step(rank, ctx, out, tracker, events, waits, peak, split, live, gpu: G
     for key, timeline_marks in marks.items():
         timeline = [mark for _, mark in sorted(timeline_marks, key=lambda m: m[0])]   # (stable: a call's two marks)
         exposed = exposed_in_action(timeline, gpu.host_op_s or 0.0)
-        members = [k for k, v in pair_of.items() if v == key and k in merged] if isinstance(key, tuple) \
-            else [instance[key]]
+        members = list(dict.fromkeys(instance[j] for j in rows_of[key]))   # the pair's two actions, or one
         hidden = sum(merged[k].overlapped_comm_s for k in members)
         for k in members:   # a pair's wait shared by what each member started
             merged[k].exposed_comm_s = exposed * (merged[k].overlapped_comm_s / hidden if hidden else 1 / len(members))
