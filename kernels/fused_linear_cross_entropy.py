@@ -57,14 +57,16 @@ _FP32_OUT_ADDMM: dict = {}
 
 def _fp32_out_addmm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this device's addmm takes `dtype` (16-bit) operands into an fp32 output in place (CUDA in
-    recent torch; asked once per device type and dtype on tiny tensors)."""
+    recent torch; asked once per device type and dtype on tiny tensors, one host read then). On `meta`, the
+    planner's stand-in for CUDA, the op running at all is the answer (it has no value to read), so the dry
+    run takes the path CUDA takes."""
     key = (device.type, dtype)
     if key not in _FP32_OUT_ADDMM:
         try:
             c = torch.ones(2, 2, device=device)
             a = torch.ones(2, 2, device=device, dtype=dtype)
             torch.addmm(c, a, a, out_dtype=torch.float32, out=c)  # C aliased: accumulates, 1 + 2
-            _FP32_OUT_ADDMM[key] = bool(c[0, 0].item() == 3.0)
+            _FP32_OUT_ADDMM[key] = device.type == "meta" or bool(c[0, 0].item() == 3.0)
         except (RuntimeError, TypeError, NotImplementedError):
             _FP32_OUT_ADDMM[key] = False
     return _FP32_OUT_ADDMM[key]

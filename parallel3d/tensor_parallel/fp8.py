@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.kernels import dispatch
-from parallel3d.kernels.fp8_cast import scale_cast_reference as quantize  # noqa: F401  (the twin's cast)
 
 RECIPES = ("none", "tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
