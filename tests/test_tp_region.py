@@ -92,7 +92,7 @@ def test_moe_layer_activations_scale_as_one_over_tp(recompute, extra, fold):
     the expert weights of either layout above) measures 1.64x / 3.28x: what grows there follows the experts held
     per rank, not the tokens (1.2 MB a layer more than etp=1 ep=2 at tp=2, whose missing two experts are 0.8 MB
     of bf16 weights), so folding EP over TP is what keeps the layer at 1/tp; validation warns about that layout
-    (training/validate.experts_replicated_over_tp, tests/test_config.py)."""
+    (expert_parallel/experts.experts_replicated_over_tp, tests/test_config.py)."""
     one = _layer_activations(1, True, recompute, extra)
     for tp in (2, 4):
         ratio = _layer_activations(tp, True, recompute, (*extra, *FOLDS[fold](tp))) * tp / one

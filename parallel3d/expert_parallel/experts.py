@@ -171,6 +171,24 @@ def check_expert_split(num_experts: int, ffn_hidden: int, ep: int, etp: int) -> 
                          f"parallel.etp={etp}")
 
 
+def experts_replicated_over_tp(tp: int, ep: int, etp: int, num_experts: int, expert_ffn: int) -> Optional[str]:
+    """The warning for experts held whole on several ranks of one TP group, or None. The fold (mesh_spec.py)
+    gives a stage's consecutive ranks distinct expert slices in runs of ep*etp, so below tp the TP ranks hold
+    copies: tp/(ep*etp) times the expert weights, and the MoE layer's activations grow with them
+    (tests/test_tp_region.py measures 1.64x / 3.28x its 1/tp share at etp=1 ep=1, tp 2 / 4)."""
+    if not num_experts or tp <= 1 or ep * etp >= tp:
+        return None
+    better = []
+    if tp % etp == 0 and num_experts % (tp // etp) == 0:
+        better.append(f"parallel.ep={tp // etp} (EP folded over the TP ranks)")
+    if expert_ffn % tp == 0:
+        better.append(f"parallel.etp={tp} (each expert split like the MLP)")
+    return (f"parallel.ep={ep} parallel.etp={etp} at parallel.tp={tp}: the {tp} ranks of a TP group hold only "
+            f"{ep * etp} distinct expert slice(s): each holds {tp / (ep * etp):g}x the expert weights a fold over "
+            f"TP leaves it, and the MoE layer's activations grow with them; "
+            + (f"set {' or '.join(better)}" if better else "fold EP over the TP ranks"))
+
+
 class GroupedExperts(nn.Module):
     """This rank's E_local experts (of E), ffn dimension split over the etp group."""
 

@@ -17,7 +17,7 @@ from parallel3d.data_parallel.compression import MODES as COMPRESSION_MODES, che
 from parallel3d.data_parallel.muon import ADJUST_LR, NS_PRECISIONS, OPTIMIZERS, TP_MODES, check_muon
 from parallel3d.data_parallel.precision import DTYPES
 from parallel3d.tensor_parallel.fp8 import RECIPES as FP8_RECIPES, check_fp8
-from parallel3d.expert_parallel.experts import check_expert_split
+from parallel3d.expert_parallel.experts import check_expert_split, experts_replicated_over_tp
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.mesh_spec import MeshSpec, check_hpz, check_node_size
 from parallel3d.data_parallel.fp8_gather import check_fp8_gather
@@ -53,23 +53,6 @@ CHOICES: dict[str, tuple] = {
 
 class ConfigWarning(UserWarning):
     """A valid config with a clearly better choice; the message names the keys and that choice."""
-
-
-def experts_replicated_over_tp(tp: int, ep: int, etp: int, num_experts: int, expert_ffn: int) -> Optional[str]:
-    """The warning for experts held whole on several ranks of one TP group, or None. The fold (mesh_spec.py)
-    gives a stage's consecutive ranks distinct expert slices in runs of ep*etp, so below tp the TP ranks hold
-    copies: tp/(ep*etp) times the expert weights, and the MoE layer's activations grow with them
-    (tests/test_tp_region.py measures 1.64x / 3.28x its 1/tp share at etp=1 ep=1, tp 2 / 4)."""
-    if not num_experts or tp <= 1 or ep * etp >= tp:
-        return None
-    better = []
-    if tp % etp == 0 and num_experts % (tp // etp) == 0:
-        better.append(f"parallel.ep={tp // etp} (EP folded over the TP ranks)")
-    if expert_ffn % tp == 0:
-        better.append(f"parallel.etp={tp} (each expert split like the MLP)")
-    return (f"parallel.ep={ep} parallel.etp={etp} at parallel.tp={tp}: the {tp} ranks of a TP group hold only "
-            f"{ep * etp} distinct expert slice(s): each holds {tp / (ep * etp):g}x the expert weights a fold over TP leaves it, and the MoE "
-            f"layer's activations grow with them; " + (f"set {' or '.join(better)}" if better else "fold EP over the TP ranks"))
 
 
 def _choice(value: Any, key: str, allowed: Sequence[Any]) -> None:
@@ -201,7 +184,8 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     if experts:
         _owned(lambda: check_expert_split(experts, m.moe_ffn_hidden_size or m.ffn_hidden_size, p.ep, p.etp))
         _require(1 <= top_k <= experts, f"model.moe_top_k={top_k} must be in [1, model.num_experts={experts}]")
-        replicated = experts_replicated_over_tp(p.tp, p.ep, p.etp, experts, m.moe_ffn_hidden_size or m.ffn_hidden_size)
+        replicated = experts_replicated_over_tp(p.tp, p.ep, p.etp, experts,
+                                                m.moe_ffn_hidden_size or m.ffn_hidden_size)
         if replicated:
             warnings.warn(replicated, ConfigWarning, stacklevel=2)
 
