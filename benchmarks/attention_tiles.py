@@ -1,75 +1,129 @@
-"""Our Triton flash attention's tile configurations timed on this GPU, against SDPA.
+"""Our Triton flash attention's launch choices timed on this GPU, kernel by kernel, against SDPA.
 
-    python benchmarks/attention_tiles.py [--shape b,s,hq,hk,d] [--causal 0|1]
+    python benchmarks/attention_tiles.py [--head-dims 128 64] [--budget-s 400] [--out PATH]
 
-`_flash_common.launch_config` takes the tiles from one table per arch and head dim (chosen on paper from the
-ahead-of-time compile report: tensor cores, no spills); this measures the forward and the backward (dK/dV
-+ dQ kernels, both with the candidate) with each candidate in turn, so a choice made on paper can be
-checked on the device. Prints one line per candidate as it finishes.
+`_flash_common.launch_config` takes each kernel's tile (BLOCK_M, BLOCK_N, warps, stages) from one table per
+arch and head dim, and `_flash_common.TMA_16BIT` says where the tiles load through TMA tensor descriptors;
+both were chosen on paper from the ahead-of-time compile report. This times every candidate of one kernel
+(forward, dK/dV, dQ) with the pointer loads and with TMA, the other kernels keeping their table rows, at
+b2 s4096 hq32 hk8 causal bf16 per head dim, so the table can be replaced by what ran fastest: the table's
+own row comes first, then the H200's earlier winners, then the rest. A forward candidate is timed alone;
+a dK/dV or dQ candidate as the whole backward (delta + dK/dV + dQ; only the candidate's kernel differs).
+Prints a line per candidate as it finishes and, at the end (or when --budget-s has passed), the fastest
+choice per kernel beside the table's, as markdown (also written to --out).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
-from parallel3d.kernels import flash_attention as fwd_mod  # noqa: E402
-from parallel3d.kernels import flash_attention_bwd as bwd_mod  # noqa: E402
+from parallel3d.kernels import _flash_common as common  # noqa: E402
+from parallel3d.kernels.flash_attention import flash_attention_backward, flash_attention_forward  # noqa: E402
 
-FORWARD = [(64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3),
-           (64, 128, 8, 2), (128, 64, 4, 3)]   # (BLOCK_M, BLOCK_N, warps, stages); the first was the d=128
-# tile chosen on paper in the first GPU session, the second what it measured fastest
-BACKWARD = [(32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
-            (64, 32, 4, 2), (16, 64, 4, 2)]
+# candidates after the table's row, per (kernel, head-dim class): the first of each d=128 list is what the
+# first H200 session measured fastest on the kernel of its day (RESULTS.md, "Flash-attention tiles")
+CANDIDATES = {
+    ("fwd", 128): [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 3)],
+    ("dkdv", 128): [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2)],
+    ("dq", 128): [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+    ("fwd", 64): [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3)],
+    ("dkdv", 64): [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2)],
+    ("dq", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 2)],
+}
+
+
+def time_ms(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+
+def sweep(d: int, deadline: float, rows: list[dict]) -> None:
+    b, s, hq, hk = 2, 4096, 32, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hk, hk))
+    flops = 4 * b * hq * s * s * d / 2  # causal: half the pairs
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    sdpa_f = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                                             enable_gqa=True))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
+    o_sdpa = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+    out, lse = flash_attention_forward(q, k, v, True)
+    do = torch.randn_like(out)
+    sdpa_b = time_ms(lambda: torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2), retain_graph=True))
+    print(f"d{d}: SDPA forward {sdpa_f:.3f} ms ({flops / sdpa_f / 1e9:.0f} TFLOP/s), backward {sdpa_b:.3f} ms "
+          f"({2.5 * flops / sdpa_b / 1e9:.0f} TFLOP/s)", flush=True)
+    table, tma_table = dict(common.TILES_16BIT), common.TMA_16BIT
+    arch = common.tile_arch(common.device_capability(q.device))
+    for kernel in ("fwd", "dkdv", "dq"):
+        own = table[(kernel, arch, common.head_dim_class(d))]
+        for tile in [own] + [t for t in CANDIDATES[(kernel, common.head_dim_class(d))] if t != own]:
+            for tma in (False, True):
+                if time.monotonic() > deadline:
+                    return
+                common.TILES_16BIT[(kernel, arch, common.head_dim_class(d))] = tile
+                others = {(kk, c) for kk, c in tma_table if kk != kernel}
+                common.TMA_16BIT = frozenset(others | ({(kernel, common.head_dim_class(d))} if tma else set()))
+                row = dict(d=d, kernel=kernel, tile=tile, tma=tma, table=tile == own and
+                           tma == ((kernel, common.head_dim_class(d)) in tma_table))
+                try:
+                    if kernel == "fwd":
+                        ms = time_ms(lambda: flash_attention_forward(q, k, v, True))
+                        row.update(ms=ms, tflops=flops / ms / 1e9, x_sdpa=sdpa_f / ms)
+                    else:
+                        ms = time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, True))
+                        row.update(ms=ms, tflops=2.5 * flops / ms / 1e9, x_sdpa=sdpa_b / ms)
+                    print(f"d{d} {kernel:4s} {tile} {'tma' if tma else 'ptr'}: {ms:.3f} ms, {row['tflops']:.0f} "
+                          f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA", flush=True)
+                except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
+                    row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    print(f"d{d} {kernel:4s} {tile} {'tma' if tma else 'ptr'}: failed: {row['error']}", flush=True)
+                finally:
+                    common.TILES_16BIT.clear()
+                    common.TILES_16BIT.update(table)
+                    common.TMA_16BIT = tma_table
+                rows.append(row)
+
+
+def summary(rows: list[dict]) -> str:
+    """Per (head dim, kernel): the table's choice and the fastest one measured."""
+    lines = ["| d | kernel | table's choice | ms | x SDPA | fastest | ms | x SDPA | fastest / table |",
+             "|---:|---|---|---:|---:|---|---:|---:|---:|"]
+    for d in sorted({r["d"] for r in rows}, reverse=True):
+        for kernel in ("fwd", "dkdv", "dq"):
+            ran = [r for r in rows if r["d"] == d and r["kernel"] == kernel and "ms" in r]
+            if not ran:
+                continue
+            best = min(ran, key=lambda r: r["ms"])
+            own = next((r for r in ran if r["table"]), None)
+            name = lambda r: f"{r['tile']} {'tma' if r['tma'] else 'ptr'}"  # noqa: E731
+            left = f"{name(own)} | {own['ms']:.3f} | {own['x_sdpa']:.2f}" if own else "not timed | | "
+            ratio = f"{own['ms'] / best['ms']:.2f}x" if own else ""
+            lines.append(f"| {d} | {kernel} | {left} | {name(best)} | {best['ms']:.3f} | {best['x_sdpa']:.2f} | "
+                         f"{ratio} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="2,4096,32,8,128")
-    ap.add_argument("--causal", type=int, default=1)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    b, s, hq, hk, d = (int(x) for x in args.shape.split(","))
-    causal = bool(args.causal)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hk, hk))
-    flops = 4 * b * hq * s * s * d / (2 if causal else 1)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    sdpa_f = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-        qt, kt, vt, is_causal=causal, enable_gqa=True))
-    out, lse = fwd_mod.flash_attention_forward(q, k, v, causal)
-    do = torch.randn_like(out)
-    qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
-    o_sdpa = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=True)
-    sdpa_b = triton.testing.do_bench(lambda: torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2),
-                                                                 retain_graph=True))
-    print(f"shape b{b} s{s} hq{hq} hk{hk} d{d} causal={causal}, {torch.cuda.get_device_name()}: SDPA forward "
-          f"{sdpa_f:.3f} ms ({flops / sdpa_f / 1e9:.0f} TFLOP/s), backward {sdpa_b:.3f} ms "
-          f"({2.5 * flops / sdpa_b / 1e9:.0f} TFLOP/s)", flush=True)
-    paper = fwd_mod.launch_config
-
-    def pinned(cfg):
-        return lambda *a, **kw: cfg
-    for cfg in FORWARD:
-        fwd_mod.launch_config = pinned(cfg)
-        try:
-            ms = triton.testing.do_bench(lambda: fwd_mod.flash_attention_forward(q, k, v, causal))
-            print(f"forward  {cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {sdpa_f / ms:.2f}x SDPA", flush=True)
-        except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
-            print(f"forward  {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    fwd_mod.launch_config = paper
-    for cfg in BACKWARD:
-        bwd_mod.launch_config = pinned(cfg)
-        try:
-            ms = triton.testing.do_bench(lambda: bwd_mod.flash_attention_backward(do, q, k, v, out, lse, causal))
-            print(f"backward {cfg}: {ms:.3f} ms, {2.5 * flops / ms / 1e9:.0f} TFLOP/s, {sdpa_b / ms:.2f}x SDPA",
-                  flush=True)
-        except Exception as e:
-            print(f"backward {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    bwd_mod.launch_config = paper
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    deadline, rows = time.monotonic() + args.budget_s, []
+    for d in args.head_dims:
+        sweep(d, deadline, rows)
+    if time.monotonic() > deadline:
+        print(f"budget of {args.budget_s:.0f} s spent: the rows above are all that ran", flush=True)
+    text = summary(rows)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
     return 0
 
 

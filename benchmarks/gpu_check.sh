@@ -11,7 +11,8 @@
 #   profile        benchmarks/step_profile.py --plan: where a step's time goes (kernels by time, device busy) and
 #                  the planner's seconds per op beside the profiled ones (PROFILE_LAYOUT, default none)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
-#   attn_tiles     benchmarks/attention_tiles.py: our flash attention's tile configurations against SDPA
+#   attn_tiles     benchmarks/attention_tiles.py: each attention kernel's candidate tiles, pointer and TMA loads, at
+#                  d128 and d64 (about 6 minutes); the fastest beside the table's choice in OUTDIR/attn_tiles.md
 #   attn_rates     attention's share of the peak (SDPA's, ours, the CP block's) at four shapes, beside HOPPER_ATTENTION
 #   attn_table     benchmarks/attention_table.py: issue 49's shapes in one call (about 8 minutes): causal GQA 32/8 and
 #                  64/8, head dim 64 and 128, 8K-64K tokens, and packed documents; ours against each SDPA backend,
@@ -247,7 +248,7 @@ for p in $PHASES; do
     attn_table) TAIL=80 phase attn_table 560 python3 benchmarks/attention_table.py --budget-s 480 \
         --out "$OUTDIR/attn_table.md" ;;
     opcost) phase opcost 40 python3 -c "$OPCOST" ;;
-    attn_tiles) phase attn_tiles 100 python3 benchmarks/attention_tiles.py ;;
+    attn_tiles) phase attn_tiles 440 python3 benchmarks/attention_tiles.py --budget-s 380 --out "$OUTDIR/attn_tiles.md" ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
         --impl parallel3d transformers ;;
     train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \

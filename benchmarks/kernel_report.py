@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
 # per SM: 32-bit registers, max resident threads, max CTAs, shared memory per SM (bytes, usable per block opt-in)
 ARCH = {80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024),
@@ -69,12 +69,15 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict[str, st
     sig, consts = {}, {}
     values = dict(zip([p.name for p in fn.params], args))
     values.update({k: v for k, v in kwargs.items() if k in {p.name for p in fn.params}})
+    values.update({p.name: p.default for p in fn.params if p.name not in values and p.has_default})
     for p in fn.params:
         v = values[p.name]
         if p.is_constexpr or v is None:
             sig[p.name], consts[p.name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[p.name] = "*" + _TYPES[v.dtype]
+        elif type(v).__name__ == "TensorDescriptor":  # TMA: tensordesc<bf16[1, 64, 1, 128]>
+            sig[p.name] = mangle_type(v)
         elif isinstance(v, bool):
             sig[p.name] = "i1"
         elif isinstance(v, int):
@@ -107,24 +110,37 @@ def recording(variant: str, into: list[Launch], arch: int = 80) -> Iterator[None
         _flash_common.device_capability = capability
 
 
-def attention_launches(arch: int, dtypes: list, head_dims: tuple, masks: tuple = (True, False)) -> list[Launch]:
+def attention_launches(arch: int, dtypes: list, head_dims: tuple, masks: tuple = (True, False),
+                       tma_head_dims: tuple = (64, 128)) -> list[Launch]:
     """The flash-attention launches (forward, delta, dK/dV, dQ), plain and document-masked, per dtype, head
-    dim and mask (causal / full) as the launchers choose them for `arch`."""
+    dim and mask (causal / full) as the launchers choose them for `arch`; on sm_90+ the 16-bit ones at
+    tma_head_dims also with the tensor-descriptor loads (variants ending " tma"), whether or not
+    _flash_common.TMA_16BIT takes them yet, so that path is held to the same budget before a GPU picks it.
+    Not at d=256: its TMA forward keeps 168 B of stack on sm_90, so TMA_16BIT offers no row above 128."""
+    from parallel3d.kernels import _flash_common
     from parallel3d.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 
     out: list[Launch] = []
+    every = frozenset((k, c) for k in ("fwd", "dkdv", "dq") for c in tma_head_dims)
     for dt in dtypes:
         for d in head_dims:
-            for causal in masks:
+            ways = [("", frozenset())]
+            if arch >= 90 and dt in (torch.bfloat16, torch.float16) and d in tma_head_dims:
+                ways.append((" tma", every))
+            for causal, (suffix, tma_rows) in ((c, w) for c in masks for w in ways):
                 qq, kk = torch.zeros(1, 64, 8, d, dtype=dt), torch.zeros(1, 64, 2, d, dtype=dt)
                 lse = torch.zeros(1, 8, 64)
-                with recording(f"{_TYPES[dt]} d={d} {'causal' if causal else 'full'}", out, arch):
-                    flash_attention_forward(qq, kk, kk, causal)
-                    flash_attention_backward(qq, qq, kk, kk, qq, lse, causal)
                 doc = torch.zeros(1, 64, dtype=torch.int32)  # packed documents (document-masked varlen)
-                with recording(f"{_TYPES[dt]} d={d} {'causal' if causal else 'full'} docs", out, arch):
-                    flash_attention_forward(qq, kk, kk, causal, q_doc=doc, k_doc=doc)
-                    flash_attention_backward(qq, qq, kk, kk, qq, lse, causal, q_doc=doc, k_doc=doc)
+                kept, _flash_common.TMA_16BIT = _flash_common.TMA_16BIT, tma_rows
+                try:
+                    with recording(f"{_TYPES[dt]} d={d} {'causal' if causal else 'full'}{suffix}", out, arch):
+                        flash_attention_forward(qq, kk, kk, causal)
+                        flash_attention_backward(qq, qq, kk, kk, qq, lse, causal)
+                    with recording(f"{_TYPES[dt]} d={d} {'causal' if causal else 'full'} docs{suffix}", out, arch):
+                        flash_attention_forward(qq, kk, kk, causal, q_doc=doc, k_doc=doc)
+                        flash_attention_backward(qq, qq, kk, kk, qq, lse, causal, q_doc=doc, k_doc=doc)
+                finally:
+                    _flash_common.TMA_16BIT = kept
     return out
 
 

@@ -10,6 +10,11 @@ import triton.language as tl
 
 from parallel3d.kernels._triton_utils import acc_dtype, dot_dtype, interpreting, next_pow2
 
+try:  # host-side TMA tensor descriptors (Triton >= 3.3); without them the kernels load through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 
 @triton.jit
 def _doc_block(DOC, idx, n):
@@ -51,6 +56,18 @@ TILES_FP32 = {
 }
 INTERPRETER_TILES = (16, 16, 4, 1)
 
+# TMA (sm_90+): the kernels named here, at these head-dim classes, load their Q / K / V / dO tiles through
+# tensor descriptors (one `(1, rows, 1, block_d)` box of the (b, s, h, d) tensor per load: the copy engine
+# computes the addresses and zero-fills rows past the sequence and columns past the head dim, as the pointer
+# loads' masks do) instead of per-element pointers. What it buys on paper (benchmarks/kernel_report.py, sm_90,
+# bf16, d=128): fewer registers for addresses, e.g. the 4-warp (64, 64) dK/dV tile the H200 measured fastest
+# keeps 328 B of stack instead of 744. Empty until a GPU measures it against the pointer loads
+# (benchmarks/attention_tiles.py times both for every candidate tile; gpu_check.sh attn_tiles): a row lands
+# here when it is faster. The report compiles every 16-bit sm_90 variant both ways, so the path is held to
+# the same budget in CI; the interpreter tests run it with INTERPRETER_TMA.
+TMA_16BIT: frozenset = frozenset()
+INTERPRETER_TMA = False
+
 
 def head_dim_class(d: int) -> int:
     """The table's head-dim row for head dim d: 64, 128 or 256 (everything above 128)."""
@@ -88,6 +105,31 @@ def launch_config(kernel: str, d: int, dtype: torch.dtype, device: torch.device,
     else:
         bm, bn, warps, stages = TILES_16BIT[(kernel, tile_arch(device_capability(device)), head_dim_class(d))]
     return (next_pow2(block_m) if block_m else bm), (next_pow2(block_n) if block_n else bn), warps, stages
+
+
+def use_tma(kernel: str, d: int, device: torch.device, *tensors: torch.Tensor) -> bool:
+    """Whether `kernel` loads its tiles through TMA descriptors for these (b, s, h, d) operands: TMA_16BIT
+    names it (sm_90+, 16-bit; INTERPRETER_TMA under the interpreter) and every operand meets TMA's layout
+    rules (16-byte aligned base and strides, unit last stride); else the pointer loads."""
+    if TensorDescriptor is None:
+        return False
+    if interpreting():
+        wanted = INTERPRETER_TMA
+    else:
+        wanted = (tensors[0].dtype in (torch.bfloat16, torch.float16) and device_capability(device) >= 90
+                  and (kernel, head_dim_class(d)) in TMA_16BIT)
+    return wanted and all(_tma_layout(t) for t in tensors)
+
+
+def _tma_layout(x: torch.Tensor) -> bool:
+    size = x.element_size()
+    return (x.numel() > 0 and x.data_ptr() % 16 == 0 and x.stride(-1) == 1
+            and all(st * size % 16 == 0 for st in x.stride()[:-1]))
+
+
+def tile_operand(x: torch.Tensor, rows: int, block_d: int, tma: bool):
+    """x (b, s, h, d) as a kernel takes it: a TMA descriptor of (1, rows, 1, block_d) boxes, or x itself."""
+    return TensorDescriptor.from_tensor(x, [1, rows, 1, block_d]) if tma else x
 
 
 def _prep(x: torch.Tensor) -> torch.Tensor:
@@ -133,13 +175,28 @@ def base_two(dtype: torch.dtype) -> bool:
 
 def logit_scale(scale: float, q: torch.Tensor) -> float:
     """The factor on q.k^T inside the kernels: scale * log2(e) in base 2, so that
-    exp(scale * x - lse) = exp2(x * logit_scale - lse * log2(e)); scale in base e."""
+    exp(scale * x - lse) = exp2(x * logit_scale - lse * log2(e)); scale in base e. It must be positive: the
+    forward takes the row max of the unscaled logits and scales it (max(c s) = c max(s) only for c > 0)."""
+    if not scale > 0:
+        raise ValueError(f"attention scale must be positive, got {scale}")
     return scale * LOG2E if base_two(q.dtype) else scale
 
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _heavy_first(pid, n, REVERSE: tl.constexpr):
+    """Causal load balance over a grid axis of n query blocks (REVERSE: causal without documents): program
+    pid runs block n - 1 - pid, so the blocks that see the most keys (the last) are issued first and the
+    short ones fill the grid's tail (longest processing time first). Without the causal mask every block
+    has the same work, and with packed documents about the same (each sees its own document's keys only);
+    there the order stays, which also keeps the document-masked sm_80 forward at d=128 free of stack."""
+    if REVERSE:
+        pid = n - 1 - pid
+    return pid
 
 
 @triton.jit

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_from_base, _prep,
-                                              launch_config, logit_scale)
+from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _heavy_first, _kernel_dtypes,
+                                              _lse_from_base, _prep, launch_config, logit_scale, tile_operand, use_tma)
 from parallel3d.kernels._triton_utils import next_pow2
 from parallel3d.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -81,11 +81,14 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, q, k_base, v_base, KDOC, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi, sks, svs,
-              seq_q, seq_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
-              DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr):
+              seq_q, seq_k, diag, qk_scale, b, hk, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
+              DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block of the online softmax (logits in the kernel's base, `_exp`). MASKED: the block may hold
     keys past seq_k or, causal, above some row's diagonal, so those pairs are masked; the others need none.
-    HAS_DOC: a block whose id range misses the query block's is skipped, and pairs of two documents masked."""
+    HAS_DOC: a block whose id range misses the query block's is skipped, and pairs of two documents masked.
+    TMA: k_base / v_base are tensor descriptors of the whole K / V, boxes at (b, start_n, hk, 0). The logit
+    scale (> 0) is applied after the row max and inside the exponent's subtraction, one FMA per logit."""
     cols = start_n + offs_n  # (BLOCK_N,)
     kd = tl.full(offs_n.shape, 0, tl.int32)
     visit = True
@@ -93,9 +96,12 @@ def _fwd_step(acc, l_i, m_i, q, k_base, v_base, KDOC, start_n, offs_n, rows, dim
         kd, k_lo, k_hi = _doc_block(KDOC, cols, seq_k)
         visit = (k_hi >= q_lo) & (k_lo <= q_hi)  # the id ranges meet: some pair may share a document
     if visit:
-        k_t = tl.load(k_base + cols[None, :] * sks + dims[:, None],
-                      mask=dmask[:, None] & (cols[None, :] < seq_k), other=0.0).to(DOT)  # (BLOCK_D, BLOCK_N)
-        s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if TMA:
+            k_t = tl.trans(k_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT))  # (BLOCK_D, BLOCK_N)
+        else:
+            k_t = tl.load(k_base + cols[None, :] * sks + dims[:, None],
+                          mask=dmask[:, None] & (cols[None, :] < seq_k), other=0.0).to(DOT)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N), unscaled
         if MASKED or HAS_DOC:
             if MASKED:
                 valid = (cols[None, :] < seq_k) & (rows[:, None] < seq_q)  # (BLOCK_M, BLOCK_N)
@@ -106,16 +112,19 @@ def _fwd_step(acc, l_i, m_i, q, k_base, v_base, KDOC, start_n, offs_n, rows, dim
             else:
                 valid = qd[:, None] == kd[None, :]
             s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row fully masked so far
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             m_safe = m_new  # no mask: every row has a finite logit
-        p = _exp(s - m_safe[:, None], EXP2)  # (BLOCK_M, BLOCK_N)
+        p = _exp(s * qk_scale - m_safe[:, None], EXP2)  # (BLOCK_M, BLOCK_N)
         alpha = _exp(m_i - m_safe, EXP2)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * svs + dims[None, :],
-                    mask=(cols[:, None] < seq_k) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
+        if TMA:
+            v = v_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)  # (BLOCK_N, BLOCK_D)
+        else:
+            v = tl.load(v_base + cols[:, None] * svs + dims[None, :],
+                        mask=(cols[:, None] < seq_k) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i
@@ -125,25 +134,32 @@ def _fwd_step(acc, l_i, m_i, q, k_base, v_base, KDOC, start_n, offs_n, rows, dim
 def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, qk_scale, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos,
                      soh, n_q_heads, group, seq_q, seq_k, head_dim, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
                      DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (q blocks, b * hq): online softmax over key blocks; out = acc / l, lse = m + log(l) (natural log).
     The key loop runs in two parts: the blocks every row of the query block sees whole (below the causal
     diagonal, inside seq_k) without masks, then the rest (the diagonal, the ragged last block) masked.
-    HAS_DOC: QDOC (b, sq) / KDOC (b, sk) int32 document ids; a query sees only keys of its own document,
-    and a key block whose id range misses the query block's is skipped."""
-    pid_m = tl.program_id(0)
+    Causal without documents: query blocks run last first (`_heavy_first`). HAS_DOC: QDOC (b, sq) / KDOC (b, sk) int32
+    document ids; a query sees only keys of its own document, and a key block whose id range misses the
+    query block's is skipped. TMA: Q, K, V are tensor descriptors (`_flash_common.tile_operand`)."""
+    pid_m = _heavy_first(tl.program_id(0), tl.num_programs(0), CAUSAL and not HAS_DOC)
     bh = tl.program_id(1)
-    b = (bh // n_q_heads).to(tl.int64)
+    b32 = bh // n_q_heads  # TMA coordinates are 32-bit; pointer offsets 64-bit
+    b = b32.to(tl.int64)
     h = bh % n_q_heads
     hk = h // group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < head_dim
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :],
-                mask=(rows[:, None] < seq_q) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    if TMA:
+        q = Q.load([b32, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)  # (BLOCK_M, BLOCK_D)
+        k_base = K
+        v_base = V
+    else:
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :],
+                    mask=(rows[:, None] < seq_q) & dmask[None, :], other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
+        k_base = K + b * skb + hk * skh
+        v_base = V + b * svb + hk * svh
     kdoc = KDOC + b * seq_k
     diag = seq_k - seq_q
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
@@ -161,12 +177,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, qk_scale, sqb, sqs, sqh, skb, 
         whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
     for start_n in range(0, whole, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd,
-                                  q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, False, CAUSAL, HAS_DOC, DOT,
-                                  ACC, PREC, EXP2)
+                                  q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, False, CAUSAL, HAS_DOC,
+                                  DOT, ACC, PREC, EXP2, TMA, BLOCK_N, BLOCK_D)
     for start_n in range(whole, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd,
-                                  q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, True, CAUSAL, HAS_DOC, DOT,
-                                  ACC, PREC, EXP2)
+                                  q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, True, CAUSAL, HAS_DOC,
+                                  DOT, ACC, PREC, EXP2, TMA, BLOCK_N, BLOCK_D)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # (BLOCK_M, BLOCK_D)
     lse = tl.where(empty, float("-inf"), _lse_from_base(m_i, tl.where(empty, 1.0, l_i), EXP2))  # (BLOCK_M,)
@@ -195,12 +211,14 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if b * sq * hq == 0:
         return out, lse
     bm, bn, warps, stages = launch_config("fwd", d, q.dtype, q.device, block_m, block_n)
+    bd = next_pow2(max(d, 16))
+    tma = use_tma("fwd", d, q.device, q, k, v)
     qd, kd = _docs(q_doc, k_doc, q)
     _attn_fwd_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, out, lse, qd, kd, logit_scale(scale, q), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3],
-        hq, hq // hk, sq, sk, d, CAUSAL=causal, HAS_DOC=q_doc is not None, **_kernel_dtypes(q), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_D=next_pow2(max(d, 16)), num_warps=warps, num_stages=stages)
+        tile_operand(q, bm, bd, tma), tile_operand(k, bn, bd, tma), tile_operand(v, bn, bd, tma), out, lse, qd, kd,
+        logit_scale(scale, q), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        hq, hq // hk, sq, sk, d, CAUSAL=causal, HAS_DOC=q_doc is not None, **_kernel_dtypes(q), TMA=tma, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
     return out, lse
 
 

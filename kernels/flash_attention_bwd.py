@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_to_base, _prep,
-                                              delta_block_m, launch_config, logit_scale)
+from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _heavy_first, _kernel_dtypes,
+                                              _lse_to_base, _prep, delta_block_m, launch_config, logit_scale,
+                                              tile_operand, use_tma)
 from parallel3d.kernels._triton_utils import next_pow2
 
 
@@ -45,11 +46,12 @@ def _attn_bwd_delta_kernel(O, DO, DLSE, DELTA, n_q_heads, seq_q, head_dim, HAS_D
 #   dK = scale * sum_h dS^T Q.     Causal: only q blocks from the first row that sees this key block.
 @triton.jit
 def _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, start_m, offs_m, cols, dims, dmask, kd,
-               k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr):
+               k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, b, h, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
+               TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """One q block's share of dK/dV. MASKED: causal pairs above the diagonal are dropped. Unmasked steps need
     no bounds masks: rows past seq_q load q = dO = 0 (P^T dO and dS^T Q add nothing) and keys past seq_k are
-    never stored."""
+    never stored. TMA: q_base / do_base are descriptors of the whole Q / dO, boxes at (b, start_m, h, 0)."""
     rows = start_m + offs_m  # (BLOCK_M,)
     qd = tl.full(offs_m.shape, 0, tl.int32)
     visit = True
@@ -57,9 +59,13 @@ def _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, sta
         qd, q_lo, q_hi = _doc_block(QDOC, rows, seq_q)
         visit = (k_hi >= q_lo) & (k_lo <= q_hi)  # skip q blocks sharing no document with the keys
     if visit:
-        q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-        q = tl.load(q_base + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
-        do = tl.load(do_base + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
+        if TMA:
+            q = q_base.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)  # (BLOCK_M, BLOCK_D)
+            do = do_base.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)
+        else:
+            q_mask = (rows[:, None] < seq_q) & dmask[None, :]
+            q = tl.load(q_base + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
+            do = tl.load(do_base + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
         lse = _lse_to_base(tl.load(LSE + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
         delta = tl.load(DELTA + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC)
         s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -85,21 +91,28 @@ def _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, sta
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale, scale, sqb, sqs, sqh, skb, sks,
                           skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh, n_k_heads, group, seq_q, seq_k,
                           head_dim, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
-                          ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr, TMA: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (key blocks, b * hk). Causal: the q blocks crossing this key block's diagonal run masked, the
-    ones below it (every row sees every key of the block) unmasked."""
+    ones below it (every row sees every key of the block) unmasked; the first key blocks see the most
+    queries, so the grid's natural order already issues the longest programs first. TMA: Q, K, V, dO are
+    tensor descriptors (`_flash_common.tile_operand`)."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
-    b = (bhk // n_k_heads).to(tl.int64)
+    b32 = bhk // n_k_heads  # TMA coordinates are 32-bit; pointer offsets 64-bit
+    b = b32.to(tl.int64)
     hk = bhk % n_k_heads
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
     offs_m = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < head_dim
     kv_mask = (cols[:, None] < seq_k) & dmask[None, :]  # (BLOCK_N, BLOCK_D)
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+    if TMA:
+        k = K.load([b32, pid_n * BLOCK_N, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)  # (BLOCK_N, BLOCK_D)
+        v = V.load([b32, pid_n * BLOCK_N, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)
+    else:
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
     k_t = tl.trans(k)  # (BLOCK_D, BLOCK_N)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_D), ACC)
@@ -116,17 +129,21 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale,
         kd, k_lo, k_hi = _doc_block(KDOC + b * seq_k, cols, seq_k)
     qdoc = QDOC + b * seq_q
     for h in range(hk * group, hk * group + group):
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sob + h * soh
+        if TMA:
+            q_base = Q
+            do_base = DO
+        else:
+            q_base = Q + b * sqb + h * sqh
+            do_base = DO + b * sob + h * soh
         stat_base = (b * (n_k_heads * group) + h) * seq_q
         for start_m in range(lo, whole, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
-                                dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, True, CAUSAL,
-                                HAS_DOC, DOT, ACC, PREC, EXP2)
+                                dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, b32, h, True,
+                                CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2, TMA, BLOCK_M, BLOCK_D)
         for start_m in range(whole, seq_q, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
-                                dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, False, CAUSAL,
-                                HAS_DOC, DOT, ACC, PREC, EXP2)
+                                dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, b32, h, False,
+                                CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2, TMA, BLOCK_M, BLOCK_D)
     out_off = b * sdb + hk * sdh + cols[:, None] * sds + dims[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -136,10 +153,11 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale,
 # dS = P * (dO V^T - delta) as above. DQ shares the contiguous layout of DO.
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, k_base, v_base, KDOC, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi, sks,
-             svs, seq_q, seq_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
-             DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr):
+             svs, seq_q, seq_k, diag, qk_scale, b, hk, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
+             TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block's share of dQ; MASKED as in the forward (keys past seq_k load K = V = 0, so unmasked
-    steps inside seq_k need no bounds masks either)."""
+    steps inside seq_k need no bounds masks either). TMA: k_base / v_base are descriptors, as the forward's."""
     cols = start_n + offs_n  # (BLOCK_N,)
     kd = tl.full(offs_n.shape, 0, tl.int32)
     visit = True
@@ -147,9 +165,13 @@ def _dq_step(dq, q, do, lse, delta, k_base, v_base, KDOC, start_n, offs_n, rows,
         kd, k_lo, k_hi = _doc_block(KDOC, cols, seq_k)
         visit = (k_hi >= q_lo) & (k_lo <= q_hi)
     if visit:
-        kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-        k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        if TMA:
+            k = k_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)  # (BLOCK_N, BLOCK_D)
+            v = v_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)
+        else:
+            kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
+            k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = _exp(s - lse[:, None], EXP2)
         if MASKED or HAS_DOC:
@@ -172,11 +194,13 @@ def _dq_step(dq, q, do, lse, delta, k_base, v_base, KDOC, start_n, offs_n, rows,
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, qk_scale, scale, sqb, sqs, sqh, skb, sks, skh, svb,
                         svs, svh, sob, sos, soh, n_q_heads, group, seq_q, seq_k, head_dim, CAUSAL: tl.constexpr,
                         HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-                        EXP2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (q blocks, b * hq); the key loop in two parts as the forward's."""
-    pid_m = tl.program_id(0)
+                        EXP2: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """Grid (q blocks, b * hq); the key loop in two parts and the blocks' order as the forward's."""
+    pid_m = _heavy_first(tl.program_id(0), tl.num_programs(0), CAUSAL and not HAS_DOC)
     bh = tl.program_id(1)
-    b = (bh // n_q_heads).to(tl.int64)
+    b32 = bh // n_q_heads  # TMA coordinates are 32-bit; pointer offsets 64-bit
+    b = b32.to(tl.int64)
     h = bh % n_q_heads
     hk = h // group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -184,13 +208,19 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, qk_scale, scale
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < head_dim
     q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)
-    do = tl.load(DO + b * sob + h * soh + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
+    if TMA:
+        q = Q.load([b32, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)  # (BLOCK_M, BLOCK_D)
+        do = DO.load([b32, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)
+        k_base = K
+        v_base = V
+    else:
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)
+        do = tl.load(DO + b * sob + h * soh + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
+        k_base = K + b * skb + hk * skh
+        v_base = V + b * svb + hk * svh
     stat = bh.to(tl.int64) * seq_q + rows
     lse = _lse_to_base(tl.load(LSE + stat, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
     delta = tl.load(DELTA + stat, mask=rows < seq_q, other=0.0).to(ACC)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
     kdoc = KDOC + b * seq_k
     diag = seq_k - seq_q
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
@@ -205,10 +235,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, qk_scale, scale
         whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
     for start_n in range(0, whole, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
-                      sks, svs, seq_q, seq_k, diag, qk_scale, False, CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2)
+                      sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, False, CAUSAL, HAS_DOC, DOT, ACC, PREC,
+                      EXP2, TMA, BLOCK_N, BLOCK_D)
     for start_n in range(whole, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
-                      sks, svs, seq_q, seq_k, diag, qk_scale, True, CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2)
+                      sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, True, CAUSAL, HAS_DOC, DOT, ACC, PREC,
+                      EXP2, TMA, BLOCK_N, BLOCK_D)
     tl.store(DQ + b * sob + h * soh + rows[:, None] * sos + dims[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 
@@ -250,11 +282,16 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     qd, kdoc = _docs(q_doc, k_doc, q)
     has_doc = q_doc is not None
     scales = (logit_scale(scale, q), scale)
+    tma = use_tma("dkdv", d, q.device, q, k, v, do)
     _attn_bwd_dkdv_kernel[(triton.cdiv(sk, kv_bn), b * hk)](
-        q, k, v, do, lse, delta, dk, dv, qd, kdoc, *scales, *strides, *dk.stride()[:3], hk, hq // hk, sq, sk, d,
-        CAUSAL=causal, HAS_DOC=has_doc, **kd, BLOCK_M=kv_bm, BLOCK_N=kv_bn, BLOCK_D=bd, num_warps=kv_warps,
+        *(tile_operand(x, rows, bd, tma) for x, rows in ((q, kv_bm), (k, kv_bn), (v, kv_bn), (do, kv_bm))),
+        lse, delta, dk, dv, qd, kdoc, *scales, *strides, *dk.stride()[:3], hk, hq // hk, sq, sk, d,
+        CAUSAL=causal, HAS_DOC=has_doc, **kd, TMA=tma, BLOCK_M=kv_bm, BLOCK_N=kv_bn, BLOCK_D=bd, num_warps=kv_warps,
         num_stages=kv_stages)
+    tma = use_tma("dq", d, q.device, q, k, v, do)
     _attn_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, do, lse, delta, dq, qd, kdoc, *scales, *strides, hq, hq // hk, sq, sk, d,
-        CAUSAL=causal, HAS_DOC=has_doc, **kd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+        *(tile_operand(x, rows, bd, tma) for x, rows in ((q, bm), (k, bn), (v, bn), (do, bm))),
+        lse, delta, dq, qd, kdoc, *scales, *strides, hq, hq // hk, sq, sk, d,
+        CAUSAL=causal, HAS_DOC=has_doc, **kd, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
+        num_stages=stages)
     return dq, dk, dv

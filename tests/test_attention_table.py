@@ -31,3 +31,17 @@ def test_tables_divide_the_fastest_reference_by_ours():
         "ours": impl(2.0, 4.0), "sdpa-flash": impl(3.0, 5.0), "sdpa-cudnn": impl(1.0, 6.0)}}]
     text = attention_table.tables(rows)
     assert "| b1 s8 | 0.50 (sdpa-cudnn) / 1.25 (sdpa-flash) | 0.0e+00 |" in text
+
+
+def test_tile_sweep_summary_sets_the_fastest_beside_the_tables_choice():
+    """benchmarks/attention_tiles.py's summary: per head dim and kernel, the table's row (tile, pointer or
+    TMA loads) and the fastest one timed, with table / fastest; failed candidates are left out."""
+    tiles = importlib.import_module("attention_tiles")
+    rows = [dict(d=128, kernel="fwd", tile=(64, 32, 4, 3), tma=False, table=True, ms=2.0, x_sdpa=0.25),
+            dict(d=128, kernel="fwd", tile=(64, 64, 4, 3), tma=True, table=False, ms=1.0, x_sdpa=0.5),
+            dict(d=128, kernel="fwd", tile=(128, 128, 8, 3), tma=False, table=False, error="OutOfResources"),
+            dict(d=128, kernel="dq", tile=(64, 16, 8, 2), tma=False, table=True, ms=3.0, x_sdpa=0.3)]
+    text = tiles.summary(rows)
+    assert "| 128 | fwd | (64, 32, 4, 3) ptr | 2.000 | 0.25 | (64, 64, 4, 3) tma | 1.000 | 0.50 | 2.00x |" in text
+    assert "| 128 | dq | (64, 16, 8, 2) ptr | 3.000 | 0.30 | (64, 16, 8, 2) ptr | 3.000 | 0.30 | 1.00x |" in text
+    assert "dkdv" not in text

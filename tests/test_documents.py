@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from doc_helpers import doc_spans, per_document_loss_sum
-from parallel3d.kernels import dispatch
+from parallel3d.kernels import _flash_common, dispatch
 from parallel3d.kernels.flash_attention import attention_reference, flash_attention
 from parallel3d.kernels.varlen_attention import cu_seqlens, query_blocks, varlen_sdpa
 from parallel3d.models.config import ModelConfig
@@ -41,10 +41,13 @@ def _docs(b: int, s: int, p: float, seed: int) -> torch.Tensor:
     return torch.cumsum(eos, 1) - eos  # (b, s)
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_varlen_kernel_matches_reference(causal):
+def test_triton_varlen_kernel_matches_reference(monkeypatch, causal, tma):
     """Forward (out, lse) and backward of the Triton kernel with document ids, odd lengths, GQA,
-    q/k of different lengths and id ranges (ring blocks), against the dense masked reference."""
+    q/k of different lengths and id ranges (ring blocks), against the dense masked reference; with the
+    pointer loads and with the tensor-descriptor (TMA) loads."""
+    monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", tma)
     torch.manual_seed(0)
     b, s, hq, hk, d = 1, 37, 2, 1, 8
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hk, hk))

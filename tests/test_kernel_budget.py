@@ -4,8 +4,8 @@ benchmarks/kernel_report.py compiles ahead of time (no GPU needed) and reads the
 Budget: every variant compiles; no local-memory spills anywhere; the 16-bit variants (the training path)
 have no stack either and use tensor-core instructions wherever there is a matrix product: each 16-bit
 attention kernel (forward, dK/dV, dQ; plain and document-masked; every head-dim row of the launchers'
-tile table) uses warpgroup MMA (wgmma) on sm_90 (but the d=256 backward: mma.sync, see the test) and
-mma.sync on sm_80. The fp32 attention variants compute
+tile table; on sm_90 at d <= 128 also with TMA tensor-descriptor loads) uses warpgroup MMA (wgmma) on sm_90
+(but the d=256 backward: mma.sync, see the test) and mma.sync on sm_80. The fp32 attention variants compute
 tl.dot in exact IEEE fp32 (FMA, no tensor cores: parity with the fp32 reference) and are held to
 "compiles, no local spills".
 """
@@ -71,10 +71,14 @@ def test_attention_uses_each_archs_tensor_cores(rows):
     """sm_90: wgmma (a dot on mma.sync alone would leave Hopper's tensor cores at a fraction of their rate);
     sm_80: mma.sync; neither spills nor keeps a stack frame; every variant class is in the report."""
     attention = [r for r in rows if r["kernel"] in ATTENTION_DOTS and r["variant"].startswith(("bf16", "fp16"))]
-    seen = {(r["kernel"], *r["variant"].split()[:2], r["variant"].endswith(" docs"), r["arch"]) for r in attention}
+    seen = {(r["kernel"], *r["variant"].split()[:2], "docs" in r["variant"].split(), "tma" in r["variant"].split(),
+             r["arch"]) for r in attention}
     types = {r["variant"].split()[0] for r in attention} | {"bf16"}  # fp16 in the full report
-    want = {(k, t, f"d={d}", docs, a) for k in ATTENTION_DOTS for t in types
+    want = {(k, t, f"d={d}", docs, False, a) for k in ATTENTION_DOTS for t in types
             for d in kernel_report.ATTENTION_HEAD_DIMS for docs in (False, True) for a in (80, 90)}
+    # the tensor-descriptor (TMA) loads, sm_90 only, at the head dims _flash_common.TMA_16BIT may name
+    want |= {(k, t, f"d={d}", docs, True, 90) for k in ATTENTION_DOTS for t in types for d in (64, 128)
+             for docs in (False, True)}
     assert want <= seen, sorted(want - seen)
     kind = {80: "mma_sync_ops", 90: "wgmma_ops"}
     # the one exception (kernels/_flash_common.py): above d=128 no backward tile with 64-row products fits

@@ -8,7 +8,7 @@ Tolerances: fp32 atol=rtol=1e-4 (blockwise online softmax vs one logsumexp); fp1
 import pytest
 import torch
 
-from parallel3d.kernels import dispatch
+from parallel3d.kernels import _flash_common, dispatch
 from parallel3d.kernels.flash_attention import attention_reference, flash_attention, flash_attention_backward, \
     flash_attention_forward
 
@@ -73,9 +73,41 @@ def test_flash_attention_gradcheck_fp64():
                                     fast_mode=True)
 
 
-def test_flash_attention_backward_with_merged_out_and_lse():
+@pytest.mark.parametrize("b,sq,sk,hq,hk,d,causal,dtype", [
+    (1, 37, 37, 4, 2, 32, True, torch.float32),    # ragged last block: the boxes' rows past the sequence
+    (2, 19, 45, 2, 1, 16, True, torch.float32),    # more keys than queries, two batches
+    (1, 45, 19, 2, 2, 16, True, torch.float32),    # rows that see no key
+    (1, 33, 21, 3, 1, 24, False, torch.float32),   # head dim 24 in boxes of 32 columns
+    (1, 37, 37, 4, 2, 32, True, torch.bfloat16),
+])
+def test_flash_attention_tma_loads(monkeypatch, b, sq, sk, hq, hk, d, causal, dtype):
+    """The tensor-descriptor loads (TMA_16BIT's rows on sm_90) under the interpreter: the boxes' zero fill
+    past the sequence and the head dim stands in for the pointer loads' masks; lse and its gradient too."""
+    monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", True)
+    q, k, v = _qkv(b, sq, sk, hq, hk, d, dtype, seed=8)
+    assert all(_flash_common.use_tma(kernel, d, q.device, q, k, v) for kernel in ("fwd", "dkdv", "dq"))
+    _compare(q, k, v, causal, lse_grad=dtype == torch.float32)
+
+
+def test_tma_falls_back_to_pointers_off_its_layout(monkeypatch):
+    """TMA needs 16-byte aligned base and strides: a head dim of 6 fp32 (24-byte rows) or a view starting
+    off a 16-byte boundary takes the pointer loads, and the op stays exact."""
+    monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", True)
+    q, k, v = _qkv(1, 21, 21, 2, 1, 6, torch.float32, seed=9)
+    assert not _flash_common.use_tma("fwd", 6, q.device, q, k, v)
+    _compare(q, k, v, True)
+    q, k, v = _qkv(1, 22, 22, 2, 1, 16, torch.float32, seed=10)
+    shifted = torch.randn(1 * 22 * 2 * 16 + 1)[1:].view(1, 22, 2, 16)  # base 4 bytes past an aligned one
+    assert not _flash_common.use_tma("fwd", 16, q.device, shifted, k, v)
+    torch.testing.assert_close(flash_attention(shifted, k, v, True)[0], attention_reference(shifted, k, v, True)[0],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_flash_attention_backward_with_merged_out_and_lse(monkeypatch, tma):
     """Ring-attention use: two key blocks, outputs merged via lse; each block's backward takes the merged
-    (global) out and lse and the pieces add up to the full gradient."""
+    (global) out and lse and the pieces add up to the full gradient (pointer and TMA loads)."""
+    monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", tma)
     q, k, v = _qkv(1, 21, 34, 2, 1, 16, torch.float32, seed=5)
     split = 18
     blocks = (slice(0, split), slice(split, 34))
