@@ -3,9 +3,10 @@
     python benchmarks/attention_tiles.py [--head-dims 128 64] [--budget-s 400] [--out PATH]
 
 `_flash_common.launch_config` takes each kernel's tile (BLOCK_M, BLOCK_N, warps, stages) from one table per
-arch and head dim, and `_flash_common.TMA_16BIT` says where the tiles load through TMA tensor descriptors;
-both were chosen on paper from the ahead-of-time compile report. This times every candidate of one kernel
-(forward, dK/dV, dQ) with the pointer loads and with TMA, the other kernels keeping their table rows, at
+arch and head dim, `_flash_common.TMA_16BIT` says where the tiles load through TMA tensor descriptors and
+`KEY_ROWS_16BIT` where dK/dV runs its key-rows form; all were chosen on paper from the ahead-of-time compile
+report. This times every candidate of one kernel (forward, dK/dV, dQ) with the pointer loads and with TMA
+(dK/dV: in both forms where the key tile has 64 rows or more), the other kernels keeping their table rows, at
 b2 s4096 hq32 hk8 causal bf16 per head dim, so the table can be replaced by what ran fastest: the table's
 own row comes first, then the H200's earlier winners, then the rest. A forward candidate is timed alone;
 a dK/dV or dQ candidate as the whole backward (delta + dK/dV + dQ; only the candidate's kernel differs).
@@ -57,36 +58,50 @@ def sweep(d: int, deadline: float, rows: list[dict]) -> None:
     sdpa_b = time_ms(lambda: torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2), retain_graph=True))
     print(f"d{d}: SDPA forward {sdpa_f:.3f} ms ({flops / sdpa_f / 1e9:.0f} TFLOP/s), backward {sdpa_b:.3f} ms "
           f"({2.5 * flops / sdpa_b / 1e9:.0f} TFLOP/s)", flush=True)
-    table, tma_table = dict(common.TILES_16BIT), common.TMA_16BIT
-    arch = common.tile_arch(common.device_capability(q.device))
+    table, tma_table, key_rows_table = dict(common.TILES_16BIT), common.TMA_16BIT, common.KEY_ROWS_16BIT
+    arch, dclass = common.tile_arch(common.device_capability(q.device)), common.head_dim_class(d)
+    own_key_rows = (arch, dclass) in key_rows_table
     for kernel in ("fwd", "dkdv", "dq"):
-        own = table[(kernel, arch, common.head_dim_class(d))]
-        for tile in [own] + [t for t in CANDIDATES[(kernel, common.head_dim_class(d))] if t != own]:
-            for tma in (False, True):
-                if time.monotonic() > deadline:
-                    return
-                common.TILES_16BIT[(kernel, arch, common.head_dim_class(d))] = tile
-                others = {(kk, c) for kk, c in tma_table if kk != kernel}
-                common.TMA_16BIT = frozenset(others | ({(kernel, common.head_dim_class(d))} if tma else set()))
-                row = dict(d=d, kernel=kernel, tile=tile, tma=tma, table=tile == own and
-                           tma == ((kernel, common.head_dim_class(d)) in tma_table))
-                try:
-                    if kernel == "fwd":
-                        ms = time_ms(lambda: flash_attention_forward(q, k, v, True))
-                        row.update(ms=ms, tflops=flops / ms / 1e9, x_sdpa=sdpa_f / ms)
-                    else:
-                        ms = time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, True))
-                        row.update(ms=ms, tflops=2.5 * flops / ms / 1e9, x_sdpa=sdpa_b / ms)
-                    print(f"d{d} {kernel:4s} {tile} {'tma' if tma else 'ptr'}: {ms:.3f} ms, {row['tflops']:.0f} "
-                          f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA", flush=True)
-                except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
-                    row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                    print(f"d{d} {kernel:4s} {tile} {'tma' if tma else 'ptr'}: failed: {row['error']}", flush=True)
-                finally:
-                    common.TILES_16BIT.clear()
-                    common.TILES_16BIT.update(table)
-                    common.TMA_16BIT = tma_table
-                rows.append(row)
+        own = table[(kernel, arch, dclass)]
+        for tile, tma, key_rows in ((t, m, r) for t in [own] + [t for t in CANDIDATES[(kernel, dclass)] if t != own]
+                                    for m in (False, True) for r in _forms(kernel, t, own_key_rows)):
+            if time.monotonic() > deadline:
+                return
+            common.TILES_16BIT[(kernel, arch, dclass)] = tile
+            others = {(kk, c) for kk, c in tma_table if kk != kernel}
+            common.TMA_16BIT = frozenset(others | ({(kernel, dclass)} if tma else set()))
+            common.KEY_ROWS_16BIT = frozenset(key_rows_table - {(arch, dclass)} | ({(arch, dclass)} if key_rows
+                                                                                  else set()))
+            row = dict(d=d, kernel=kernel, tile=tile, tma=tma, key_rows=key_rows,
+                       table=tile == own and tma == ((kernel, dclass) in tma_table) and key_rows == own_key_rows)
+            try:
+                if kernel == "fwd":
+                    ms = time_ms(lambda: flash_attention_forward(q, k, v, True))
+                    row.update(ms=ms, tflops=flops / ms / 1e9, x_sdpa=sdpa_f / ms)
+                else:
+                    ms = time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, True))
+                    row.update(ms=ms, tflops=2.5 * flops / ms / 1e9, x_sdpa=sdpa_b / ms)
+                print(f"d{d} {kernel:4s} {_name(row)}: {ms:.3f} ms, {row['tflops']:.0f} "
+                      f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA", flush=True)
+            except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                print(f"d{d} {kernel:4s} {_name(row)}: failed: {row['error']}", flush=True)
+            finally:
+                common.TILES_16BIT.clear()
+                common.TILES_16BIT.update(table)
+                common.TMA_16BIT, common.KEY_ROWS_16BIT = tma_table, key_rows_table
+            rows.append(row)
+
+
+def _forms(kernel: str, tile: tuple, own: bool) -> tuple:
+    """dK/dV's forms worth timing for a tile: the table's first, the key-rows one only with >= 64 key rows."""
+    if kernel != "dkdv":
+        return (False,)
+    return (own, not own) if tile[1] >= 64 else (own,)
+
+
+def _name(row: dict) -> str:
+    return f"{row['tile']} {'tma' if row['tma'] else 'ptr'}{' key rows' if row.get('key_rows') else ''}"
 
 
 def summary(rows: list[dict]) -> str:
@@ -100,10 +115,9 @@ def summary(rows: list[dict]) -> str:
                 continue
             best = min(ran, key=lambda r: r["ms"])
             own = next((r for r in ran if r["table"]), None)
-            name = lambda r: f"{r['tile']} {'tma' if r['tma'] else 'ptr'}"  # noqa: E731
-            left = f"{name(own)} | {own['ms']:.3f} | {own['x_sdpa']:.2f}" if own else "not timed | | "
+            left = f"{_name(own)} | {own['ms']:.3f} | {own['x_sdpa']:.2f}" if own else "not timed | | "
             ratio = f"{own['ms'] / best['ms']:.2f}x" if own else ""
-            lines.append(f"| {d} | {kernel} | {left} | {name(best)} | {best['ms']:.3f} | {best['x_sdpa']:.2f} | "
+            lines.append(f"| {d} | {kernel} | {left} | {_name(best)} | {best['ms']:.3f} | {best['x_sdpa']:.2f} | "
                          f"{ratio} |")
     return "\n".join(lines)
 

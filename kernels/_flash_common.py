@@ -40,7 +40,7 @@ TILES_16BIT = {
     ("fwd", 80, 64): (64, 32, 4, 3), ("fwd", 80, 128): (64, 64, 8, 2), ("fwd", 80, 256): (32, 32, 8, 2),
     ("fwd", 90, 64): (64, 32, 4, 3), ("fwd", 90, 128): (64, 32, 4, 3), ("fwd", 90, 256): (64, 16, 8, 2),
     ("dkdv", 80, 64): (32, 32, 4, 2), ("dkdv", 80, 128): (32, 64, 8, 2), ("dkdv", 80, 256): (16, 32, 8, 2),
-    ("dkdv", 90, 64): (64, 32, 4, 2), ("dkdv", 90, 128): (32, 64, 8, 2), ("dkdv", 90, 256): (16, 32, 8, 2),
+    ("dkdv", 90, 64): (32, 64, 4, 2), ("dkdv", 90, 128): (32, 64, 8, 2), ("dkdv", 90, 256): (16, 32, 8, 2),
     ("dq", 80, 64): (64, 32, 4, 2), ("dq", 80, 128): (64, 32, 8, 2), ("dq", 80, 256): (16, 32, 8, 2),
     ("dq", 90, 64): (64, 32, 4, 2), ("dq", 90, 128): (64, 16, 8, 2), ("dq", 90, 256): (16, 32, 8, 2),
 }
@@ -67,6 +67,15 @@ INTERPRETER_TILES = (16, 16, 4, 1)
 # the same budget in CI; the interpreter tests run it with INTERPRETER_TMA.
 TMA_16BIT: frozenset = frozenset()
 INTERPRETER_TMA = False
+# dK/dV's key-rows form (flash_attention_bwd.py, KEY_ROWS: every product with the key tile's rows, all on
+# warpgroup MMA once BLOCK_N >= 64; K and V held as left operands in registers) at these (arch, head-dim
+# class) for 16-bit; the query-rows form elsewhere. On sm_90 at d=64 the (32, 64) key-rows tile compiles
+# with no stack and all its products on wgmma, where the query-rows (64, 32) tile ran 64 of its 80 on
+# mma.sync. At d=128 no key-rows tile is free of stack in both the pointer and the document-masked variant
+# (K and V in registers beside the two fp32 accumulators: 184-1344 B on sm_90), so that class keeps the
+# query-rows form until attention_tiles.py measures the two. INTERPRETER_KEY_ROWS for the interpreter tests.
+KEY_ROWS_16BIT: frozenset = frozenset({(90, 64)})
+INTERPRETER_KEY_ROWS = False
 
 
 def head_dim_class(d: int) -> int:
@@ -119,6 +128,14 @@ def use_tma(kernel: str, d: int, device: torch.device, *tensors: torch.Tensor) -
         wanted = (tensors[0].dtype in (torch.bfloat16, torch.float16) and device_capability(device) >= 90
                   and (kernel, head_dim_class(d)) in TMA_16BIT)
     return wanted and all(_tma_layout(t) for t in tensors)
+
+
+def key_rows_form(d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether dK/dV runs its key-rows form (KEY_ROWS_16BIT; INTERPRETER_KEY_ROWS under the interpreter)."""
+    if interpreting():
+        return INTERPRETER_KEY_ROWS
+    return dtype in (torch.bfloat16, torch.float16) and (
+        (tile_arch(device_capability(device)), head_dim_class(d)) in KEY_ROWS_16BIT)
 
 
 def _tma_layout(x: torch.Tensor) -> bool:
@@ -185,6 +202,23 @@ def logit_scale(scale: float, q: torch.Tensor) -> float:
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _pair_mask(r, c, qd, kd, seq_q, seq_k, diag, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Which (query r, key c) pairs of a tile count, for a block that needs a mask (MASKED or HAS_DOC): in a
+    MASKED block, both inside their sequences and, causal, c <= r + diag; with documents, of one document
+    (ids qd, kd). r, c, qd, kd broadcast against each other: query-major ((BLOCK_M, 1) against (1, BLOCK_N))
+    or key-major (transposed), so no register tile is transposed to mask it."""
+    if MASKED:
+        valid = (r < seq_q) & (c < seq_k)
+        if CAUSAL:
+            valid = valid & (c <= r + diag)
+        if HAS_DOC:
+            valid = valid & (qd == kd)
+    else:
+        valid = qd == kd
+    return valid
 
 
 @triton.jit

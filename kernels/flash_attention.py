@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _heavy_first, _kernel_dtypes,
-                                              _lse_from_base, _prep, launch_config, logit_scale, tile_operand, use_tma)
+                                              _lse_from_base, _pair_mask, _prep, launch_config, logit_scale,
+                                              tile_operand, use_tma)
 from parallel3d.kernels._triton_utils import next_pow2
 from parallel3d.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -103,14 +104,8 @@ def _fwd_step(acc, l_i, m_i, q, k_base, v_base, KDOC, start_n, offs_n, rows, dim
                           mask=dmask[:, None] & (cols[None, :] < seq_k), other=0.0).to(DOT)  # (BLOCK_D, BLOCK_N)
         s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N), unscaled
         if MASKED or HAS_DOC:
-            if MASKED:
-                valid = (cols[None, :] < seq_k) & (rows[:, None] < seq_q)  # (BLOCK_M, BLOCK_N)
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
-                if HAS_DOC:
-                    valid = valid & (qd[:, None] == kd[None, :])
-            else:
-                valid = qd[:, None] == kd[None, :]
+            valid = _pair_mask(rows[:, None], cols[None, :], qd[:, None], kd[None, :], seq_q, seq_k, diag, MASKED,
+                               CAUSAL, HAS_DOC)  # (BLOCK_M, BLOCK_N)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row fully masked so far

@@ -2,7 +2,7 @@
 
 One kernel for delta = rowsum(dO * O) (minus dlse when lse itself gets a gradient), one for dK/dV (one
 program per key block and kv head, looping over the q heads that share it, so GQA needs no atomics) and one
-for dQ. Conventions and document masking as kernels/flash_attention.py, which holds the forward, the torch
+for dQ (flash_attention_dq.py); the launcher runs the three. Conventions and document masking as kernels/flash_attention.py, which holds the forward, the torch
 twins and the autograd wrapper. Gradient maths, with P = exp(S * scale - lse), delta_i = sum_d dO_id O_id:
 
     dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)        dQ = scale * dS K     dK = scale * dS^T Q
@@ -15,10 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _heavy_first, _kernel_dtypes,
-                                              _lse_to_base, _prep, delta_block_m, launch_config, logit_scale,
-                                              tile_operand, use_tma)
+from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_to_base,
+                                              _pair_mask, _prep, delta_block_m, key_rows_form, launch_config,
+                                              logit_scale, tile_operand, use_tma)
 from parallel3d.kernels._triton_utils import next_pow2
+from parallel3d.kernels.flash_attention_dq import _attn_bwd_dq_kernel
 
 
 @triton.jit
@@ -44,14 +45,20 @@ def _attn_bwd_delta_kernel(O, DO, DLSE, DELTA, n_q_heads, seq_q, head_dim, HAS_D
 # kernel's base (`_exp`, qk_scale = scale * log2(e) with EXP2; lse converted once per row):
 #   P = exp(scale * Q K^T - lse),  dV = sum_h P^T dO,  dP = dO V^T,  dS = P * (dP - delta),
 #   dK = scale * sum_h dS^T Q.     Causal: only q blocks from the first row that sees this key block.
+# KEY_ROWS computes it transposed, key rows first: P^T = exp(scale * K Q^T - lse^T), dP^T = V dO^T,
+# dS^T = P^T * (dP^T - delta^T), so every product has the key block's BLOCK_N rows (Hopper's warpgroup MMA
+# wants 64, whatever BLOCK_M is) and P^T, dS^T feed dV, dK from registers with no transpose of a register
+# tile; K and V are then left operands, held in registers for the whole loop, which only some tiles afford
+# (`_flash_common.KEY_ROWS_16BIT`). Otherwise query rows first, as written above.
 @triton.jit
-def _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, start_m, offs_m, cols, dims, dmask, kd,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, start_m, offs_m, cols, dims, dmask, kd,
                k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, b, h, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
-               TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+               TMA: tl.constexpr, KEY_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """One q block's share of dK/dV. MASKED: causal pairs above the diagonal are dropped. Unmasked steps need
     no bounds masks: rows past seq_q load q = dO = 0 (P^T dO and dS^T Q add nothing) and keys past seq_k are
-    never stored. TMA: q_base / do_base are descriptors of the whole Q / dO, boxes at (b, start_m, h, 0)."""
+    never stored. TMA: q_base / do_base are descriptors of the whole Q / dO, boxes at (b, start_m, h, 0).
+    k: K (BLOCK_N, BLOCK_D) in the key-rows form, K^T (BLOCK_D, BLOCK_N) in the query-rows one."""
     rows = start_m + offs_m  # (BLOCK_M,)
     qd = tl.full(offs_m.shape, 0, tl.int32)
     visit = True
@@ -68,22 +75,26 @@ def _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, sta
             do = tl.load(do_base + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
         lse = _lse_to_base(tl.load(LSE + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
         delta = tl.load(DELTA + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC)
-        s = tl.dot(q, k_t, input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = _exp(s - lse[:, None], EXP2)  # (BLOCK_M, BLOCK_N)
-        if MASKED or HAS_DOC:
-            if MASKED:
-                valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
-                if HAS_DOC:
-                    valid = valid & (qd[:, None] == kd[None, :])
-            else:
-                valid = qd[:, None] == kd[None, :]
-            p = tl.where(valid, p, 0.0)
-        dv += tl.dot(tl.trans(p.to(DOT)), do, input_precision=PREC, out_dtype=ACC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(DOT)), q, input_precision=PREC, out_dtype=ACC)
+        if KEY_ROWS:
+            s_t = tl.dot(k, tl.trans(q), input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_N, BLOCK_M)
+            p_t = _exp(s_t - lse[None, :], EXP2)  # (BLOCK_N, BLOCK_M)
+            if MASKED or HAS_DOC:
+                p_t = tl.where(_pair_mask(rows[None, :], cols[:, None], qd[None, :], kd[:, None], seq_q, seq_k, diag,
+                                          MASKED, CAUSAL, HAS_DOC), p_t, 0.0)
+            dv += tl.dot(p_t.to(DOT), do, input_precision=PREC, out_dtype=ACC)  # (BLOCK_N, BLOCK_D)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC, out_dtype=ACC)  # (BLOCK_N, BLOCK_M)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(DOT), q, input_precision=PREC, out_dtype=ACC)  # (BLOCK_N, BLOCK_D)
+        else:
+            s = tl.dot(q, k, input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N); k is K^T
+            p = _exp(s - lse[:, None], EXP2)  # (BLOCK_M, BLOCK_N)
+            if MASKED or HAS_DOC:
+                p = tl.where(_pair_mask(rows[:, None], cols[None, :], qd[:, None], kd[None, :], seq_q, seq_k, diag,
+                                        MASKED, CAUSAL, HAS_DOC), p, 0.0)
+            dv += tl.dot(tl.trans(p.to(DOT)), do, input_precision=PREC, out_dtype=ACC)  # (BLOCK_N, BLOCK_D)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(DOT)), q, input_precision=PREC, out_dtype=ACC)
     return dk, dv
 
 
@@ -92,7 +103,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale,
                           skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh, n_k_heads, group, seq_q, seq_k,
                           head_dim, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
                           ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr, TMA: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          KEY_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
     """Grid (key blocks, b * hk). Causal: the q blocks crossing this key block's diagonal run masked, the
     ones below it (every row sees every key of the block) unmasked; the first key blocks see the most
     queries, so the grid's natural order already issues the longest programs first. TMA: Q, K, V, dO are
@@ -113,7 +125,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale,
     else:
         k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
         v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
-    k_t = tl.trans(k)  # (BLOCK_D, BLOCK_N)
+    if not KEY_ROWS:
+        k = tl.trans(k)  # (BLOCK_D, BLOCK_N): the query-rows form's right operand, transposed once
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     diag = seq_k - seq_q
@@ -137,112 +150,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QDOC, KDOC, qk_scale,
             do_base = DO + b * sob + h * soh
         stat_base = (b * (n_k_heads * group) + h) * seq_q
         for start_m in range(lo, whole, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
                                 dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, b32, h, True,
-                                CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2, TMA, BLOCK_M, BLOCK_D)
+                                CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2, TMA, KEY_ROWS, BLOCK_M, BLOCK_D)
         for start_m in range(whole, seq_q, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k_t, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, qdoc, stat_base, start_m, offs_m, cols,
                                 dims, dmask, kd, k_lo, k_hi, sqs, sos, seq_q, seq_k, diag, qk_scale, b32, h, False,
-                                CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2, TMA, BLOCK_M, BLOCK_D)
+                                CAUSAL, HAS_DOC, DOT, ACC, PREC, EXP2, TMA, KEY_ROWS, BLOCK_M, BLOCK_D)
     out_off = b * sdb + hk * sdh + cols[:, None] * sds + dims[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
-# dQ for one q block of one q head: dQ = scale * sum_j dS_ij K_j over the visible key blocks, with
-# dS = P * (dO V^T - delta) as above. DQ shares the contiguous layout of DO.
-@triton.jit
-def _dq_step(dq, q, do, lse, delta, k_base, v_base, KDOC, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi, sks,
-             svs, seq_q, seq_k, diag, qk_scale, b, hk, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
-             TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One key block's share of dQ; MASKED as in the forward (keys past seq_k load K = V = 0, so unmasked
-    steps inside seq_k need no bounds masks either). TMA: k_base / v_base are descriptors, as the forward's."""
-    cols = start_n + offs_n  # (BLOCK_N,)
-    kd = tl.full(offs_n.shape, 0, tl.int32)
-    visit = True
-    if HAS_DOC:
-        kd, k_lo, k_hi = _doc_block(KDOC, cols, seq_k)
-        visit = (k_hi >= q_lo) & (k_lo <= q_hi)
-    if visit:
-        if TMA:
-            k = k_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)  # (BLOCK_N, BLOCK_D)
-            v = v_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)
-        else:
-            kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-            k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = _exp(s - lse[:, None], EXP2)
-        if MASKED or HAS_DOC:
-            if MASKED:
-                valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= rows[:, None] + diag)
-                if HAS_DOC:
-                    valid = valid & (qd[:, None] == kd[None, :])
-            else:
-                valid = qd[:, None] == kd[None, :]
-            p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC, out_dtype=ACC)  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(DOT), k, input_precision=PREC, out_dtype=ACC)
-    return dq
-
-
-@triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, qk_scale, scale, sqb, sqs, sqh, skb, sks, skh, svb,
-                        svs, svh, sob, sos, soh, n_q_heads, group, seq_q, seq_k, head_dim, CAUSAL: tl.constexpr,
-                        HAS_DOC: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-                        EXP2: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    """Grid (q blocks, b * hq); the key loop in two parts and the blocks' order as the forward's."""
-    pid_m = _heavy_first(tl.program_id(0), tl.num_programs(0), CAUSAL and not HAS_DOC)
-    bh = tl.program_id(1)
-    b32 = bh // n_q_heads  # TMA coordinates are 32-bit; pointer offsets 64-bit
-    b = b32.to(tl.int64)
-    h = bh % n_q_heads
-    hk = h // group
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_n = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < head_dim
-    q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-    if TMA:
-        q = Q.load([b32, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)  # (BLOCK_M, BLOCK_D)
-        do = DO.load([b32, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)
-        k_base = K
-        v_base = V
-    else:
-        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)
-        do = tl.load(DO + b * sob + h * soh + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
-        k_base = K + b * skb + hk * skh
-        v_base = V + b * svb + hk * svh
-    stat = bh.to(tl.int64) * seq_q + rows
-    lse = _lse_to_base(tl.load(LSE + stat, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
-    delta = tl.load(DELTA + stat, mask=rows < seq_q, other=0.0).to(ACC)
-    kdoc = KDOC + b * seq_k
-    diag = seq_k - seq_q
-    dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    qd = tl.full((BLOCK_M,), 0, tl.int32)
-    q_lo, q_hi = 0, 0
-    if HAS_DOC:
-        qd, q_lo, q_hi = _doc_block(QDOC + b * seq_q, rows, seq_q)
-    hi = seq_k
-    whole = (seq_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-        whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
-    for start_n in range(0, whole, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
-                      sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, False, CAUSAL, HAS_DOC, DOT, ACC, PREC,
-                      EXP2, TMA, BLOCK_N, BLOCK_D)
-    for start_n in range(whole, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
-                      sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, True, CAUSAL, HAS_DOC, DOT, ACC, PREC,
-                      EXP2, TMA, BLOCK_N, BLOCK_D)
-    tl.store(DQ + b * sob + h * soh + rows[:, None] * sos + dims[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=q_mask)
 
 
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -286,8 +203,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     _attn_bwd_dkdv_kernel[(triton.cdiv(sk, kv_bn), b * hk)](
         *(tile_operand(x, rows, bd, tma) for x, rows in ((q, kv_bm), (k, kv_bn), (v, kv_bn), (do, kv_bm))),
         lse, delta, dk, dv, qd, kdoc, *scales, *strides, *dk.stride()[:3], hk, hq // hk, sq, sk, d,
-        CAUSAL=causal, HAS_DOC=has_doc, **kd, TMA=tma, BLOCK_M=kv_bm, BLOCK_N=kv_bn, BLOCK_D=bd, num_warps=kv_warps,
-        num_stages=kv_stages)
+        CAUSAL=causal, HAS_DOC=has_doc, **kd, TMA=tma, KEY_ROWS=key_rows_form(d, q.dtype, q.device), BLOCK_M=kv_bm,
+        BLOCK_N=kv_bn, BLOCK_D=bd, num_warps=kv_warps, num_stages=kv_stages)
     tma = use_tma("dq", d, q.device, q, k, v, do)
     _attn_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
         *(tile_operand(x, rows, bd, tma) for x, rows in ((q, bm), (k, bn), (v, bn), (do, bm))),

@@ -41,13 +41,14 @@ def _docs(b: int, s: int, p: float, seed: int) -> torch.Tensor:
     return torch.cumsum(eos, 1) - eos  # (b, s)
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma,key_rows", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_varlen_kernel_matches_reference(monkeypatch, causal, tma):
+def test_triton_varlen_kernel_matches_reference(monkeypatch, causal, tma, key_rows):
     """Forward (out, lse) and backward of the Triton kernel with document ids, odd lengths, GQA,
     q/k of different lengths and id ranges (ring blocks), against the dense masked reference; with the
-    pointer loads and with the tensor-descriptor (TMA) loads."""
+    pointer loads, with the tensor-descriptor (TMA) loads, and with dK/dV's key-rows form."""
     monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", tma)
+    monkeypatch.setattr(_flash_common, "INTERPRETER_KEY_ROWS", key_rows)
     torch.manual_seed(0)
     b, s, hq, hk, d = 1, 37, 2, 1, 8
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hk, hk))

@@ -45,7 +45,7 @@ def rows(request) -> list[dict]:
 def test_every_launched_kernel_is_reported(rows):
     launched = set()  # every launched kernel is a module-level `_..._kernel` (helpers are not launched)
     for name in ("rmsnorm", "swiglu", "rope", "cross_entropy", "flash_attention", "flash_attention_bwd",
-                 "grouped_gemm", "fp8_cast"):   # fp8_cast: sm_89+ only (the report skips sm_80)
+                 "flash_attention_dq", "grouped_gemm", "fp8_cast"):   # fp8_cast: sm_89+ only (the report skips sm_80)
         module = importlib.import_module(f"parallel3d.kernels.{name}")
         launched |= {n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")}
     assert {r["kernel"] for r in rows} == launched

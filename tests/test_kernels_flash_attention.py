@@ -73,6 +73,10 @@ def test_flash_attention_gradcheck_fp64():
                                     fast_mode=True)
 
 
+LOADS = [(True, False), (False, True), (True, True)]   # (TMA descriptor loads, dK/dV's key-rows form)
+
+
+@pytest.mark.parametrize("tma,key_rows", LOADS)
 @pytest.mark.parametrize("b,sq,sk,hq,hk,d,causal,dtype", [
     (1, 37, 37, 4, 2, 32, True, torch.float32),    # ragged last block: the boxes' rows past the sequence
     (2, 19, 45, 2, 1, 16, True, torch.float32),    # more keys than queries, two batches
@@ -80,12 +84,15 @@ def test_flash_attention_gradcheck_fp64():
     (1, 33, 21, 3, 1, 24, False, torch.float32),   # head dim 24 in boxes of 32 columns
     (1, 37, 37, 4, 2, 32, True, torch.bfloat16),
 ])
-def test_flash_attention_tma_loads(monkeypatch, b, sq, sk, hq, hk, d, causal, dtype):
-    """The tensor-descriptor loads (TMA_16BIT's rows on sm_90) under the interpreter: the boxes' zero fill
-    past the sequence and the head dim stands in for the pointer loads' masks; lse and its gradient too."""
-    monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", True)
+def test_flash_attention_tma_loads_and_key_rows(monkeypatch, b, sq, sk, hq, hk, d, causal, dtype, tma, key_rows):
+    """The tensor-descriptor loads (TMA_16BIT's rows on sm_90) and dK/dV's key-rows form (KEY_ROWS_16BIT's)
+    under the interpreter: the boxes' zero fill past the sequence and the head dim stands in for the pointer
+    loads' masks, the transposed products and masks give the same gradients; lse and its gradient too."""
+    monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", tma)
+    monkeypatch.setattr(_flash_common, "INTERPRETER_KEY_ROWS", key_rows)
     q, k, v = _qkv(b, sq, sk, hq, hk, d, dtype, seed=8)
-    assert all(_flash_common.use_tma(kernel, d, q.device, q, k, v) for kernel in ("fwd", "dkdv", "dq"))
+    assert all(_flash_common.use_tma(kernel, d, q.device, q, k, v) == tma for kernel in ("fwd", "dkdv", "dq"))
+    assert _flash_common.key_rows_form(d, dtype, q.device) == key_rows
     _compare(q, k, v, causal, lse_grad=dtype == torch.float32)
 
 
@@ -103,11 +110,12 @@ def test_tma_falls_back_to_pointers_off_its_layout(monkeypatch):
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_flash_attention_backward_with_merged_out_and_lse(monkeypatch, tma):
+@pytest.mark.parametrize("tma,key_rows", [(False, False)] + LOADS)
+def test_flash_attention_backward_with_merged_out_and_lse(monkeypatch, tma, key_rows):
     """Ring-attention use: two key blocks, outputs merged via lse; each block's backward takes the merged
-    (global) out and lse and the pieces add up to the full gradient (pointer and TMA loads)."""
+    (global) out and lse and the pieces add up to the full gradient (pointer and TMA loads, both dK/dV forms)."""
     monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", tma)
+    monkeypatch.setattr(_flash_common, "INTERPRETER_KEY_ROWS", key_rows)
     q, k, v = _qkv(1, 21, 34, 2, 1, 16, torch.float32, seed=5)
     split = 18
     blocks = (slice(0, split), slice(split, 34))
