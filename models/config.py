@@ -10,6 +10,10 @@ from parallel3d.expert_parallel.layer import AUX_SCOPES
 from parallel3d.expert_parallel.router import SCORES as ROUTER_SCORES
 from parallel3d.kernels.dispatch import BACKENDS as KERNEL_BACKENDS
 
+# model.fused_head_form: the fused head's loss form (models/llama.py Llama.fused_loss); auto is resolved by the
+# training side from the pipeline schedule (pipeline/head_form.py, in training/validate.resolve_and_validate)
+FUSED_HEAD_FORMS = ("auto", "summed", "per_token")
+
 # Model keys with a closed set of values -> that set, from its owner; ModelConfig.validate checks against
 # these and docs/configuration.md lists them (launch/config_doc.py).
 CHOICES: dict[str, tuple] = {
@@ -19,6 +23,7 @@ CHOICES: dict[str, tuple] = {
     "router_score": ROUTER_SCORES,
     "attention_type": ("mha", "mla"),
     "moe_aux_scope": AUX_SCOPES,
+    "fused_head_form": FUSED_HEAD_FORMS,
 }
 
 
@@ -41,6 +46,7 @@ class ModelConfig:
     qkv_bias: bool = False             # Qwen2/2.5: biases on the q, k and v projections (not on o)
     kernels: str = "auto"        # fused kernels: triton, the torch reference, or auto (triton where it runs)
     fused_head: bool = True            # loss by the chunked fused linear + CE: no full logits in training
+    fused_head_form: str = "auto"      # summed: grads held fwd to bwd; per_token: logits recomputed; auto: by schedule
     expert_impl: str = "auto"    # how the routed experts' GEMMs run (auto picks per device)
     attention: str = "auto"      # attention backend (flash_attn needs its package; auto picks per device)
     # Mixture-of-Experts (num_experts == 0 means dense). Filled in by the MoE issue.

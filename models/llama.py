@@ -201,8 +201,12 @@ class Llama(nn.Module):
 
     def fused_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss of the LM head without the (b*s, V/tp) logits: the fused linear + CE takes the
-        tokens in chunks and forms each chunk's gradients in the forward while its logits are live
-        (reduction="sum", kernels.fused_linear_cross_entropy); the backward only scales them.
+        tokens in chunks (kernels.fused_linear_cross_entropy), in the form model.fused_head_form names:
+        summed (reduction="sum": each chunk's gradients formed in the forward while its logits are live and
+        held until the backward, which only scales them) or per_token (reduction="none", then summed: only
+        the per-token lse is held; the backward recomputes each chunk's logits). The training side resolves
+        auto from the schedule (pipeline/head_form.py); a model run on its own from an unresolved config
+        runs one forward, then its backward, so it takes summed.
         Under TP each rank holds a vocabulary shard; the per-token max / sum-exp / target logit are combined
         over the TP group inside it, and d x is this rank's partial sum, all-reduced by enter_tp_region's
         backward exactly as for the unfused head."""
@@ -213,11 +217,12 @@ class Llama(nn.Module):
         reduce_max = reduce_sum = None
         if tp.size > 1:
             reduce_max, reduce_sum = (lambda t: comm.all_reduce(t, tp, op="max")), (lambda t: comm.all_reduce(t, tp))
+        per_token = self.cfg.fused_head_form == "per_token"
         loss = dispatch.fused_linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX,
                                                    backend=self.cfg.kernels, vocab_start=self.vocab_start,
                                                    all_reduce_max=reduce_max, all_reduce_sum=reduce_sum,
-                                                   reduction="sum")  # () summed over the b*s tokens
-        return loss
+                                                   reduction="none" if per_token else "sum")  # (b*s,) or ()
+        return loss.sum() if per_token else loss  # () summed over the b*s tokens
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 documents=None) -> torch.Tensor:
