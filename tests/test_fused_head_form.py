@@ -42,8 +42,8 @@ RULE = {
     ("interleaved", 2, 4, 2): ((1, 1), 1, "summed"),   # the head's chunk is last: no warm-up on it
     ("interleaved", 4, 8, 2): ((3, 1), 1, "summed"),
     ("interleaved", 2, 8, 3): ((1, 2), 1, "summed"),
-    ("zb-h1", 2, 4, 1): ((1, 0), 2, "per_token"),      # the last rank defers W by p - 1 microbatches: the head's
-    ("zb-h1", 4, 8, 1): ((3, 0), 4, "per_token"),      # graph (its saved tensors) lives until W
+    ("zb-h1", 2, 4, 1): ((1, 0), 2, "summed"),         # the last rank defers W by p - 1 microbatches: the head's
+    ("zb-h1", 4, 8, 1): ((3, 0), 4, "summed"),         # graph lives until W; summed, as its backward runs twice
     ("zb-h1", 1, 4, 1): ((0, 0), 1, "summed"),
     ("zb-v", 2, 4, 2): ((0, 1), 1, "summed"),          # V placement: rank 0's second chunk holds the head
     ("zb-v", 4, 8, 2): ((0, 1), 1, "summed"),
@@ -73,7 +73,7 @@ def test_a_split_backward_holds_the_head_until_its_weight_pass():
     (["parallel.schedule=gpipe"], 1, "per_token"),
     (["parallel.pp=2", "parallel.tp=1"], 2, "summed"),
     (["parallel.pp=2", "parallel.tp=1", "parallel.schedule=gpipe"], 2, "per_token"),
-    (["parallel.pp=2", "parallel.tp=1", "parallel.schedule=zb-h1"], 2, "per_token"),
+    (["parallel.pp=2", "parallel.tp=1", "parallel.schedule=zb-h1"], 2, "summed"),     # split backward
     (["parallel.pp=2", "parallel.tp=1", "parallel.schedule=interleaved", "parallel.virtual_stages=2"], 2, "summed"),
     (["parallel.pp=2", "parallel.tp=1", "parallel.schedule=dualpipe-v"], 2, "summed"),
     (["parallel.pp=2", "parallel.tp=1", "parallel.schedule=gpipe", *SUMMED], 2, "summed"),  # an explicit form stays

@@ -8,7 +8,7 @@ about 2 GiB at Llama-3 8B's vocabulary) and holds them until the head's backward
 per chunk, next to nothing held between forward and backward. The summed form's set is held once per
 microbatch whose head forward has run and whose head backward has not, so the rule is:
 
-    head_in_flight(schedule) > 1  ->  per_token      else  summed
+    head_in_flight(schedule) > 1  ->  per_token      else  summed     (summed where the head's backward is split)
 
 A split backward (``BACKWARD_INPUT`` then ``BACKWARD_WEIGHT``, the zero-bubble schedules) keeps the head's
 saved tensors until the weight pass (``backward.py`` retains the graph for it), so a microbatch leaves
@@ -50,7 +50,18 @@ def head_in_flight(schedule: Sequence[Sequence[Action]]) -> int:
     return peak
 
 
+def head_backward_split(schedule: Sequence[Sequence[Action]]) -> bool:
+    """Whether the head's backward runs as an input pass and a weight pass (``BACKWARD_WEIGHT`` on its chunk)."""
+    rank, chunk = head_holder(schedule)
+    return any(a.kind is K.BACKWARD_WEIGHT and a.chunk == chunk for a in schedule[rank])
+
+
 def fused_head_form(schedule: Sequence[Sequence[Action]]) -> str:
     """The concrete ``model.fused_head_form`` for ``auto``: ``per_token`` when the head holds more than one
-    microbatch in flight under ``schedule``, else ``summed``."""
+    microbatch in flight under ``schedule``, else ``summed``; ``summed`` also where the head's backward is
+    split: the fused head is one autograd node, whose backward runs in the input pass and again in the
+    weight pass, and per_token would recompute its logits in each (8 matmuls a chunk against summed's 3,
+    whose second run only scales what it holds)."""
+    if head_backward_split(schedule):
+        return "summed"
     return "per_token" if head_in_flight(schedule) > 1 else "summed"

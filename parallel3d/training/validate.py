@@ -86,7 +86,8 @@ def require_package(module: str, feature: str, pip_name: Optional[str] = None) -
 def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
                          ranks_per_node: Optional[int] = None) -> ExperimentConfig:
     """Return a resolved copy of `cfg` (dp and train.num_microbatches filled in; sp turned off when
-    tp == 1, where it is a no-op; model.fused_head_form=auto resolved from the schedule) after checking every cross-field constraint for `world_size`.
+    tp == 1, where it is a no-op; model.fused_head_form=auto resolved from the schedule) after checking
+    every cross-field constraint for `world_size`.
     ranks_per_node: the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE), checked against
     parallel.gpus_per_node (mesh_spec.check_node_size); None outside a launcher (plans, tests).
 
