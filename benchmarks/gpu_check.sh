@@ -11,10 +11,15 @@
 #   profile        benchmarks/step_profile.py --plan: where a step's time goes (kernels by time, device busy) and
 #                  the planner's seconds per op beside the profiled ones (PROFILE_LAYOUT, default none)
 #   dispatch       eager PyTorch's host cost per launched op, and the shortest kernel's device time
-#   attn_tiles     benchmarks/attention_tiles.py: each attention kernel's candidate tiles, pointer and TMA loads, at
-#                  d128 and d64 (about 6 minutes); the fastest beside the table's choice in OUTDIR/attn_tiles.md
+#   attn_tiles     benchmarks/attention_tiles.py: each attention kernel's candidate tiles, pointer and TMA loads (dK/dV
+#                  in both forms), at d128 and d64 (ATTN_TILES_D; ATTN_TILES_S seconds, default 380); the fastest
+#                  beside the table's choice in OUTDIR/attn_tiles.md
+#                  Issue 49 in one 10-minute call, most valuable first (tiles at d128, the head/RoPE and fp8 rows,
+#                  then as many attention shapes as the rest allows):
+#                  ATTN_TILES_S=120 ATTN_TILES_D=128 ATTN_TABLE_S=150 bash benchmarks/gpu_check.sh OUT \
+#                      attn_tiles bwd49 fp8_step attn_table
 #   attn_rates     attention's share of the peak (SDPA's, ours, the CP block's) at four shapes, beside HOPPER_ATTENTION
-#   attn_table     benchmarks/attention_table.py: issue 49's shapes in one call (about 8 minutes): causal GQA 32/8 and
+#   attn_table     benchmarks/attention_table.py: issue 49's shapes (ATTN_TABLE_S seconds, default 480): causal GQA 32/8 and
 #                  64/8, head dim 64 and 128, 8K-64K tokens, and packed documents; ours against each SDPA backend,
 #                  the CP block, FlexAttention with a document block mask and flash-attn where installed, forward
 #                  and backward; markdown tables for RESULTS.md in OUTDIR/attn_table.md (rewritten after each shape)
@@ -245,10 +250,11 @@ for p in $PHASES; do
     profile) phase profile 90 python3 benchmarks/step_profile.py --layout "${PROFILE_LAYOUT:-none}" --top 25 --plan ;;
     dispatch) phase dispatch 30 python3 -c "$DISPATCH" ;;
     attn_rates) phase attn_rates 100 python3 -c "$ATTN_RATES" ;;
-    attn_table) TAIL=80 phase attn_table 560 python3 benchmarks/attention_table.py --budget-s 480 \
-        --out "$OUTDIR/attn_table.md" ;;
+    attn_table) TAIL=80 phase attn_table $((${ATTN_TABLE_S:-480} + 80)) python3 benchmarks/attention_table.py \
+        --budget-s "${ATTN_TABLE_S:-480}" --out "$OUTDIR/attn_table.md" ;;
     opcost) phase opcost 40 python3 -c "$OPCOST" ;;
-    attn_tiles) phase attn_tiles 440 python3 benchmarks/attention_tiles.py --budget-s 380 --out "$OUTDIR/attn_tiles.md" ;;
+    attn_tiles) TAIL=20 phase attn_tiles $((${ATTN_TILES_S:-380} + 60)) python3 benchmarks/attention_tiles.py \
+        --budget-s "${ATTN_TILES_S:-380}" --head-dims ${ATTN_TILES_D:-128 64} --out "$OUTDIR/attn_tiles.md" ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
         --impl parallel3d transformers ;;
     train_compile) phase train_compile 90 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
