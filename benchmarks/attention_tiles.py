@@ -1,6 +1,6 @@
 """Our Triton flash attention's launch choices timed on this GPU, kernel by kernel, against SDPA.
 
-    python benchmarks/attention_tiles.py [--head-dims 128 64] [--budget-s 400] [--out PATH]
+    python benchmarks/attention_tiles.py [--head-dims 128 64] [--budget-s 400] [--out PATH] [--cpu-tiny]
 
 `_flash_common.launch_config` takes each kernel's tile (BLOCK_M, BLOCK_N, warps, stages) from one table per
 arch and head dim, `_flash_common.TMA_16BIT` says where the tiles load through TMA tensor descriptors and
@@ -10,8 +10,9 @@ report. This times every candidate of one kernel (forward, dK/dV, dQ) with the p
 b2 s4096 hq32 hk8 causal bf16 per head dim, so the table can be replaced by what ran fastest: the table's
 own row comes first, then the H200's earlier winners, then the rest. A forward candidate is timed alone;
 a dK/dV or dQ candidate as the whole backward (delta + dK/dV + dQ; only the candidate's kernel differs).
-Prints a line per candidate as it finishes and, at the end (or when --budget-s has passed), the fastest
-choice per kernel beside the table's, as markdown (also written to --out).
+Prints a line per candidate as it finishes (round robin over the kernels, so a short budget still times each
+kernel's first choices) and, at the end (or when --budget-s has passed), the fastest choice per kernel beside
+the table's, as markdown (also written to --out). --cpu-tiny runs the paths on a tiny CPU shape.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,59 +40,73 @@ CANDIDATES = {
 }
 
 
-def time_ms(fn) -> float:
+def time_ms(fn, device: str = "cuda") -> float:
+    """Median ms of fn (triton.testing.do_bench); on the CPU (--cpu-tiny) the mean of two calls after one."""
+    if device != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn(), fn()
+        return (time.perf_counter() - t0) / 2 * 1e3
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=50)
 
 
-def sweep(d: int, deadline: float, rows: list[dict]) -> None:
-    b, s, hq, hk = 2, 4096, 32, 8
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hk, hk))
+def sweep(d: int, deadline: float, rows: list[dict], device: str = "cuda", shape: tuple = (2, 4096, 32, 8)) -> None:
+    """Time the candidates of each kernel at head dim d (shape: b, s, hq, hk) until `deadline`, into rows."""
+    b, s, hq, hk = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16, generator=g) for h in (hq, hk, hk))
+    time_ms_here = lambda fn: time_ms(fn, device)  # noqa: E731
     flops = 4 * b * hq * s * s * d / 2  # causal: half the pairs
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    sdpa_f = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+    sdpa_f = time_ms_here(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
                                                                              enable_gqa=True))
     qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
     o_sdpa = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
     out, lse = flash_attention_forward(q, k, v, True)
     do = torch.randn_like(out)
-    sdpa_b = time_ms(lambda: torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2), retain_graph=True))
+    sdpa_b = time_ms_here(lambda: torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2), retain_graph=True))
     print(f"d{d}: SDPA forward {sdpa_f:.3f} ms ({flops / sdpa_f / 1e9:.0f} TFLOP/s), backward {sdpa_b:.3f} ms "
           f"({2.5 * flops / sdpa_b / 1e9:.0f} TFLOP/s)", flush=True)
     table, tma_table, key_rows_table = dict(common.TILES_16BIT), common.TMA_16BIT, common.KEY_ROWS_16BIT
     arch, dclass = common.tile_arch(common.device_capability(q.device)), common.head_dim_class(d)
     own_key_rows = (arch, dclass) in key_rows_table
+    plans = {}  # kernel -> its (tile, tma, key rows) in order: the table's tile first, then the candidates
     for kernel in ("fwd", "dkdv", "dq"):
         own = table[(kernel, arch, dclass)]
-        for tile, tma, key_rows in ((t, m, r) for t in [own] + [t for t in CANDIDATES[(kernel, dclass)] if t != own]
-                                    for m in (False, True) for r in _forms(kernel, t, own_key_rows)):
-            if time.monotonic() > deadline:
-                return
-            common.TILES_16BIT[(kernel, arch, dclass)] = tile
-            others = {(kk, c) for kk, c in tma_table if kk != kernel}
-            common.TMA_16BIT = frozenset(others | ({(kernel, dclass)} if tma else set()))
-            common.KEY_ROWS_16BIT = frozenset(key_rows_table - {(arch, dclass)} | ({(arch, dclass)} if key_rows
-                                                                                  else set()))
-            row = dict(d=d, kernel=kernel, tile=tile, tma=tma, key_rows=key_rows,
-                       table=tile == own and tma == ((kernel, dclass) in tma_table) and key_rows == own_key_rows)
-            try:
-                if kernel == "fwd":
-                    ms = time_ms(lambda: flash_attention_forward(q, k, v, True))
-                    row.update(ms=ms, tflops=flops / ms / 1e9, x_sdpa=sdpa_f / ms)
-                else:
-                    ms = time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, True))
-                    row.update(ms=ms, tflops=2.5 * flops / ms / 1e9, x_sdpa=sdpa_b / ms)
-                print(f"d{d} {kernel:4s} {_name(row)}: {ms:.3f} ms, {row['tflops']:.0f} "
-                      f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA", flush=True)
-            except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
-                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                print(f"d{d} {kernel:4s} {_name(row)}: failed: {row['error']}", flush=True)
-            finally:
-                common.TILES_16BIT.clear()
-                common.TILES_16BIT.update(table)
-                common.TMA_16BIT, common.KEY_ROWS_16BIT = tma_table, key_rows_table
-            rows.append(row)
+        plans[kernel] = [(t, m, r) for t in [own] + [t for t in CANDIDATES[(kernel, dclass)] if t != own]
+                         for m in (False, True) for r in _forms(kernel, t, own_key_rows)]
+    # round robin over the kernels, so a short budget still times every kernel's first choices
+    turns = [(kernel, plan[i]) for i in range(max(map(len, plans.values())))
+             for kernel, plan in plans.items() if i < len(plan)]
+    for kernel, (tile, tma, key_rows) in turns:
+        own = table[(kernel, arch, dclass)]
+        if time.monotonic() > deadline:
+            return
+        common.TILES_16BIT[(kernel, arch, dclass)] = tile
+        others = {(kk, c) for kk, c in tma_table if kk != kernel}
+        common.TMA_16BIT = frozenset(others | ({(kernel, dclass)} if tma else set()))
+        common.KEY_ROWS_16BIT = frozenset(key_rows_table - {(arch, dclass)} | ({(arch, dclass)} if key_rows
+                                                                              else set()))
+        row = dict(d=d, kernel=kernel, tile=tile, tma=tma, key_rows=key_rows,
+                   table=tile == own and tma == ((kernel, dclass) in tma_table) and key_rows == own_key_rows)
+        try:
+            if kernel == "fwd":
+                ms = time_ms_here(lambda: flash_attention_forward(q, k, v, True))
+                row.update(ms=ms, tflops=flops / ms / 1e9, x_sdpa=sdpa_f / ms)
+            else:
+                ms = time_ms_here(lambda: flash_attention_backward(do, q, k, v, out, lse, True))
+                row.update(ms=ms, tflops=2.5 * flops / ms / 1e9, x_sdpa=sdpa_b / ms)
+            print(f"d{d} {kernel:4s} {_name(row)}: {ms:.3f} ms, {row['tflops']:.0f} "
+                  f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA", flush=True)
+        except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            print(f"d{d} {kernel:4s} {_name(row)}: failed: {row['error']}", flush=True)
+        finally:
+            common.TILES_16BIT.clear()
+            common.TILES_16BIT.update(table)
+            common.TMA_16BIT, common.KEY_ROWS_16BIT = tma_table, key_rows_table
+        rows.append(row)
 
 
 def _forms(kernel: str, tile: tuple, own: bool) -> tuple:
@@ -122,16 +138,20 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    ap.add_argument("--cpu-tiny", action="store_true",
+                    help="b1 s64 hq4 hk2 on the CPU (TRITON_INTERPRET=1): the script's paths, not a timing")
+    args = ap.parse_args(argv)
+    device, shape = ("cpu", (1, 64, 4, 2)) if args.cpu_tiny else ("cuda", (2, 4096, 32, 8))
+    name = "CPU" if args.cpu_tiny else torch.cuda.get_device_name()
+    print(f"{name}, torch {torch.__version__}", flush=True)
     deadline, rows = time.monotonic() + args.budget_s, []
     for d in args.head_dims:
-        sweep(d, deadline, rows)
+        sweep(d, deadline, rows, device, shape)
     if time.monotonic() > deadline:
         print(f"budget of {args.budget_s:.0f} s spent: the rows above are all that ran", flush=True)
     text = summary(rows)

@@ -45,3 +45,26 @@ def test_tile_sweep_summary_sets_the_fastest_beside_the_tables_choice():
     assert "| 128 | fwd | (64, 32, 4, 3) ptr | 2.000 | 0.25 | (64, 64, 4, 3) tma | 1.000 | 0.50 | 2.00x |" in text
     assert "| 128 | dq | (64, 16, 8, 2) ptr | 3.000 | 0.30 | (64, 16, 8, 2) ptr | 3.000 | 0.30 | 1.00x |" in text
     assert "dkdv" not in text
+
+
+def test_tile_sweep_runs_its_paths_on_a_tiny_cpu_shape(tmp_path, capsys, monkeypatch):
+    """attention_tiles.py --cpu-tiny (the interpreter): every kernel gets its table row timed (pointer and
+    TMA loads; dK/dV in both forms), the tables it patches are restored, and the summary lands in --out.
+    Only the table's rows (no other candidates): each interpreted run takes about a second."""
+    from parallel3d.kernels import _flash_common as common
+    tiles = importlib.import_module("attention_tiles")
+    monkeypatch.setattr(tiles, "CANDIDATES", {key: [] for key in tiles.CANDIDATES})
+    before = (dict(common.TILES_16BIT), common.TMA_16BIT, common.KEY_ROWS_16BIT)
+    out = tmp_path / "tiles.md"
+    assert tiles.main(["--cpu-tiny", "--head-dims", "16", "--budget-s", "120", "--out", str(out)]) == 0
+    assert (dict(common.TILES_16BIT), common.TMA_16BIT, common.KEY_ROWS_16BIT) == before
+    printed = capsys.readouterr().out
+    for kernel in ("fwd ", "dq  "):
+        assert printed.count(f"d16 {kernel} (") == 2   # pointer and TMA loads
+    dkdv_tile = common.TILES_16BIT[("dkdv", 80, 64)]   # the CPU stands in as sm_80
+    forms = tiles._forms("dkdv", dkdv_tile, False)
+    assert printed.count("d16 dkdv (") == 2 * len(forms) and printed.count("key rows") == 2 * sum(forms)
+    assert tiles._forms("dkdv", (32, 64, 8, 2), False) == (False, True)   # key rows only with >= 64 key rows
+    assert tiles._forms("dkdv", (64, 32, 4, 2), False) == (False,) and tiles._forms("fwd", (64, 64, 4, 3), True) == (False,)
+    text = out.read_text()
+    assert text.startswith("| d | kernel | table's choice |") and "| 16 | fwd | (" in text
