@@ -71,7 +71,8 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, QDOC, stat_base, start
             do = do_base.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D).to(DOT)
         else:
             q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-            q = tl.load(q_base + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)  # (BLOCK_M, BLOCK_D)
+            # (BLOCK_M, BLOCK_D)
+            q = tl.load(q_base + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0).to(DOT)
             do = tl.load(do_base + rows[:, None] * sos + dims[None, :], mask=q_mask, other=0.0).to(DOT)
         lse = _lse_to_base(tl.load(LSE + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC), EXP2)  # (BLOCK_M,)
         delta = tl.load(DELTA + stat_base + rows, mask=rows < seq_q, other=0.0).to(ACC)

@@ -31,7 +31,8 @@ def _dq_step(dq, q, do, lse, delta, k_base, v_base, KDOC, start_n, offs_n, rows,
             v = v_base.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D).to(DOT)
         else:
             kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-            k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
+            # (BLOCK_N, BLOCK_D)
+            k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
             v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PREC, out_dtype=ACC) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = _exp(s - lse[:, None], EXP2)

@@ -65,6 +65,7 @@ def test_tile_sweep_runs_its_paths_on_a_tiny_cpu_shape(tmp_path, capsys, monkeyp
     forms = tiles._forms("dkdv", dkdv_tile, False)
     assert printed.count("d16 dkdv (") == 2 * len(forms) and printed.count("key rows") == 2 * sum(forms)
     assert tiles._forms("dkdv", (32, 64, 8, 2), False) == (False, True)   # key rows only with >= 64 key rows
-    assert tiles._forms("dkdv", (64, 32, 4, 2), False) == (False,) and tiles._forms("fwd", (64, 64, 4, 3), True) == (False,)
+    assert tiles._forms("dkdv", (64, 32, 4, 2), False) == (False,)
+    assert tiles._forms("fwd", (64, 64, 4, 3), True) == (False,)
     text = out.read_text()
     assert text.startswith("| d | kernel | table's choice |") and "| 16 | fwd | (" in text
