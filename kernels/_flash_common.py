@@ -222,6 +222,21 @@ def _pair_mask(r, c, qd, kd, seq_q, seq_k, diag, MASKED: tl.constexpr, CAUSAL: t
 
 
 @triton.jit
+def _key_range(pid_m, seq_q, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks query block pid_m visits (forward, dQ), split in two: [0, whole) every row of the block
+    sees whole, unmasked; [whole, hi) masked (the causal diagonal, the ragged last block). Causal is
+    bottom-right aligned: row i sees keys j <= i + seq_k - seq_q."""
+    diag = seq_k - seq_q
+    hi = seq_k                            # keys past the last one any row sees
+    whole = (seq_k // BLOCK_N) * BLOCK_N  # key blocks inside seq_k ...
+    if CAUSAL:
+        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
+        # ... that the block's first row sees up to their last key: key j <= row pid_m * BLOCK_M + diag
+        whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    return whole, hi
+
+
+@triton.jit
 def _heavy_first(pid, n, REVERSE: tl.constexpr):
     """Causal load balance over a grid axis of n query blocks (REVERSE: causal without documents): program
     pid runs block n - 1 - pid, so the blocks that see the most keys (the last) are issued first and the

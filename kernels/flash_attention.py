@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _heavy_first, _kernel_dtypes,
-                                              _lse_from_base, _pair_mask, _prep, launch_config, logit_scale,
-                                              tile_operand, use_tma)
+                                              _key_range, _lse_from_base, _pair_mask, _prep, launch_config,
+                                              logit_scale, tile_operand, use_tma)
 from parallel3d.kernels._triton_utils import next_pow2
 from parallel3d.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -131,11 +131,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, qk_scale, sqb, sqs, sqh, skb, 
                      DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, EXP2: tl.constexpr,
                      TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (q blocks, b * hq): online softmax over key blocks; out = acc / l, lse = m + log(l) (natural log).
-    The key loop runs in two parts: the blocks every row of the query block sees whole (below the causal
-    diagonal, inside seq_k) without masks, then the rest (the diagonal, the ragged last block) masked.
-    Causal without documents: query blocks run last first (`_heavy_first`). HAS_DOC: QDOC (b, sq) / KDOC (b, sk) int32
-    document ids; a query sees only keys of its own document, and a key block whose id range misses the
-    query block's is skipped. TMA: Q, K, V are tensor descriptors (`_flash_common.tile_operand`)."""
+    The key loop runs in two parts (`_key_range`): the blocks every row of the query block sees whole
+    (below the causal diagonal, inside seq_k) without masks, then the rest (the diagonal, the ragged last
+    block) masked. Causal without documents: query blocks run last first (`_heavy_first`). HAS_DOC: QDOC
+    (b, sq) / KDOC (b, sk) int32 document ids; a query sees only keys of its own document, and a key block
+    whose id range misses the query block's is skipped. TMA: Q, K, V are tensor descriptors
+    (`_flash_common.tile_operand`)."""
     pid_m = _heavy_first(tl.program_id(0), tl.num_programs(0), CAUSAL and not HAS_DOC)
     bh = tl.program_id(1)
     b32 = bh // n_q_heads  # TMA coordinates are 32-bit; pointer offsets 64-bit
@@ -164,12 +165,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QDOC, KDOC, qk_scale, sqb, sqs, sqh, skb, 
     q_lo, q_hi = 0, 0
     if HAS_DOC:
         qd, q_lo, q_hi = _doc_block(QDOC + b * seq_q, rows, seq_q)
-    hi = seq_k                           # keys past the last one any row sees
-    whole = (seq_k // BLOCK_N) * BLOCK_N  # key blocks inside seq_k ...
-    if CAUSAL:
-        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-        # ... that the block's first row sees up to their last key: key j <= row pid_m * BLOCK_M + diag
-        whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    whole, hi = _key_range(pid_m, seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, whole, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd,
                                   q_lo, q_hi, sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, False, CAUSAL, HAS_DOC,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._flash_common import _doc_block, _exp, _heavy_first, _lse_to_base, _pair_mask
+from parallel3d.kernels._flash_common import (_doc_block, _exp, _heavy_first, _key_range, _lse_to_base,
+                                              _pair_mask)
 
 
 # dQ for one q block of one q head: dQ = scale * sum_j dS_ij K_j over the visible key blocks, with
@@ -84,11 +85,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, qk_scale, scale
     q_lo, q_hi = 0, 0
     if HAS_DOC:
         qd, q_lo, q_hi = _doc_block(QDOC + b * seq_q, rows, seq_q)
-    hi = seq_k
-    whole = (seq_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-        whole = tl.minimum(whole, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    whole, hi = _key_range(pid_m, seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, whole, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, kdoc, start_n, offs_n, rows, dims, dmask, qd, q_lo, q_hi,
                       sks, svs, seq_q, seq_k, diag, qk_scale, b32, hk, False, CAUSAL, HAS_DOC, DOT, ACC, PREC,
