@@ -76,6 +76,7 @@ def test_flash_attention_gradcheck_fp64():
 LOADS = [(True, False), (False, True), (True, True)]   # (TMA descriptor loads, dK/dV's key-rows form)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's switches; on a GPU: ..._tma_and_key_rows_on_hopper")
 @pytest.mark.parametrize("tma,key_rows", LOADS)
 @pytest.mark.parametrize("b,sq,sk,hq,hk,d,causal,dtype", [
     (1, 37, 37, 4, 2, 32, True, torch.float32),    # ragged last block: the boxes' rows past the sequence
@@ -149,3 +150,22 @@ def test_dispatch_attention_backends_agree():
 def test_flash_attention_large_bf16_cuda(d, causal):
     q, k, v = _qkv(2, 1000, 1000, 16, 4, d, torch.bfloat16, seed=7)
     _compare(q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("key_rows", [False, True])
+def test_flash_attention_tma_and_key_rows_on_hopper(monkeypatch, d, key_rows):
+    """The prepared sm_90 paths on the hardware (the interpreter emulates TMA; this runs it): every kernel
+    loading through tensor descriptors, dK/dV in either form, at a ragged length, GQA, and with documents."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA tensor descriptors need sm_90")
+    monkeypatch.setattr(_flash_common, "TMA_16BIT", frozenset((k, c) for k in ("fwd", "dkdv", "dq") for c in (64, 128)))
+    monkeypatch.setattr(_flash_common, "KEY_ROWS_16BIT", frozenset({(90, 64), (90, 128)} if key_rows else ()))
+    q, k, v = _qkv(2, 1000, 1000, 16, 4, d, torch.bfloat16, seed=11)
+    assert _flash_common.use_tma("fwd", d, q.device, q, k, v)
+    _compare(q, k, v, True)
+    doc = (torch.arange(1000, device=q.device) // 300).repeat(2, 1)  # (2, 1000): documents of 300 tokens
+    out, _ = flash_attention(q, k, v, True, q_doc=doc, k_doc=doc)
+    ref, _ = attention_reference(q, k, v, True, q_doc=doc, k_doc=doc)
+    torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
