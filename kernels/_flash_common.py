@@ -73,7 +73,9 @@ INTERPRETER_TMA = False
 # with no stack and all its products on wgmma, where the query-rows (64, 32) tile ran 64 of its 80 on
 # mma.sync. At d=128 no key-rows tile is free of stack in both the pointer and the document-masked variant
 # (K and V in registers beside the two fp32 accumulators: 184-1344 B on sm_90), so that class keeps the
-# query-rows form until attention_tiles.py measures the two. INTERPRETER_KEY_ROWS for the interpreter tests.
+# query-rows form until attention_tiles.py measures the two. The arch here is exact (Hopper's wgmma): sm_100
+# (tcgen05) runs the 90 column's tiles in the query-rows form, where the (32, 64) dK/dV tile has no stack and
+# the key-rows one kept 304 B. INTERPRETER_KEY_ROWS for the interpreter tests.
 KEY_ROWS_16BIT: frozenset = frozenset({(90, 64)})
 INTERPRETER_KEY_ROWS = False
 
@@ -131,11 +133,13 @@ def use_tma(kernel: str, d: int, device: torch.device, *tensors: torch.Tensor) -
 
 
 def key_rows_form(d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether dK/dV runs its key-rows form (KEY_ROWS_16BIT; INTERPRETER_KEY_ROWS under the interpreter)."""
+    """Whether dK/dV runs its key-rows form (KEY_ROWS_16BIT, by exact arch: 80, 90 or 100 for sm_100 and
+    later; INTERPRETER_KEY_ROWS under the interpreter)."""
     if interpreting():
         return INTERPRETER_KEY_ROWS
-    return dtype in (torch.bfloat16, torch.float16) and (
-        (tile_arch(device_capability(device)), head_dim_class(d)) in KEY_ROWS_16BIT)
+    capability = device_capability(device)
+    arch = 100 if capability >= 100 else tile_arch(capability)
+    return dtype in (torch.bfloat16, torch.float16) and (arch, head_dim_class(d)) in KEY_ROWS_16BIT
 
 
 def _tma_layout(x: torch.Tensor) -> bool:
