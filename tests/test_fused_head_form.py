@@ -158,3 +158,19 @@ def test_dry_run_gpipe_auto_holds_no_accumulator_per_microbatch():
     gap = {m: peaks[m, "summed"][1] - peaks[m, "per_token"][1] for m in (1, 4)}
     assert gap[4] - gap[1] == 3 * (4 * v * h - 4 * n) == 3_144_960
     assert peaks[4, "summed"][1] - peaks[4, "auto"][1] == 4_191_096   # measured at commit time (bytes, exact)
+
+
+@pytest.mark.parametrize("name,pp,v", [("gpipe", 1, 1), ("gpipe", 4, 1), ("1f1b", 1, 1), ("1f1b", 4, 1),
+                                       ("interleaved", 2, 2), ("interleaved", 4, 3), ("zb-h1", 4, 1),
+                                       ("zb-v", 2, 2), ("dualpipe-v", 4, 2)])
+def test_the_form_from_a_prefix_of_the_microbatches_is_the_whole_lists(name, pp, v):
+    """head_form_of (what resolve_and_validate calls) builds at most about 2 pp v microbatches; the form it
+    gives is the one the whole list gives, for every microbatch count the schedule takes up to 6 pp v."""
+    from parallel3d.pipeline.head_form import head_form_of
+    from parallel3d.pipeline.placement import check_schedule_config
+    for m in range(1, 6 * pp * v + 1):
+        try:
+            chunks = check_schedule_config(name, pp, v, m)
+        except ValueError:
+            continue
+        assert head_form_of(name, pp, m, v) == fused_head_form(build_schedule(name, pp, m, chunks)), m

@@ -17,10 +17,12 @@ forward, backward per microbatch (summed); GPipe's runs every forward first (per
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 from .actions import Action, ActionKind
-from .placement import locate, placement_for
+from .placement import check_schedule_config, locate, placement_for
+from .schedules import build_schedule
 
 K = ActionKind
 _LEAVES = frozenset({K.BACKWARD, K.BACKWARD_WEIGHT})  # the head's saved tensors are freed here
@@ -65,3 +67,22 @@ def fused_head_form(schedule: Sequence[Sequence[Action]]) -> str:
     if head_backward_split(schedule):
         return "summed"
     return "per_token" if head_in_flight(schedule) > 1 else "summed"
+
+
+@lru_cache(maxsize=512)
+def head_form_of(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> str:
+    """fused_head_form of the named schedule (what resolve_and_validate asks), built with at most about
+    2 * pp * v microbatches: the most microbatches the head holds is reached within the warm-up and first
+    steady round, so a longer list gives the same form (tests/test_fused_head_form.py checks it against the
+    whole list), and a plan search that validates thousands of layouts builds no schedule of thousands of
+    microbatches. The prefix is the smallest count from min(microbatches, 2 pp v) up that the schedule takes."""
+    chunks = check_schedule_config(schedule, pp, virtual_stages, microbatches)
+    probe = microbatches
+    for m in range(min(microbatches, 2 * pp * chunks), microbatches):
+        try:
+            check_schedule_config(schedule, pp, virtual_stages, m)
+        except ValueError:
+            continue
+        probe = m
+        break
+    return fused_head_form(build_schedule(schedule, pp, probe, chunks))

@@ -21,10 +21,10 @@ from parallel3d.expert_parallel.experts import check_expert_split, experts_repli
 from parallel3d.data_parallel.quantize import check_zeropp
 from parallel3d.mesh_spec import MeshSpec, check_hpz, check_node_size
 from parallel3d.data_parallel.fp8_gather import check_fp8_gather
-from parallel3d.pipeline.head_form import fused_head_form
+from parallel3d.pipeline.head_form import head_form_of
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.placement import check_schedule_config
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD, build_schedule
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, SPLIT_BACKWARD
 from parallel3d.pipeline.timeline import FORMATS as TIMELINE_FORMATS
 from parallel3d.tensor_parallel.layers import check_kv_split
 from parallel3d.training.config import ConfigError, ExperimentConfig, copied, timeline_window
@@ -205,7 +205,7 @@ def resolve_and_validate(cfg: ExperimentConfig, world_size: int,
     # --- pipeline (each schedule's requirements, the partition and the V placement: parallel3d.pipeline)
     v = _owned(lambda: check_schedule_config(p.schedule, p.pp, p.virtual_stages, nmb))
     if m.fused_head_form == "auto":  # the head's loss form from the schedule's actions (pipeline/head_form.py)
-        m.fused_head_form = fused_head_form(build_schedule(p.schedule, p.pp, nmb, v))
+        m.fused_head_form = head_form_of(p.schedule, p.pp, nmb, p.virtual_stages)
     if p.pp > 1 and p.zero == 3:
         from parallel3d.data_parallel.zero3 import check_split_backward
         _owned(lambda: check_split_backward(p.schedule in SPLIT_BACKWARD), f"schedule={p.schedule}: ")
