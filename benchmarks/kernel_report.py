@@ -49,6 +49,7 @@ TC_PATTERNS = {"wgmma_ops": r"\bwgmma\.mma_async", "mma_sync_ops": r"\bmma\.sync
 ATTENTION_KERNELS = ("_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
 # head dims of the attention variants: one per row of the launchers' tile table (64, 128, above 128)
 ATTENTION_HEAD_DIMS = (64, 128, 256)
+TMA_HEAD_DIMS = (64, 128)  # head dims whose 16-bit sm_90 attention variants are also compiled with TMA loads
 DOT_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_grouped_mm_kernel",
                "_grouped_mm_wgrad_kernel"}  # kernels with tl.dot
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
@@ -111,7 +112,7 @@ def recording(variant: str, into: list[Launch], arch: int = 80) -> Iterator[None
 
 
 def attention_launches(arch: int, dtypes: list, head_dims: tuple, masks: tuple = (True, False),
-                       tma_head_dims: tuple = (64, 128)) -> list[Launch]:
+                       tma_head_dims: tuple = TMA_HEAD_DIMS) -> list[Launch]:
     """The flash-attention launches (forward, delta, dK/dV, dQ), plain and document-masked, per dtype, head
     dim and mask (causal / full) as the launchers choose them for `arch`; on sm_90+ the 16-bit ones at
     tma_head_dims also with the tensor-descriptor loads (variants ending " tma"), whether or not

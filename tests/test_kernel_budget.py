@@ -77,7 +77,7 @@ def test_attention_uses_each_archs_tensor_cores(rows):
     want = {(k, t, f"d={d}", docs, False, a) for k in ATTENTION_DOTS for t in types
             for d in kernel_report.ATTENTION_HEAD_DIMS for docs in (False, True) for a in (80, 90)}
     # the tensor-descriptor (TMA) loads, sm_90 only, at the head dims _flash_common.TMA_16BIT may name
-    want |= {(k, t, f"d={d}", docs, True, 90) for k in ATTENTION_DOTS for t in types for d in (64, 128)
+    want |= {(k, t, f"d={d}", docs, True, 90) for k in ATTENTION_DOTS for t in types for d in kernel_report.TMA_HEAD_DIMS
              for docs in (False, True)}
     assert want <= seen, sorted(want - seen)
     kind = {80: "mma_sync_ops", 90: "wgmma_ops"}

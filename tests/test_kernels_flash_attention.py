@@ -97,6 +97,14 @@ def test_flash_attention_tma_loads_and_key_rows(monkeypatch, b, sq, sk, hq, hk, 
     _compare(q, k, v, causal, lse_grad=dtype == torch.float32)
 
 
+def test_a_scale_that_is_not_positive_is_refused():
+    """The forward scales the row max of the unscaled logits (max(c s) = c max(s) only for c > 0)."""
+    q, k, v = (t.detach() for t in _qkv(1, 8, 8, 2, 1, 16, torch.float32, seed=12))
+    for scale in (0.0, -0.25):
+        with pytest.raises(ValueError, match="attention scale must be positive"):
+            flash_attention(q, k, v, True, scale)
+
+
 def test_tma_falls_back_to_pointers_off_its_layout(monkeypatch):
     """TMA needs 16-byte aligned base and strides: a head dim of 6 fp32 (24-byte rows) or a view starting
     off a 16-byte boundary takes the pointer loads, and the op stays exact."""
