@@ -10,8 +10,9 @@ report. This times every candidate of one kernel (forward, dK/dV, dQ) with the p
 b2 s4096 hq32 hk8 causal bf16 per head dim, so the table can be replaced by what ran fastest: the table's
 own row comes first, then the H200's earlier winners, then the rest. A forward candidate is timed alone;
 a dK/dV or dQ candidate as the whole backward (delta + dK/dV + dQ; only the candidate's kernel differs).
-Prints a line per candidate as it finishes (round robin over the kernels, so a short budget still times each
-kernel's first choices) and, at the end (or when --budget-s has passed), the fastest choice per kernel beside
+Each candidate's output (forward) or gradients (backward) are checked against SDPA's: one off by more than
+WRONG is printed as such and never chosen. Prints a line per candidate as it finishes (round robin over the
+kernels, so a short budget still times each kernel's first choices) and, at the end (or when --budget-s has passed), the fastest choice per kernel beside
 the table's, as markdown (also written to --out). --cpu-tiny runs the paths on a tiny CPU shape.
 """
 from __future__ import annotations
@@ -40,6 +41,17 @@ CANDIDATES = {
 }
 
 
+# A candidate whose output or gradients differ from SDPA's by more than this share of the largest value computes
+# something else (a bf16 run differs by ~1e-3): it is reported WRONG and never chosen, however fast.
+WRONG = 0.05
+
+
+def relative_error(got: tuple, want: tuple) -> float:
+    """Largest |got - want| over the largest |want|, the worst of the tensors."""
+    return max(((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)).item()
+               for g, w in zip(got, want))
+
+
 def time_ms(fn, device: str = "cuda") -> float:
     """Median ms of fn (triton.testing.do_bench); on the CPU (--cpu-tiny) the mean of two calls after one."""
     if device != "cuda":
@@ -66,6 +78,9 @@ def sweep(d: int, deadline: float, rows: list[dict], device: str = "cuda", shape
     out, lse = flash_attention_forward(q, k, v, True)
     do = torch.randn_like(out)
     sdpa_b = time_ms_here(lambda: torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2), retain_graph=True))
+    # what every candidate must compute, in (b, s, h, d): SDPA's output and gradients
+    want = {"fwd": (o_sdpa.detach().transpose(1, 2),),
+            "bwd": tuple(g.transpose(1, 2) for g in torch.autograd.grad(o_sdpa, (qg, kg, vg), do.transpose(1, 2)))}
     print(f"d{d}: SDPA forward {sdpa_f:.3f} ms ({flops / sdpa_f / 1e9:.0f} TFLOP/s), backward {sdpa_b:.3f} ms "
           f"({2.5 * flops / sdpa_b / 1e9:.0f} TFLOP/s)", flush=True)
     table, tma_table, key_rows_table = dict(common.TILES_16BIT), common.TMA_16BIT, common.KEY_ROWS_16BIT
@@ -92,16 +107,20 @@ def sweep(d: int, deadline: float, rows: list[dict], device: str = "cuda", shape
                    table=tile == own and tma == ((kernel, dclass) in tma_table) and key_rows == own_key_rows)
         try:
             if kernel == "fwd":
-                ms = time_ms_here(lambda: flash_attention_forward(q, k, v, True))
+                run = lambda: flash_attention_forward(q, k, v, True)[:1]  # noqa: E731
+                ms = time_ms_here(run)
                 row.update(ms=ms, tflops=flops / ms / 1e9, x_sdpa=sdpa_f / ms)
             else:
-                ms = time_ms_here(lambda: flash_attention_backward(do, q, k, v, out, lse, True))
+                run = lambda: flash_attention_backward(do, q, k, v, out, lse, True)  # noqa: E731
+                ms = time_ms_here(run)
                 row.update(ms=ms, tflops=2.5 * flops / ms / 1e9, x_sdpa=sdpa_b / ms)
+            row["error"] = relative_error(run(), want["fwd" if kernel == "fwd" else "bwd"])
+            wrong = f", WRONG: {row['error']:.3g} of the largest value off SDPA's" if row["error"] > WRONG else ""
             print(f"d{d} {kernel:4s} {_name(row)}: {ms:.3f} ms, {row['tflops']:.0f} "
-                  f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA", flush=True)
+                  f"TFLOP/s, {row['x_sdpa']:.2f}x SDPA{wrong}", flush=True)
         except Exception as e:  # an out-of-resources config is a row, not the end of the sweep
-            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            print(f"d{d} {kernel:4s} {_name(row)}: failed: {row['error']}", flush=True)
+            row["failed"] = f"{type(e).__name__}: {str(e)[:120]}"
+            print(f"d{d} {kernel:4s} {_name(row)}: failed: {row['failed']}", flush=True)
         finally:
             common.TILES_16BIT.clear()
             common.TILES_16BIT.update(table)
@@ -126,7 +145,7 @@ def summary(rows: list[dict]) -> str:
              "|---:|---|---|---:|---:|---|---:|---:|---:|"]
     for d in sorted({r["d"] for r in rows}, reverse=True):
         for kernel in ("fwd", "dkdv", "dq"):
-            ran = [r for r in rows if r["d"] == d and r["kernel"] == kernel and "ms" in r]
+            ran = [r for r in rows if r["d"] == d and r["kernel"] == kernel and "ms" in r and r["error"] <= WRONG]
             if not ran:
                 continue
             best = min(ran, key=lambda r: r["ms"])

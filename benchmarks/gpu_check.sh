@@ -232,6 +232,9 @@ sanitizer_layout() {
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    # the release the AOT report's device case compiles with (benchmarks/triton_wheel.py): say when the image moved
+    python3 -c "import sys, triton; sys.path.insert(0, 'benchmarks'); import triton_wheel as w
+print('' if triton.__version__ == w.DEVICE_TRITON else f'NOTE: triton {triton.__version__} here, DEVICE_TRITON is {w.DEVICE_TRITON}: update it')"
     git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
     uptime
 } >"$OUTDIR/env.log" 2>&1

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+
+import triton_wheel  # noqa: E402  (benchmarks/, beside this file)
 
 # per SM: 32-bit registers, max resident threads, max CTAs, shared memory per SM (bytes, usable per block opt-in)
 ARCH = {80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024),
@@ -310,7 +313,15 @@ def main(argv=None) -> int:
     ap.add_argument("--planner-table", metavar="PATH",
                     help="also write {arch: {kernel: {variant: {ctas_per_sm, num_warps}}}} for the planner "
                          "(parallel3d/planner/kernel_occupancy.json derates kernels by it)")
+    ap.add_argument("--triton", metavar="VERSION",
+                    help="compile with this Triton release instead of the installed one (benchmarks/triton_wheel.py; "
+                         f"the GPU sessions' image has {triton_wheel.DEVICE_TRITON})")
     args = ap.parse_args(argv)
+    if args.triton and args.triton != triton.__version__:
+        rest = list(sys.argv[1:] if argv is None else argv)
+        rest = [a for i, a in enumerate(rest)  # the same arguments, less the --triton option
+                if not a.startswith("--triton") and not (i and rest[i - 1] == "--triton")]
+        return triton_wheel.rerun_under(args.triton, Path(__file__), rest)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET (the launchers would choose interpreter dtypes)", file=sys.stderr)
         return 2

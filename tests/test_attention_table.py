@@ -6,6 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -35,14 +36,17 @@ def test_tables_divide_the_fastest_reference_by_ours():
 
 def test_tile_sweep_summary_sets_the_fastest_beside_the_tables_choice():
     """benchmarks/attention_tiles.py's summary: per head dim and kernel, the table's row (tile, pointer or
-    TMA loads) and the fastest one timed, with table / fastest; failed candidates are left out."""
+    TMA loads) and the fastest one timed, with table / fastest; failed candidates, and fast ones that compute
+    something else than SDPA, are left out."""
     tiles = importlib.import_module("attention_tiles")
-    rows = [dict(d=128, kernel="fwd", tile=(64, 32, 4, 3), tma=False, table=True, ms=2.0, x_sdpa=0.25),
-            dict(d=128, kernel="fwd", tile=(64, 64, 4, 3), tma=True, table=False, ms=1.0, x_sdpa=0.5),
-            dict(d=128, kernel="fwd", tile=(128, 128, 8, 3), tma=False, table=False, error="OutOfResources"),
-            dict(d=128, kernel="dq", tile=(64, 16, 8, 2), tma=False, table=True, ms=3.0, x_sdpa=0.3)]
+    rows = [dict(d=128, kernel="fwd", tile=(64, 32, 4, 3), tma=False, table=True, ms=2.0, x_sdpa=0.25, error=1e-3),
+            dict(d=128, kernel="fwd", tile=(64, 64, 4, 3), tma=True, table=False, ms=1.0, x_sdpa=0.5, error=2e-3),
+            dict(d=128, kernel="fwd", tile=(128, 64, 8, 3), tma=False, table=False, ms=0.5, x_sdpa=1.0, error=0.3),
+            dict(d=128, kernel="fwd", tile=(128, 128, 8, 3), tma=False, table=False, failed="OutOfResources"),
+            dict(d=128, kernel="dq", tile=(64, 16, 8, 2), tma=False, table=True, ms=3.0, x_sdpa=0.3, error=1e-3)]
     text = tiles.summary(rows)
     assert "| 128 | fwd | (64, 32, 4, 3) ptr | 2.000 | 0.25 | (64, 64, 4, 3) tma | 1.000 | 0.50 | 2.00x |" in text
+    assert tiles.relative_error((torch.tensor([1.0, -4.1]),), (torch.tensor([1.0, -4.0]),)) == pytest.approx(0.025)
     assert "| 128 | dq | (64, 16, 8, 2) ptr | 3.000 | 0.30 | (64, 16, 8, 2) ptr | 3.000 | 0.30 | 1.00x |" in text
     assert "dkdv" not in text
 
@@ -59,6 +63,7 @@ def test_tile_sweep_runs_its_paths_on_a_tiny_cpu_shape(tmp_path, capsys, monkeyp
     assert tiles.main(["--cpu-tiny", "--head-dims", "16", "--budget-s", "120", "--out", str(out)]) == 0
     assert (dict(common.TILES_16BIT), common.TMA_16BIT, common.KEY_ROWS_16BIT) == before
     printed = capsys.readouterr().out
+    assert "WRONG" not in printed   # every candidate checked against SDPA's output and gradients
     for kernel in ("fwd ", "dq  "):
         assert printed.count(f"d16 {kernel} (") == 2   # pointer and TMA loads
     dkdv_tile = common.TILES_16BIT[("dkdv", 80, 64)]   # the CPU stands in as sm_80

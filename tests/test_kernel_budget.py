@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 kernel_report = importlib.import_module("kernel_report")
+triton_wheel = importlib.import_module("triton_wheel")
 
 pytestmark = pytest.mark.skipif(not kernel_report.tools_available(),
                                 reason="Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
@@ -30,16 +31,39 @@ pytestmark = pytest.mark.skipif(not kernel_report.tools_available(),
 
 # CI compiles the --quick set (bf16; causal attention, plain and document-masked, at every head-dim row; one
 # shape of each other kernel): about 60 compiles. The full report (fp32/bf16/fp16, every shape and mask,
-# about 300 compiles: 27 minutes on the project's loaded 2-core machine) is the sweep case.
-@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.sweep)])
+# about 300 compiles: 27 minutes on the project's loaded 2-core machine) is a sweep case, and so is the quick
+# set compiled by the GPU sessions' Triton release (benchmarks/triton_wheel.py: a 190 MB download once).
+@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.sweep),
+                                        pytest.param("device", marks=pytest.mark.sweep)])
 def rows(request) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    scope = ["--quick"] if request.param == "quick" else []
-    proc = subprocess.run([sys.executable, "benchmarks/kernel_report.py", "--arch", "80", "90", "--json", *scope],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    scope = {"quick": ["--quick"], "full": [], "device": ["--quick", "--triton", triton_wheel.DEVICE_TRITON]}
+    if request.param == "device":
+        try:
+            triton_wheel.site(triton_wheel.DEVICE_TRITON)
+        except RuntimeError as e:  # no package index in reach: the sweep says so rather than failing
+            pytest.skip(str(e))
+    proc = subprocess.run([sys.executable, "benchmarks/kernel_report.py", "--arch", "80", "90", "--json",
+                           *scope[request.param]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Under the GPU sessions' Triton (3.6.0) these quick-set variants keep a stack frame (no local memory) with
+# every tile tried (RESULTS.md, "The kernels under the GPU image's Triton"): the pointer-loaded dQ with
+# documents at d=128 on sm_90 (104 B at its table tile, 8-208 B at eleven others; its TMA form has none),
+# the d=256 forward on sm_90 (24-456 B at the six wgmma tiles tried), and the grouped GEMM's sm_80 tile (8 B).
+DEVICE_TRITON_STACK = {("_attn_bwd_dq_kernel", "bf16 d=128 causal docs", 90),
+                       ("_attn_fwd_kernel", "bf16 d=256 causal", 90),
+                       ("_attn_fwd_kernel", "bf16 d=256 causal docs", 90),
+                       ("_grouped_mm_kernel", "bf16 experts 4x(256,512)", 80)}
+
+
+def _allowed_stack(request) -> set:
+    """16-bit variants allowed a stack frame: none under the pinned Triton; under the GPU sessions' release,
+    exactly the ones DEVICE_TRITON_STACK names (so a row that gains stack, or loses it, is noticed)."""
+    return DEVICE_TRITON_STACK if request.node.callspec.params["rows"] == "device" else set()
 
 
 def test_every_launched_kernel_is_reported(rows):
@@ -52,22 +76,22 @@ def test_every_launched_kernel_is_reported(rows):
     assert {r["arch"] for r in rows} == {80, 90}
 
 
-def test_every_variant_compiles_without_spills(rows):
+def test_every_variant_compiles_without_spills(rows, request):
     errors = [(r["kernel"], r["variant"], r["arch"], r["error"]) for r in rows if "error" in r]
     assert not errors, errors
     spilled = [(r["kernel"], r["variant"], r["arch"], r["local_bytes"]) for r in rows if r["local_bytes"]]
     assert not spilled, spilled
     sixteen_bit = [r for r in rows if r["variant"].startswith(("bf16", "fp16"))]
     assert sixteen_bit
-    stacked = [(r["kernel"], r["variant"], r["arch"], r["stack_bytes"]) for r in sixteen_bit if r["stack_bytes"]]
-    assert not stacked, stacked
+    stacked = {(r["kernel"], r["variant"], r["arch"]) for r in sixteen_bit if r["stack_bytes"]}
+    assert stacked == _allowed_stack(request), sorted(stacked ^ _allowed_stack(request))
     assert all(r["ctas_per_sm"] >= 1 for r in rows)
 
 
 ATTENTION_DOTS = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
 
 
-def test_attention_uses_each_archs_tensor_cores(rows):
+def test_attention_uses_each_archs_tensor_cores(rows, request):
     """sm_90: wgmma (a dot on mma.sync alone would leave Hopper's tensor cores at a fraction of their rate);
     sm_80: mma.sync; neither spills nor keeps a stack frame; every variant class is in the report."""
     attention = [r for r in rows if r["kernel"] in ATTENTION_DOTS and r["variant"].startswith(("bf16", "fp16"))]
@@ -88,7 +112,8 @@ def test_attention_uses_each_archs_tensor_cores(rows):
                if r[kind[r["arch"]]] == 0 and (r["kernel"], r["arch"], r["variant"].split()[1]) not in wide_backward
                or r["tensor_core_ops"] == 0]
     assert not missing, missing
-    spilled = [(r["kernel"], r["variant"], r["arch"], r["spill_bytes"]) for r in attention if r["spill_bytes"]]
+    spilled = [(r["kernel"], r["variant"], r["arch"], r["spill_bytes"]) for r in attention if r["spill_bytes"]
+               and (r["kernel"], r["variant"], r["arch"]) not in _allowed_stack(request)]
     assert not spilled, spilled
 
 
