@@ -31,9 +31,10 @@ demo-next:
 config-doc:
 	$(PYTHON) launch/config_doc.py > docs/configuration.md
 
-# two pytest-xdist workers on CI's 2 cores, a test file at a time each (so a module's fixtures are built once)
+# two pytest-xdist workers on CI's 2 cores, a test file at a time each (so a module's fixtures are built once);
+# the 15 slowest tests listed at the end, so one that suddenly dominates the run shows in the CI log
 test: install
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py
