@@ -11,7 +11,8 @@ Two forms, the same maths (the gradient maths sits above `_softmax_grad_`):
     head (forward logits, backward d hidden and d weight), none recomputed.
   reduction="none": per-token losses (n,) for an arbitrary per-token dloss. The forward keeps only the
     per-row lse; the backward recomputes each chunk's logits (one extra (chunk, h) x (h, v) matmul per
-    chunk, 4 instead of 3 in all), turns them into d logits in place and contracts them at once.
+    chunk, 4 instead of 3 in all), turns them into d logits in place and contracts them at once (5 under a
+    pipeline's split backward, whose two passes each form only the gradient they want: `_gradient_wanted`).
 
 Peak extra memory: the (v, h) d weight accumulator (fp32 for 16-bit weights, as in the unfused head's
 backward) + one (chunk, v) logits block in the hidden dtype (the CE kernels write d logits over it) +
@@ -129,6 +130,23 @@ def _softmax_grad_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
     return logits
 
 
+def _gradient_wanted(ctx, i: int) -> bool:
+    """Whether the running backward wants input i's gradient (the engine will pass it on). A split backward
+    (pipeline/backward.py) runs this node in its input pass (d hidden only) and its weight pass (d weight
+    only): each then makes 2 matmuls a chunk, not 3. Leaves enter as views (the engine cannot answer for a
+    leaf's own node under autograd.grad); where it cannot answer, the gradient is formed."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if node is None or will_execute is None:
+        return True
+    try:
+        return bool(will_execute(node))
+    except RuntimeError:  # a leaf's accumulator under autograd.grad
+        return True
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """reduction="none": per-token loss (n,), differentiable w.r.t. hidden and weight; logits are recomputed
     chunk by chunk in backward.
@@ -161,7 +179,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         hidden, weight, target, lse = ctx.saved_tensors
         ignore_index, chunk, use_triton, vocab_start = ctx.args
         n = hidden.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w = _gradient_wanted(ctx, 0), _gradient_wanted(ctx, 1)
         dhidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None  # (n, h)
         dweight = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) \
             if need_w else None  # (v_local, h)
@@ -272,8 +290,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     if (all_reduce_max is None) != (all_reduce_sum is None):
         raise ValueError("pass both all_reduce_max and all_reduce_sum (vocab-parallel) or neither")
     args = (hidden, weight, target, ignore_index, chunk, use_triton, vocab_start, all_reduce_max, all_reduce_sum)
-    if reduction == "none":
-        return FusedLinearCrossEntropyFunction.apply(*args)
+    if reduction == "none":  # leaves enter as views: their node can say which gradients a backward wants
+        leaf_view = lambda t: t.view_as(t) if t.requires_grad and t.grad_fn is None else t  # noqa: E731
+        return FusedLinearCrossEntropyFunction.apply(leaf_view(hidden), leaf_view(weight), *args[2:])
     if reduction == "sum":
         grad = torch.is_grad_enabled()
         return FusedLinearCrossEntropySumFunction.apply(*args, grad and hidden.requires_grad,

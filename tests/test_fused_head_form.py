@@ -134,6 +134,15 @@ def test_gpipe_pp2_auto_equals_summed_at_world_size_1(worlds):
     assert_parity(worlds.run(2, run, layout, 3), ref)
 
 
+def test_zb_h1_pp2_per_token_equals_summed_at_world_size_1(worlds):
+    """zb-h1 splits the head's backward into an input and a weight pass (pipeline/backward.py); per_token's
+    node runs in both, forming d hidden in the first and d weight in the second (tests/test_split_backward.py
+    counts the matmuls). Losses, grad norms and weights after the steps equal the summed world-1 run."""
+    layout = ["parallel.pp=2", "parallel.tp=1", "parallel.schedule=zb-h1", "model.num_layers=3", *PER_TOKEN]
+    ref = run(None, ["model.num_layers=3", *SUMMED], 3)
+    assert_parity(worlds.run(2, run, layout, 3), ref)
+
+
 def _head_stage_peak(m: int, form: str) -> tuple[str, int]:
     """(resolved form, planned peak bytes of the head's stage) of gpipe at pp=2 with m microbatches; m <= 4 =
     2 p v, so the dry run runs all m (estimate.run_microbatches) and nothing is scaled."""

@@ -62,8 +62,9 @@ def fused_head_form(schedule: Sequence[Sequence[Action]]) -> str:
     """The concrete ``model.fused_head_form`` for ``auto``: ``per_token`` when the head holds more than one
     microbatch in flight under ``schedule``, else ``summed``; ``summed`` also where the head's backward is
     split: the fused head is one autograd node, whose backward runs in the input pass and again in the
-    weight pass, and per_token would recompute its logits in each (8 matmuls a chunk against summed's 3,
-    whose second run only scales what it holds)."""
+    weight pass; per_token recomputes its logits in each, forming d hidden in the first and d weight in the
+    second (5 matmuls a chunk against summed's 3, whose second run only scales what it holds), on the stage
+    that carries the head, in schedules chosen for speed. per_token stays the explicit choice there."""
     if head_backward_split(schedule):
         return "summed"
     return "per_token" if head_in_flight(schedule) > 1 else "summed"
