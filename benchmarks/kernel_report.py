@@ -11,8 +11,9 @@ compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32)
 (shipped in Triton's NVIDIA backend) reports registers, stack, local (spill) and shared memory of the cubin,
 and the PTX is searched for tensor-core instructions, counted by kind: warpgroup MMA (`wgmma.mma_async`,
 sm_90+), `mma.sync` (sm_80+, and on Hopper a dot whose output has fewer than 64 rows) and `tcgen05.mma`
-(sm_100). Occupancy is the theoretical CTAs per SM from the register file, the shared memory and the thread
-limit of the architecture.
+(sm_100); benchmarks/cubin_usage.py reads them. Occupancy is the theoretical CTAs per SM from the register
+file, the shared memory and the thread limit of the architecture. --triton VERSION compiles with another Triton
+release (benchmarks/triton_wheel.py), e.g. the one the GPU sessions' image ships.
 
 With --json the last stdout line is a JSON list of {"kernel", "variant", "arch", "regs", "spill_bytes",
 "shared_bytes", "num_warps", "num_stages", "tensor_core_ops", "wgmma_ops", "mma_sync_ops", "ctas_per_sm"}
@@ -27,9 +28,7 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,14 +40,8 @@ import triton  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
 import triton_wheel  # noqa: E402  (benchmarks/, beside this file)
+from cubin_usage import ARCH, TC_PATTERNS, occupancy, resources, tools_available, tools_dir  # noqa: E402,F401
 
-# per SM: 32-bit registers, max resident threads, max CTAs, shared memory per SM (bytes, usable per block opt-in)
-ARCH = {80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024),
-        90: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024),
-        100: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024)}
-# tensor-core instructions in the PTX, by kind: Hopper uses wgmma for dots of >= 64 output rows (and warps
-# in whole warpgroups), mma.sync below that
-TC_PATTERNS = {"wgmma_ops": r"\bwgmma\.mma_async", "mma_sync_ops": r"\bmma\.sync", "tcgen05_ops": r"\btcgen05\.mma\b"}
 ATTENTION_KERNELS = ("_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
 # head dims of the attention variants: one per row of the launchers' tile table (64, 128, above 128)
 ATTENTION_HEAD_DIMS = (64, 128, 256)
@@ -219,39 +212,6 @@ def fp8_launches(arch: int, dt: torch.dtype, quick: bool) -> list[Launch]:
     return out
 
 
-def _tools() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def tools_available() -> bool:
-    return os.path.isfile(os.path.join(_tools(), "cuobjdump")) and os.path.isfile(os.path.join(_tools(), "ptxas"))
-
-
-def resources(cubin: bytes) -> dict[str, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        text = subprocess.run([os.path.join(_tools(), "cuobjdump"), "-res-usage", path], capture_output=True,
-                              text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    usage = re.search(r"Function [^\n]*:\s*\n\s*(REG:.*)", text)
-    fields = dict(re.findall(r"(\w+):(\d+)", usage.group(1))) if usage else {}
-    return {k: int(fields.get(k, 0)) for k in ("REG", "STACK", "SHARED", "LOCAL")}
-
-
-def occupancy(arch: int, regs: int, shared: int, warps: int) -> int:
-    """Theoretical resident CTAs per SM (register file, shared memory, threads, CTA limit)."""
-    a = ARCH[arch]
-    threads = 32 * warps
-    regs_per_cta = ((max(regs, 1) * 32 + 255) // 256) * 256 * warps  # allocated per warp in units of 256
-    limits = [a["ctas"], a["threads"] // threads, a["regs"] // regs_per_cta]
-    if shared:
-        limits.append(a["smem"] // shared)
-    return max(0, min(limits))
-
-
 def compile_report(launch: Launch, arch: int, cache: dict | None = None) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -326,7 +286,7 @@ def main(argv=None) -> int:
         print("error: unset TRITON_INTERPRET (the launchers would choose interpreter dtypes)", file=sys.stderr)
         return 2
     if not tools_available():
-        print(f"error: Triton's NVIDIA backend tools (cuobjdump, ptxas) are missing in {_tools()}", file=sys.stderr)
+        print(f"error: Triton's NVIDIA backend tools (cuobjdump, ptxas) are missing in {tools_dir()}", file=sys.stderr)
         return 2
     rows = report(args.arch, args.quick, args.attention)
     print(_table(rows))
