@@ -23,7 +23,8 @@
 #                  64/8, head dim 64 and 128, 8K-64K tokens, and packed documents; ours against each SDPA backend,
 #                  the CP block, FlexAttention with a document block mask and flash-attn where installed, forward
 #                  and backward; markdown tables for RESULTS.md in OUTDIR/attn_table.md (rewritten after each shape)
-#   opcost         host cost of one RMSNorm forward + backward: our custom op against its autograd.Function
+#   opcost         benchmarks/op_host_cost.py: host time of RMSNorm and RoPE forward + backward by path (custom op,
+#                  the direct autograd Function eager calls take, eager torch), then cProfile of the launcher
 #   train_eager    benchmarks/training.py --preset 1b: parallel3d vs transformers, eager
 #   train_compile  the same under torch.compile
 #   kernels        benchmarks/kernels.py --markdown: our Triton kernels vs eager, torch.compile and SDPA
@@ -80,23 +81,12 @@ for n in (2000, 20000):
 '
 
 OPCOST='
-import time, torch
-from parallel3d.kernels import ops
-from parallel3d.kernels.rmsnorm import RMSNormFunction
-x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.ones(64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-for name, f in (("custom op", lambda: ops.rmsnorm(x, w, 1e-6)), ("autograd.Function", lambda: RMSNormFunction.apply(x, w, 1e-6)),
-                ("eager torch", lambda: torch.nn.functional.rms_norm(x, (64,), w, 1e-6))):
-    for n in (200, 3000):
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(n): f().sum().backward()
-        host = time.perf_counter() - t0; torch.cuda.synchronize()
-    print(f"{name}: rmsnorm fwd+sum+bwd {host / n * 1e6:.1f} us of host per call")
-import cProfile, pstats
+import cProfile, pstats, torch
 from parallel3d.kernels.rmsnorm import rmsnorm_forward
-y = x.detach()
+x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
 prof = cProfile.Profile(); prof.enable()
-for _ in range(500): rmsnorm_forward(y, w.detach(), 1e-6)
+for _ in range(500): rmsnorm_forward(x, w, 1e-6)
 prof.disable(); torch.cuda.synchronize()
 pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 '
@@ -255,7 +245,7 @@ for p in $PHASES; do
     attn_rates) phase attn_rates 100 python3 -c "$ATTN_RATES" ;;
     attn_table) TAIL=80 phase attn_table $((${ATTN_TABLE_S:-480} + 80)) python3 benchmarks/attention_table.py \
         --budget-s "${ATTN_TABLE_S:-480}" --out "$OUTDIR/attn_table.md" ;;
-    opcost) phase opcost 40 python3 -c "$OPCOST" ;;
+    opcost) phase opcost 60 bash -c 'python3 benchmarks/op_host_cost.py && python3 -c "$0"' "$OPCOST" ;;
     attn_tiles) TAIL=20 phase attn_tiles $((${ATTN_TILES_S:-380} + 60)) python3 benchmarks/attention_tiles.py \
         --budget-s "${ATTN_TILES_S:-380}" --head-dims ${ATTN_TILES_D:-128 64} --out "$OUTDIR/attn_tiles.md" ;;
     train_eager) phase train_eager 60 python3 benchmarks/training.py --preset 1b --steps 5 --warmup 2 \
