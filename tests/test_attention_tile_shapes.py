@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from parallel3d.kernels import _flash_common
-from parallel3d.kernels.flash_attention import attention_reference, flash_attention
+from test_documents import check_documents_against_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 attention_tiles = importlib.import_module("attention_tiles")
@@ -46,15 +46,4 @@ def test_kernels_at_tile(monkeypatch, tile):
         monkeypatch.setattr(_flash_common, "INTERPRETER_TMA", tma)
         monkeypatch.setattr(_flash_common, "INTERPRETER_KEY_ROWS", key_rows)
         for qs, ks in ((slice(0, s), slice(0, s)), (slice(s - bm - 3, s), slice(0, s - bn // 2))):
-            args = (q[:, qs], k[:, ks], v[:, ks], True)
-            out, lse = flash_attention(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
-            ref, ref_lse = attention_reference(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
-            torch.testing.assert_close(out, ref)
-            finite = torch.isfinite(ref_lse)
-            assert torch.equal(finite, torch.isfinite(lse))
-            torch.testing.assert_close(lse[finite], ref_lse[finite])
-            g = torch.randn_like(out)
-            got = torch.autograd.grad((out * g).sum() + lse[finite].sum(), (q, k, v))
-            want = torch.autograd.grad((ref * g).sum() + ref_lse[finite].sum(), (q, k, v))
-            for a, e in zip(got, want):
-                torch.testing.assert_close(a, e)
+            check_documents_against_reference(q, k, v, doc, qs, ks, True)

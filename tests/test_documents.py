@@ -54,18 +54,24 @@ def test_triton_varlen_kernel_matches_reference(monkeypatch, causal, tma, key_ro
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hk, hk))
     doc = _docs(b, s, 0.12, 1)
     for qs, ks in ((slice(0, s), slice(0, s)), (slice(17, 37), slice(0, 25))):
-        args = (q[:, qs], k[:, ks], v[:, ks], causal)
-        out, lse = flash_attention(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
-        ref, ref_lse = attention_reference(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
-        torch.testing.assert_close(out, ref)
-        finite = torch.isfinite(ref_lse)
-        assert torch.equal(finite, torch.isfinite(lse))  # rows seeing no key of their document: -inf
-        torch.testing.assert_close(lse[finite], ref_lse[finite])
-        g = torch.randn_like(out)
-        got = torch.autograd.grad((out * g).sum() + lse[finite].sum(), (q, k, v))
-        want = torch.autograd.grad((ref * g).sum() + ref_lse[finite].sum(), (q, k, v))
-        for a, e in zip(got, want):
-            torch.testing.assert_close(a, e)
+        check_documents_against_reference(q, k, v, doc, qs, ks, causal)
+
+
+def check_documents_against_reference(q, k, v, doc, qs: slice, ks: slice, causal: bool) -> None:
+    """The Triton kernel's out, lse and gradients (through both) on q[:, qs] against k, v[:, ks] with document
+    ids `doc`, against the dense masked reference (fp64 inputs: default tolerances)."""
+    args = (q[:, qs], k[:, ks], v[:, ks], causal)
+    out, lse = flash_attention(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
+    ref, ref_lse = attention_reference(*args, q_doc=doc[:, qs], k_doc=doc[:, ks])
+    torch.testing.assert_close(out, ref)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))  # rows seeing no key of their document: -inf
+    torch.testing.assert_close(lse[finite], ref_lse[finite])
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum() + lse[finite].sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum() + ref_lse[finite].sum(), (q, k, v))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
 
 
 def test_blockwise_sdpa_matches_reference():
