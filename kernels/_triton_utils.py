@@ -11,6 +11,22 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def direct(*tensors: torch.Tensor) -> bool:
+    """Whether an eager call may run a kernel's launchers (or its autograd Function) instead of its
+    `torch.library` custom op: plain tensors off `meta`, and nothing that reads the op graph active (not
+    compiling, no dispatch mode such as FakeTensorMode or the planner's StepTracker, no profiler, whose op
+    names step_profile.py reads). The custom-op layer costs host time on every call (kernels/ops.py; RESULTS.md,
+    "Host cost of our kernel ops") and exists for those watchers."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None \
+            or torch.autograd.profiler._is_profiler_enabled:
+        return False
+    return all(type(t) in _PLAIN and not t.is_meta for t in tensors)
 
 
 def interpreting() -> bool:

@@ -102,7 +102,7 @@ def fp8_scale_cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, axis
     """The cast pass alone, with a given fp32 amax (shape (), (n, 1) or (1, k) for axis None, 1, 0)."""
     if use_kernel_op(backend, t):
         from parallel3d.kernels import fp8_cast as fc
-        return fc.fp8_scale_cast(t, amax, axis, dtype)
+        return (fc.scale_cast_of if fc.direct(t, amax) else fc.fp8_scale_cast)(t, amax, axis, dtype)
     from parallel3d.kernels.fp8_cast import scale_cast_reference
     return scale_cast_reference(t, amax, dtype)
 

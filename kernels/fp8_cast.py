@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import custom_op
 
-from parallel3d.kernels._triton_utils import interpreting, next_pow2, num_programs_hint
+from parallel3d.kernels._triton_utils import direct, interpreting, next_pow2, num_programs_hint
 
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, 7), torch.float8_e5m2: (tl.float8e5, 2, 15)}  # (tl, mant, bias)
 TILE = 8192  # elements per program tile
@@ -288,9 +288,21 @@ def _amax_shape(t: Tensor, axis: Optional[int]) -> tuple:
     return () if axis is None else ((t.shape[0], 1) if axis == 1 else (1, t.shape[1]))
 
 
+def amax_of(t: Tensor, axis: Optional[int]) -> Tensor:
+    """fp8_amax's body: the tensor's amax (axis None, shape ()) or per row / column."""
+    return amax_tensor(t) if axis is None else amax_axis(t, axis)
+
+
+def scale_cast_of(t: Tensor, amax: Tensor, axis: Optional[int], dtype: torch.dtype, col_major: bool = False
+                  ) -> tuple[Tensor, Tensor]:
+    """fp8_scale_cast's body: the cast pass with a given amax."""
+    return (scale_cast(t, amax, dtype, col_major) if axis is None else
+            cast_axis(t, axis, dtype, amax, col_major=col_major))
+
+
 @custom_op("parallel3d::fp8_amax", mutates_args=())
 def fp8_amax(t: Tensor, axis: Optional[int]) -> Tensor:
-    return amax_tensor(t) if axis is None else amax_axis(t, axis)
+    return amax_of(t, axis)
 
 
 @fp8_amax.register_fake
@@ -301,8 +313,7 @@ def _(t, axis):
 @custom_op("parallel3d::fp8_scale_cast", mutates_args=())
 def fp8_scale_cast(t: Tensor, amax: Tensor, axis: Optional[int], dtype: torch.dtype, col_major: bool = False
                    ) -> tuple[Tensor, Tensor]:
-    return (scale_cast(t, amax, dtype, col_major) if axis is None else
-            cast_axis(t, axis, dtype, amax, col_major=col_major))
+    return scale_cast_of(t, amax, axis, dtype, col_major)
 
 
 @fp8_scale_cast.register_fake
@@ -323,8 +334,11 @@ def _(t, axis, dtype, col_major=False):
 def cast(t: Tensor, dtype: torch.dtype, axis: Optional[int] = None, reduce_amax=None, col_major: bool = False
          ) -> tuple[Tensor, Tensor]:
     """The kernels' cast_reference through the custom ops: tensorwise amax op, (reduce), fused scale-cast op;
-    axiswise one fused op, or amax op, reduce, cast op when the amax must be reduced first."""
+    axiswise one fused op, or amax op, reduce, cast op when the amax must be reduced first. Eager calls with
+    nothing watching (`direct`) run the ops' bodies, without the custom-op layer."""
+    eager = direct(t)
     if axis is not None and reduce_amax is None:
-        return fp8_cast_axis(t, axis, dtype, col_major)
-    amax = fp8_amax(t, axis)
-    return fp8_scale_cast(t, amax if reduce_amax is None else reduce_amax(amax), axis, dtype, col_major)
+        return cast_axis(t, axis, dtype, col_major=col_major) if eager else fp8_cast_axis(t, axis, dtype, col_major)
+    amax = amax_of(t, axis) if eager else fp8_amax(t, axis)
+    amax = amax if reduce_amax is None else reduce_amax(amax)
+    return (scale_cast_of if eager else fp8_scale_cast)(t, amax, axis, dtype, col_major)

@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.library import custom_op
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import register_flop_formula
 
 from parallel3d.kernels import cross_entropy as _ce
@@ -34,6 +33,7 @@ from parallel3d.kernels import grouped_gemm as _gg
 from parallel3d.kernels import rmsnorm as _rn
 from parallel3d.kernels import rope as _rp
 from parallel3d.kernels import swiglu as _sw
+from parallel3d.kernels._triton_utils import direct
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,18 +42,6 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _rows(x: Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def direct(*tensors: Tensor) -> bool:
-    """Whether a wrapper below may call the kernel's autograd Function instead of its custom op (module
-    docstring): plain tensors off `meta`, and nothing that reads the op graph is active."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None \
-            or torch.autograd.profiler._is_profiler_enabled:
-        return False
-    return all(type(t) in _PLAIN and not t.is_meta for t in tensors)
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------------------

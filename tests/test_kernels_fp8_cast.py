@@ -112,6 +112,38 @@ def test_meta_runs_the_custom_ops():
     assert t8.is_meta
 
 
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched (a watcher like the planner's StepTracker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_casts_skip_the_custom_op_layer_and_watchers_see_the_ops(monkeypatch):
+    """An eager cast with nothing watching runs the launchers (kernels._triton_utils.direct), never the custom
+    ops; under a dispatch mode the custom ops run, with the same bytes."""
+    t = _values((9, 24), torch.bfloat16, seed=7)
+    amax = fc.amax_reference(t, 1)
+    calls = [lambda axis=axis, reduce=reduce: dispatch.fp8_cast(t, torch.float8_e4m3fn, axis, reduce, "triton")
+             for axis in (None, 1, 0) for reduce in (None, lambda a: a * 2)]
+    calls.append(lambda: dispatch.fp8_scale_cast(t, amax, torch.float8_e5m2, 1, "triton"))
+    with monkeypatch.context() as patch:
+        for op in ("fp8_amax", "fp8_scale_cast", "fp8_cast_axis"):
+            patch.setattr(fc, op, lambda *a, **k: pytest.fail("an eager cast went through a custom op"))
+        eager = [call() for call in calls]
+    watcher = _OpNames()
+    with watcher:
+        watched = [call() for call in calls]
+    assert {f"parallel3d::fp8_{n}" for n in ("amax", "scale_cast", "cast_axis")} <= watcher.names
+    for got, want in zip(eager, watched):
+        _same(got, want)
+
+
 @pytest.mark.parametrize("name", ["fp8_amax", "fp8_scale_cast", "fp8_cast_axis", "fp8_cast_axis_col"])
 def test_opcheck(name):
     t = _values((5, 40), torch.bfloat16, seed=4)
