@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -63,8 +62,15 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
 
 
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (block sizes must be powers of two)."""
-    return triton.next_power_of_2(max(int(n), 1))
+    """Smallest power of two >= n (block sizes must be powers of two). Plain integer arithmetic: Triton's own
+    `triton.next_power_of_2` and `triton.cdiv` are constexpr functions whose host call costs microseconds,
+    and every launch makes several (a third of RoPE's launch preparation on this CPU)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative integers (grid sizes); see next_pow2."""
+    return -(-a // b)
 
 
 def num_programs_hint(device: torch.device) -> int:

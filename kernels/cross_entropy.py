@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._triton_utils import acc_dtype, interpreting, next_pow2
+from parallel3d.kernels._triton_utils import acc_dtype, cdiv, interpreting, next_pow2
 
 
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
@@ -159,7 +159,7 @@ def cross_entropy_partial_grad(logits: torch.Tensor, target: torch.Tensor, vocab
         raise ValueError(f"out must be ({n}, {v}) with a contiguous last dim, got {tuple(grad.shape)}")
     if n > 0 and v > 0:
         block = _block_v(v, block_v)
-        _ce_grad_kernel[(n, triton.cdiv(v, block))](
+        _ce_grad_kernel[(n, cdiv(v, block))](
             logits, target, lse.contiguous(), grad_loss.contiguous(), grad, logits.stride(0), grad.stride(0),
             v, vocab_start, ignore_index, ACC=acc_dtype(logits.dtype), BLOCK_V=block,
             num_warps=8 if block >= 2048 else 4)

@@ -30,7 +30,7 @@ import triton.language as tl
 from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _heavy_first, _kernel_dtypes,
                                               _key_range, _lse_from_base, _pair_mask, _prep, launch_config,
                                               logit_scale, tile_operand, use_tma)
-from parallel3d.kernels._triton_utils import next_pow2
+from parallel3d.kernels._triton_utils import cdiv, next_pow2
 from parallel3d.kernels.flash_attention_bwd import flash_attention_backward
 
 __all__ = ["attention_reference", "sdpa_attention", "flash_attention", "flash_attention_forward",
@@ -205,7 +205,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     bd = next_pow2(max(d, 16))
     tma = use_tma("fwd", d, q.device, q, k, v)
     qd, kd = _docs(q_doc, k_doc, q)
-    _attn_fwd_kernel[(triton.cdiv(sq, bm), b * hq)](
+    _attn_fwd_kernel[(cdiv(sq, bm), b * hq)](
         tile_operand(q, bm, bd, tma), tile_operand(k, bn, bd, tma), tile_operand(v, bn, bd, tma), out, lse, qd, kd,
         logit_scale(scale, q), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         hq, hq // hk, sq, sk, d, CAUSAL=causal, HAS_DOC=q_doc is not None, **_kernel_dtypes(q), TMA=tma, BLOCK_M=bm,

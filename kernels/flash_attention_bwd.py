@@ -18,7 +18,7 @@ import triton.language as tl
 from parallel3d.kernels._flash_common import (_check, _doc_block, _docs, _exp, _kernel_dtypes, _lse_to_base,
                                               _pair_mask, _prep, delta_block_m, key_rows_form, launch_config,
                                               logit_scale, tile_operand, use_tma)
-from parallel3d.kernels._triton_utils import next_pow2
+from parallel3d.kernels._triton_utils import cdiv, next_pow2
 from parallel3d.kernels.flash_attention_dq import _attn_bwd_dq_kernel
 
 
@@ -193,7 +193,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     delta = torch.empty_like(lse)  # (b, hq, sq)
     dlse_arg = dlse.contiguous() if dlse is not None else lse
     delta_m = delta_block_m(d)
-    _attn_bwd_delta_kernel[(triton.cdiv(sq, delta_m), b * hq)](
+    _attn_bwd_delta_kernel[(cdiv(sq, delta_m), b * hq)](
         out, do, dlse_arg, delta, hq, sq, d, HAS_DLSE=dlse is not None, ACC=kd["ACC"], BLOCK_M=delta_m,
         BLOCK_D=bd, num_warps=4)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
@@ -201,13 +201,13 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     has_doc = q_doc is not None
     scales = (logit_scale(scale, q), scale)
     tma = use_tma("dkdv", d, q.device, q, k, v, do)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(sk, kv_bn), b * hk)](
+    _attn_bwd_dkdv_kernel[(cdiv(sk, kv_bn), b * hk)](
         *(tile_operand(x, rows, bd, tma) for x, rows in ((q, kv_bm), (k, kv_bn), (v, kv_bn), (do, kv_bm))),
         lse, delta, dk, dv, qd, kdoc, *scales, *strides, *dk.stride()[:3], hk, hq // hk, sq, sk, d,
         CAUSAL=causal, HAS_DOC=has_doc, **kd, TMA=tma, KEY_ROWS=key_rows_form(d, q.dtype, q.device), BLOCK_M=kv_bm,
         BLOCK_N=kv_bn, BLOCK_D=bd, num_warps=kv_warps, num_stages=kv_stages)
     tma = use_tma("dq", d, q.device, q, k, v, do)
-    _attn_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
+    _attn_bwd_dq_kernel[(cdiv(sq, bm), b * hq)](
         *(tile_operand(x, rows, bd, tma) for x, rows in ((q, bm), (k, bn), (v, bn), (do, bm))),
         lse, delta, dq, qd, kdoc, *scales, *strides, hq, hq // hk, sq, sk, d,
         CAUSAL=causal, HAS_DOC=has_doc, **kd, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import custom_op
 
-from parallel3d.kernels._triton_utils import direct, interpreting, next_pow2, num_programs_hint
+from parallel3d.kernels._triton_utils import cdiv, direct, interpreting, next_pow2, num_programs_hint
 
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, 7), torch.float8_e5m2: (tl.float8e5, 2, 15)}  # (tl, mant, bias)
 TILE = 8192  # elements per program tile
@@ -211,7 +211,7 @@ def amax_tensor(t: Tensor) -> Tensor:
     """max |t| of a 2-D tensor as an fp32 scalar: tile partial maxima, then their max."""
     n, k = t.shape
     br, bc = _tile(n, k)
-    grid = (triton.cdiv(n, br), triton.cdiv(k, bc))
+    grid = (cdiv(n, br), cdiv(k, bc))
     part = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=t.device)  # (programs,)
     if t.numel():
         _amax_partial_kernel[grid](t, part, n, k, t.stride(0), t.stride(1), BR=br, BC=bc, num_warps=4)
@@ -225,7 +225,7 @@ def scale_cast(t: Tensor, amax: Tensor, dtype: torch.dtype, col_major: bool = Fa
     inv = torch.empty((), dtype=torch.float32, device=t.device)
     br, bc = _tile(n, k, col_major)
     if t.numel():
-        _scale_cast_kernel[(triton.cdiv(n, br), triton.cdiv(k, bc))](
+        _scale_cast_kernel[(cdiv(n, br), cdiv(k, bc))](
             t, amax.reshape(()).float(), y.view(torch.uint8), inv, n, k, t.stride(0), t.stride(1), y.stride(0),
             y.stride(1), BR=br, BC=bc, num_warps=8, **_consts(dtype))  # 4 warps kept 8 B of stack (fp16, sm_90)
     else:
@@ -255,10 +255,10 @@ def _axis_launch(t: Tensor, axis: int, mode: int, dtype: Optional[torch.dtype], 
     else:           # columns: lanes contiguous, rows looped
         bl = min(next_pow2(lanes), 64)
         br = min(next_pow2(red), max(max_block // bl, 1))
-    lane_progs, want = triton.cdiv(lanes, bl), num_programs_hint(t.device)
-    split = min(triton.cdiv(red, br), triton.cdiv(want, lane_progs)) if lane_progs < want else 1
-    per_prog = triton.cdiv(triton.cdiv(red, split), br) * br  # (a multiple of BR)
-    split = triton.cdiv(red, per_prog)
+    lane_progs, want = cdiv(lanes, bl), num_programs_hint(t.device)
+    split = min(cdiv(red, br), cdiv(want, lane_progs)) if lane_progs < want else 1
+    per_prog = cdiv(cdiv(red, split), br) * br  # (a multiple of BR)
+    split = cdiv(red, per_prog)
     if mode == 1 and split > 1:
         mode, amax = 2, _axis_launch(t, axis, 0, None, None, max_block)[1]
     y = _out(t, dtype, col_major) if mode else None  # (n, k)

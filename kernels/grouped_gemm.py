@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._triton_utils import acc_dtype, dot_dtype, interpreting
+from parallel3d.kernels._triton_utils import acc_dtype, cdiv, dot_dtype, interpreting
 
 
 def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -130,7 +130,7 @@ def grouped_mm_forward(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], 
         return out
     sbe, sb1, sb2 = b.stride()
     sbk, sbn = (sb2, sb1) if transpose_b else (sb1, sb2)
-    _grouped_mm_kernel[(plan.shape[1], triton.cdiv(n_out, block_n))](
+    _grouped_mm_kernel[(plan.shape[1], cdiv(n_out, block_n))](
         a, b, out, plan[0], plan[1], plan[2], n_out, k_dim, a.stride(0), a.stride(1), sbe, sbk, sbn,
         out.stride(0), out.stride(1), DOT=dot_dtype(a.dtype), ACC=acc_dtype(a.dtype), PREC=_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
@@ -146,7 +146,7 @@ def grouped_mm_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: Sequence[i
     offsets = upload_ints([0, *accumulate(counts)], x.device)  # (E+1,) first row of each expert
     block_r, block_m, block_k = _blocks(x.dtype)
     block_m = min(block_m, 64)  # (BLOCK_M, BLOCK_K) accumulator: keep it in registers
-    _grouped_mm_wgrad_kernel[(len(counts), triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_k))](
+    _grouped_mm_wgrad_kernel[(len(counts), cdiv(m_dim, block_m), cdiv(k_dim, block_k))](
         dy, x, dw, offsets, m_dim, k_dim, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0),
         dw.stride(1), dw.stride(2), DOT=dot_dtype(x.dtype), ACC=acc_dtype(x.dtype), PREC=_precision(x.dtype),
         BLOCK_R=block_r, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, num_stages=3)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._triton_utils import acc_dtype, next_pow2, num_programs_hint, rows_2d, tl_dtype
+from parallel3d.kernels._triton_utils import acc_dtype, cdiv, next_pow2, num_programs_hint, rows_2d, tl_dtype
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,7 +132,7 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     ds2 = rows_2d(d_residual_out) if d_residual_out is not None else dy2  # (n, h)
     dx2 = torch.empty((n, h), dtype=x.dtype, device=x.device)  # (n, h)
     progs = max(min(num_programs_hint(x.device), n), 1)
-    rows_per_prog = triton.cdiv(n, progs)
+    rows_per_prog = cdiv(n, progs)
     acc = acc_dtype(x.dtype, weight.dtype)
     dw_part = torch.zeros((progs, h), dtype=torch.float64 if acc == tl.float64 else torch.float32,
                           device=x.device)  # (programs, h)

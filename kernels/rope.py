@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._triton_utils import acc_dtype, next_pow2
+from parallel3d.kernels._triton_utils import acc_dtype, cdiv, next_pow2
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None) -> torch.Tensor:
@@ -154,7 +154,7 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         return q_out, k_out
     half = d // 2
     tokens = tokens_per_program or rope_tokens_per_program(b * s, hq + hk, d)
-    _rope_kernel[(triton.cdiv(b * s, tokens),)](
+    _rope_kernel[(cdiv(b * s, tokens),)](
         q, k, q_out, k_out, cos, sin, b * s, s, hq, hk, half,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),

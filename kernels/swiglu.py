@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from parallel3d.kernels._triton_utils import acc_dtype, next_pow2, rows_2d
+from parallel3d.kernels._triton_utils import acc_dtype, cdiv, next_pow2, rows_2d
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y2 = torch.empty(g2.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     block = _block(f)
     if g2.numel():
-        _swiglu_fwd_kernel[(g2.shape[0], triton.cdiv(f, block))](
+        _swiglu_fwd_kernel[(g2.shape[0], cdiv(f, block))](
             g2, u2, y2, g2.stride(0), u2.stride(0), y2.stride(0), f,
             ACC=acc_dtype(gate.dtype, up.dtype), BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return y2.view(gate.shape)
@@ -82,7 +82,7 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     du2 = torch.empty(u2.shape, dtype=up.dtype, device=up.device)  # (n, f)
     block = _block(f)
     if g2.numel():
-        _swiglu_bwd_kernel[(g2.shape[0], triton.cdiv(f, block))](
+        _swiglu_bwd_kernel[(g2.shape[0], cdiv(f, block))](
             dy2, g2, u2, dg2, du2, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
             f, ACC=acc_dtype(gate.dtype, up.dtype), BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return dg2.view(gate.shape), du2.view(up.shape)
