@@ -8,9 +8,9 @@ dispatch (kernels.dispatch) calls these wrappers when it picks Triton.
 
 Eager calls skip the custom-op layer (`direct`): with real tensors, nothing compiling, no dispatch mode and
 no profiler watching, a wrapper calls the kernel module's autograd Function, the same launchers and
-gradients, for about half the host time (about 65 of 115-140 us per forward + backward on this CPU:
-RESULTS.md, "Host cost of our kernel ops"). Whoever watches (torch.compile, the planner's meta dry run and
-its StepTracker, FakeTensorMode, the profiler that step_profile.py reads op names from) gets the custom ops.
+gradients, without the custom-op layer's host time (RESULTS.md, "Host cost of our kernel ops"). Whoever
+watches (torch.compile, the planner's meta dry run and its StepTracker, FakeTensorMode, the profiler that
+step_profile.py reads op names from) gets the custom ops.
 
 Ops (forward ones differentiable):
   rmsnorm(x, w, eps) -> y                        rmsnorm_residual(x, r, w, eps) -> (y, x + r)
