@@ -38,7 +38,7 @@ def test_kernels_at_tile(monkeypatch, tile):
     bm, bn = tile
     forms = [(False, False)] + ([(True, True)] if bn >= 64 else [])
     torch.manual_seed(0)
-    b, s, hq, hk, d = 1, 2 * max(bm, bn) + 21, 2, 1, 8
+    b, s, hq, hk, d = 1, max(bm, bn) + 37, 2, 1, 8  # two or more blocks each way, the last ragged
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hk, hk))
     doc = _docs(b, s, 1)
     monkeypatch.setattr(_flash_common, "INTERPRETER_TILES", (bm, bn, 4, 1))
