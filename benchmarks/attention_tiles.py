@@ -12,8 +12,9 @@ own row comes first, then the H200's earlier winners, then the rest. A forward c
 a dK/dV or dQ candidate as the whole backward (delta + dK/dV + dQ; only the candidate's kernel differs).
 Each candidate's output (forward) or gradients (backward) are checked against SDPA's: one off by more than
 WRONG is printed as such and never chosen. Prints a line per candidate as it finishes (round robin over the
-kernels, so a short budget still times each kernel's first choices) and, at the end (or when --budget-s has passed), the fastest choice per kernel beside
-the table's, as markdown (also written to --out). --cpu-tiny runs the paths on a tiny CPU shape.
+kernels, so a short budget still times each kernel's first choices) and, at the end (or when --budget-s has
+passed), the fastest choice per kernel beside the table's, as markdown (also written to --out). --cpu-tiny
+runs the paths on a tiny CPU shape.
 """
 from __future__ import annotations
 

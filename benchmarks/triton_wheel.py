@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The Triton of the GPU sessions' image (torch 2.11.0+cu130; RESULTS.md, "The first GPU run"): the release
+# The Triton of the GPU sessions' image (torch 2.11.0+cu130; RESULTS.md, "First GPU session"): the release
 # the tile measurements were taken with, so the one whose compile a tile table must also hold for.
 DEVICE_TRITON = "3.6.0"
 
