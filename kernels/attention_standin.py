@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.library import custom_op
 from torch.utils.flop_counter import register_flop_formula
 
-from parallel3d.kernels import ops
+from parallel3d.kernels.flash_attention import attention_bwd_flops, attention_fwd_flops
 
 
 def _meta_only(*tensors: Tensor) -> None:
@@ -66,8 +66,8 @@ def _define(name: str):
 
     fwd.register_autograd(backward, setup_context=setup)
     # our kernel's formulas: the same matmuls over the visible causal pairs
-    register_flop_formula(getattr(torch.ops.parallel3d, f"{name}_fwd"))(ops.attention_fwd_flops)
-    register_flop_formula(getattr(torch.ops.parallel3d, f"{name}_bwd"))(ops.attention_bwd_flops)
+    register_flop_formula(getattr(torch.ops.parallel3d, f"{name}_fwd"))(attention_fwd_flops)
+    register_flop_formula(getattr(torch.ops.parallel3d, f"{name}_bwd"))(attention_bwd_flops)
     return fwd, bwd
 
 

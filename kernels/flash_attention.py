@@ -213,6 +213,26 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out, lse
 
 
+def _score_pairs(q_shape, k_shape, causal: bool) -> float:
+    """(query, key) pairs the kernel computes per (batch, head): causal is bottom-right aligned and the
+    kernel skips fully masked tiles, so it does about the visible half of the square."""
+    sq, sk = q_shape[1], k_shape[1]
+    return sq * (sk - sq) + sq * (sq + 1) / 2 if causal and sk >= sq else sq * sk
+
+
+def attention_fwd_flops(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
+    """Two matmuls (q k^T, p v): 2 * 2 * b * hq * pairs * d (FlopCounterMode and the planner read it, through
+    the custom ops in kernels/ops.py and attention_standin's op)."""
+    b, _, hq, d = q_shape
+    return int(4 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
+
+
+def attention_bwd_flops(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
+    """Five matmuls (recomputed q k^T, dv, dp, dq, dk): 2.5 times the forward."""
+    b, _, hq, d = q_shape
+    return int(10 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """(out, lse); differentiable w.r.t. q, k, v through both outputs."""
 

@@ -34,6 +34,7 @@ from parallel3d.kernels import rmsnorm as _rn
 from parallel3d.kernels import rope as _rp
 from parallel3d.kernels import swiglu as _sw
 from parallel3d.kernels._triton_utils import direct
+from parallel3d.kernels.flash_attention import attention_bwd_flops, attention_fwd_flops
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -223,26 +224,6 @@ def _fa_backward(ctx, dout, dlse):
 
 
 flash_attention_fwd.register_autograd(_fa_backward, setup_context=_fa_setup)
-
-
-def _score_pairs(q_shape, k_shape, causal: bool) -> float:
-    """(query, key) pairs the kernel computes per (batch, head): causal is bottom-right aligned and the
-    kernel skips fully masked tiles, so it does about the visible half of the square."""
-    sq, sk = q_shape[1], k_shape[1]
-    return sq * (sk - sq) + sq * (sq + 1) / 2 if causal and sk >= sq else sq * sk
-
-
-def attention_fwd_flops(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
-    """Two matmuls (q k^T, p v): 2 * 2 * b * hq * pairs * d (FlopCounterMode and the planner read it; also
-    the formula of attention_standin's op)."""
-    b, _, hq, d = q_shape
-    return int(4 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
-
-
-def attention_bwd_flops(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
-    """Five matmuls (recomputed q k^T, dv, dp, dq, dk): 2.5 times the forward."""
-    b, _, hq, d = q_shape
-    return int(10 * b * hq * _score_pairs(q_shape, k_shape, causal) * d)
 
 
 # registered undecorated, so the plain formulas stay importable (register_flop_formula returns a wrapper)
