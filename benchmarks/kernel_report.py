@@ -281,7 +281,11 @@ def main(argv=None) -> int:
         rest = list(sys.argv[1:] if argv is None else argv)
         rest = [a for i, a in enumerate(rest)  # the same arguments, less the --triton option
                 if not a.startswith("--triton") and not (i and rest[i - 1] == "--triton")]
-        return triton_wheel.rerun_under(args.triton, Path(__file__), rest)
+        try:
+            return triton_wheel.rerun_under(args.triton, Path(__file__), rest)
+        except RuntimeError as e:  # no such release, or no package index in reach
+            print(f"error: --triton {args.triton}: {e}", file=sys.stderr)
+            return 2
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET (the launchers would choose interpreter dtypes)", file=sys.stderr)
         return 2

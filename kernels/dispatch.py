@@ -92,8 +92,8 @@ def fp8_cast(t: torch.Tensor, dtype: torch.dtype, axis: Optional[int] = None,
     per column (axis 0, (1, k)); `reduce_amax` (a TP MAX all-reduce) runs between the amax and the cast.
     col_major: t8 stored transposed (strides (1, n)), the layout a GEMM takes its second operand in."""
     if use_kernel_op(backend, t):
-        from parallel3d.kernels import fp8_cast as fc
-        return fc.cast(t, dtype, axis, reduce_amax, col_major)
+        from parallel3d.kernels import fp8_cast_ops
+        return fp8_cast_ops.cast(t, dtype, axis, reduce_amax, col_major)
     return fp8_cast_reference(t, dtype, axis, reduce_amax, col_major)
 
 
@@ -101,8 +101,8 @@ def fp8_scale_cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, axis
                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The cast pass alone, with a given fp32 amax (shape (), (n, 1) or (1, k) for axis None, 1, 0)."""
     if use_kernel_op(backend, t):
-        from parallel3d.kernels import fp8_cast as fc
-        return (fc.scale_cast_of if fc.direct(t, amax) else fc.fp8_scale_cast)(t, amax, axis, dtype)
+        from parallel3d.kernels import fp8_cast_ops
+        return fp8_cast_ops.cast_given_amax(t, amax, dtype, axis)
     from parallel3d.kernels.fp8_cast import scale_cast_reference
     return scale_cast_reference(t, amax, dtype)
 

@@ -17,8 +17,9 @@ The Triton interpreter's fp32 -> fp8 conversion drops the carry of a round-up in
 (127.95 -> 64 instead of 128 in e4m3fn), so under TRITON_INTERPRET the conversion is done here with
 integer arithmetic (`_fp8_bits`, exact RNE); compiled kernels use the hardware's cvt (also RNE, sm_89+).
 No autograd Function: the casts run inside fp8.Fp8Linear's forward and backward and are not
-differentiated. The custom ops (meta / fake implementations, for the planner's dry run) are registered at
-the end of this file, as kernels/ops.py does for the other kernels.
+differentiated. Their custom ops (meta / fake implementations, for the planner's dry run) and the entry
+points that choose between an op and its body (`cast`, `cast_given_amax`) are in kernels/fp8_cast_ops.py,
+as kernels/ops.py holds the other kernels'.
 """
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import custom_op
 
-from parallel3d.kernels._triton_utils import cdiv, direct, interpreting, next_pow2, num_programs_hint
+from parallel3d.kernels._triton_utils import cdiv, interpreting, next_pow2, num_programs_hint
 
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, 7), torch.float8_e5m2: (tl.float8e5, 2, 15)}  # (tl, mant, bias)
 TILE = 8192  # elements per program tile
@@ -281,64 +281,3 @@ def cast_axis(t: Tensor, axis: int, dtype: torch.dtype, amax: Optional[Tensor] =
               col_major: bool = False) -> tuple[Tensor, Tensor]:
     """Axiswise (t8, inv shaped like the amax): one fused pass, or with a given (reduced) `amax`."""
     return _axis_launch(t, axis, 1 if amax is None else 2, dtype, amax, max_block, col_major)
-
-
-# ---- custom ops (fake implementations: meta tensors and the planner's dry run) -------------------------
-def _amax_shape(t: Tensor, axis: Optional[int]) -> tuple:
-    return () if axis is None else ((t.shape[0], 1) if axis == 1 else (1, t.shape[1]))
-
-
-def amax_of(t: Tensor, axis: Optional[int]) -> Tensor:
-    """fp8_amax's body: the tensor's amax (axis None, shape ()) or per row / column."""
-    return amax_tensor(t) if axis is None else amax_axis(t, axis)
-
-
-def scale_cast_of(t: Tensor, amax: Tensor, axis: Optional[int], dtype: torch.dtype, col_major: bool = False
-                  ) -> tuple[Tensor, Tensor]:
-    """fp8_scale_cast's body: the cast pass with a given amax."""
-    return (scale_cast(t, amax, dtype, col_major) if axis is None else
-            cast_axis(t, axis, dtype, amax, col_major=col_major))
-
-
-@custom_op("parallel3d::fp8_amax", mutates_args=())
-def fp8_amax(t: Tensor, axis: Optional[int]) -> Tensor:
-    return amax_of(t, axis)
-
-
-@fp8_amax.register_fake
-def _(t, axis):
-    return t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
-
-
-@custom_op("parallel3d::fp8_scale_cast", mutates_args=())
-def fp8_scale_cast(t: Tensor, amax: Tensor, axis: Optional[int], dtype: torch.dtype, col_major: bool = False
-                   ) -> tuple[Tensor, Tensor]:
-    return scale_cast_of(t, amax, axis, dtype, col_major)
-
-
-@fp8_scale_cast.register_fake
-def _(t, amax, axis, dtype, col_major=False):
-    return _out(t, dtype, col_major), t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
-
-
-@custom_op("parallel3d::fp8_cast_axis", mutates_args=())
-def fp8_cast_axis(t: Tensor, axis: int, dtype: torch.dtype, col_major: bool = False) -> tuple[Tensor, Tensor]:
-    return cast_axis(t, axis, dtype, col_major=col_major)
-
-
-@fp8_cast_axis.register_fake
-def _(t, axis, dtype, col_major=False):
-    return _out(t, dtype, col_major), t.new_empty(_amax_shape(t, axis), dtype=torch.float32)
-
-
-def cast(t: Tensor, dtype: torch.dtype, axis: Optional[int] = None, reduce_amax=None, col_major: bool = False
-         ) -> tuple[Tensor, Tensor]:
-    """The kernels' cast_reference through the custom ops: tensorwise amax op, (reduce), fused scale-cast op;
-    axiswise one fused op, or amax op, reduce, cast op when the amax must be reduced first. Eager calls with
-    nothing watching (`direct`) run the ops' bodies, without the custom-op layer."""
-    eager = direct(t)
-    if axis is not None and reduce_amax is None:
-        return cast_axis(t, axis, dtype, col_major=col_major) if eager else fp8_cast_axis(t, axis, dtype, col_major)
-    amax = amax_of(t, axis) if eager else fp8_amax(t, axis)
-    amax = amax if reduce_amax is None else reduce_amax(amax)
-    return (scale_cast_of if eager else fp8_scale_cast)(t, amax, axis, dtype, col_major)

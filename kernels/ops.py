@@ -7,8 +7,8 @@ registered on the op (`register_autograd`), so the compiled graph holds forward 
 dispatch (kernels.dispatch) calls these wrappers when it picks Triton.
 
 Eager calls skip the custom-op layer (`direct`): with real tensors, nothing compiling, no dispatch mode and
-no profiler watching, a wrapper calls the kernel module's autograd Function, the same launchers and
-gradients, without the custom-op layer's host time (RESULTS.md, "Host cost of our kernel ops"). Whoever
+no profiler watching, a wrapper calls the kernel module's own entry (its autograd Function), the same
+launchers and gradients, without the custom-op layer's host time (RESULTS.md, "Host cost of our kernel ops"). Whoever
 watches (torch.compile, the planner's meta dry run and its StepTracker, FakeTensorMode, the profiler that
 step_profile.py reads op names from) gets the custom ops.
 
@@ -112,13 +112,13 @@ rmsnorm_res_fwd.register_autograd(_rmsnorm_res_backward, setup_context=_rmsnorm_
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if direct(x, weight):
-        return _rn.RMSNormFunction.apply(x, weight, eps)
+        return _rn.rmsnorm(x, weight, eps)
     return rmsnorm_fwd(x, weight, eps)[0]
 
 
 def rmsnorm_residual(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     if direct(x, residual, weight):
-        return _rn.RMSNormResidualFunction.apply(x, residual, weight, eps)
+        return _rn.rmsnorm_residual(x, residual, weight, eps)
     y, s, _ = rmsnorm_res_fwd(x, residual, weight, eps)
     return y, s
 
@@ -153,7 +153,7 @@ swiglu_op.register_autograd(lambda ctx, dy: swiglu_bwd(dy, *ctx.saved_tensors), 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if direct(gate, up):
-        return _sw.SwiGLUFunction.apply(gate, up)
+        return _sw.swiglu(gate, up)
     return swiglu_op(gate, up)
 
 
@@ -183,7 +183,7 @@ rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     if direct(q, k, cos, sin):
-        return _rp.RoPEFunction.apply(q, k, cos, sin)
+        return _rp.rope(q, k, cos, sin)
     return rope_op(q, k, cos, sin, False)
 
 
@@ -234,7 +234,7 @@ register_flop_formula(torch.ops.parallel3d.flash_attention_bwd)(attention_bwd_fl
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: Optional[float] = None
                     ) -> tuple[Tensor, Tensor]:
     if direct(q, k, v):
-        return _fa.FlashAttentionFunction.apply(q, k, v, causal, scale, None, None, None, None)
+        return _fa.flash_attention(q, k, v, causal, scale)
     return flash_attention_fwd(q, k, v, causal, scale)
 
 
@@ -276,7 +276,7 @@ grouped_mm_op.register_autograd(_gmm_backward, setup_context=_gmm_setup)
 def grouped_mm(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
     """x (N, K) rows sorted by expert, weight (E, M, K) -> (N, M); differentiable."""
     if direct(x, weight):
-        return _gg.GroupedMM.apply(x, weight, tuple(int(c) for c in counts))
+        return _gg.grouped_mm(x, weight, counts)
     return grouped_mm_op(x, weight, [int(c) for c in counts], True)
 
 

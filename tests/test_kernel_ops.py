@@ -89,8 +89,9 @@ def _wrapper_cases(device=DEVICE):
     }
 
 
-class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the name of every op dispatched (a watcher like the planner's StepTracker)."""
+class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every op dispatched (a watcher like the planner's StepTracker; also used by
+    tests/test_kernels_fp8_cast.py)."""
 
     def __init__(self):
         super().__init__()
@@ -118,7 +119,7 @@ def test_eager_calls_skip_the_custom_op_layer_and_watchers_see_the_op(name):
     assert ops.direct(*inputs)
     out, grads = _run(call, inputs)
     assert type(out[0].grad_fn).__name__ == f"{function.__name__}Backward"
-    watcher = _OpNames()
+    watcher = OpNames()
     with watcher:
         assert not ops.direct(*inputs)
         out_op, grads_op = _run(call, inputs)

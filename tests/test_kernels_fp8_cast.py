@@ -10,6 +10,8 @@ import torch
 
 from parallel3d.kernels import dispatch
 from parallel3d.kernels import fp8_cast as fc
+from parallel3d.kernels import fp8_cast_ops
+from test_kernel_ops import OpNames
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -112,18 +114,6 @@ def test_meta_runs_the_custom_ops():
     assert t8.is_meta
 
 
-class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the ops dispatched (a watcher like the planner's StepTracker)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.name())
-        return func(*args, **(kwargs or {}))
-
-
 def test_eager_casts_skip_the_custom_op_layer_and_watchers_see_the_ops(monkeypatch):
     """An eager cast with nothing watching runs the launchers (kernels._triton_utils.direct), never the custom
     ops; under a dispatch mode the custom ops run, with the same bytes."""
@@ -134,9 +124,9 @@ def test_eager_casts_skip_the_custom_op_layer_and_watchers_see_the_ops(monkeypat
     calls.append(lambda: dispatch.fp8_scale_cast(t, amax, torch.float8_e5m2, 1, "triton"))
     with monkeypatch.context() as patch:
         for op in ("fp8_amax", "fp8_scale_cast", "fp8_cast_axis"):
-            patch.setattr(fc, op, lambda *a, **k: pytest.fail("an eager cast went through a custom op"))
+            patch.setattr(fp8_cast_ops, op, lambda *a, **k: pytest.fail("an eager cast went through a custom op"))
         eager = [call() for call in calls]
-    watcher = _OpNames()
+    watcher = OpNames()
     with watcher:
         watched = [call() for call in calls]
     assert {f"parallel3d::fp8_{n}" for n in ("amax", "scale_cast", "cast_axis")} <= watcher.names
@@ -150,7 +140,7 @@ def test_opcheck(name):
     args = {"fp8_amax": (t, 0), "fp8_scale_cast": (t, fc.amax_tensor(t), None, torch.float8_e5m2, True),
             "fp8_cast_axis": (t, 1, torch.float8_e4m3fn), "fp8_cast_axis_col": (t, 0, torch.float8_e4m3fn, True)}[name]
     name = name.replace("_col", "")
-    torch.library.opcheck(getattr(fc, name), args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(getattr(fp8_cast_ops, name), args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("axis", [None, 1, 0])

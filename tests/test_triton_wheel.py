@@ -32,3 +32,15 @@ def test_the_child_imports_that_release_first_with_its_own_kernel_cache(tmp_path
     assert env["PYTHONPATH"].split(":")[:2] == [str(tmp_path / "3.6.0"), str(triton_wheel.ROOT)]
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "3.6.0-kernel-cache")
     assert "TRITON_INTERPRET" not in env
+
+
+def test_the_report_names_a_release_it_cannot_fetch(monkeypatch, capsys):
+    """kernel_report.py --triton with a release pip cannot fetch: one error line naming it, exit status 2."""
+    kernel_report = importlib.import_module("kernel_report")
+
+    def no_release(version, root=None):
+        raise RuntimeError(f"cannot download the triton=={version} wheel: no matching distribution")
+    monkeypatch.setattr(triton_wheel, "site", no_release)
+    assert kernel_report.main(["--triton", "0.0.1", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--triton 0.0.1" in err and "triton==0.0.1" in err
