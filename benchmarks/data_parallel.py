@@ -145,7 +145,7 @@ def _run(w, impl: str, a: dict) -> dict:
     bytes_per_param = torch.finfo(dtype).bits // 8
     if ours:  # the last step's bytes, scalars (norm, skip flag) included
         comm = sum(ctx.stats.bytes.values())
-    else:     # logical volumes (comm.py's convention): DDP all-reduce P; FSDP2 gathers 2P, reduce-scatters P
+    else:     # logical volumes (comm's convention): DDP all-reduce P; FSDP2 gathers 2P, reduce-scatters P
         comm = n_params * bytes_per_param * (1 if impl == "ddp" else 3)
     return {"ms": statistics.median(times) * 1e3, "state": sum(state.values()), "peak": peak, "n": n_params,
             "comm": comm}

@@ -1,4 +1,4 @@
-"""gloo's own reduce-scatter and all-gather against the ones comm.py runs on gloo (gloo_collectives.py), and
+"""gloo's own reduce-scatter and all-gather against the ones comm runs on gloo (parallel3d/comm/gloo.py), and
 the all-reduce DDP uses, on the same buffers.
 
     python benchmarks/gloo_collectives.py [--world 2] [--sizes 2048 65536 1048576 8388608 33554432]
@@ -56,11 +56,11 @@ def _run(w, sizes: list[int], rounds: int) -> dict:
             }
             for name, fn in variants.items():
                 for ours in ((False,) if name == "all_reduce" else (False, True)):
-                    on_gloo, comm.on_gloo = comm.on_gloo, (lambda g: ours)
+                    on_gloo, comm.collectives.on_gloo = comm.collectives.on_gloo, (lambda g: ours)
                     try:
                         ms = _median_ms(fn, calls, group)
                     finally:
-                        comm.on_gloo = on_gloo
+                        comm.collectives.on_gloo = on_gloo
                     key = (nbytes, name, ours)
                     best[key] = min(best.get(key, ms), ms)
     return best

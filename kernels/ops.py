@@ -2,15 +2,13 @@
 
 Why: an autograd.Function that launches Triton directly is opaque to FakeTensorMode, the meta device and
 torch.compile (a graph break, or a crash on fake tensors). As custom ops the launches are single graph
-nodes: the fake implementation gives output shapes / dtypes without running anything, and autograd is
-registered on the op (`register_autograd`), so the compiled graph holds forward and backward ops. The
-dispatch (kernels.dispatch) calls these wrappers when it picks Triton.
+nodes with fake implementations (shapes without running anything) and autograd registered on the op, so
+a compiled graph holds forward and backward ops. kernels.dispatch calls these wrappers when it picks Triton.
 
-Eager calls skip the custom-op layer (`direct`): with real tensors, nothing compiling, no dispatch mode and
-no profiler watching, a wrapper calls the kernel module's own entry (its autograd Function), the same
-launchers and gradients, without the custom-op layer's host time (RESULTS.md, "Host cost of our kernel ops"). Whoever
-watches (torch.compile, the planner's meta dry run and its StepTracker, FakeTensorMode, the profiler that
-step_profile.py reads op names from) gets the custom ops.
+Eager calls skip the custom-op layer and its host time (`direct`: real tensors, nothing compiling or
+watching; RESULTS.md, "Host cost of our kernel ops"): a wrapper calls the kernel module's own entry, the
+same launchers and gradients. Whoever watches (torch.compile, the meta dry run and its StepTracker,
+FakeTensorMode, the profiler step_profile.py reads op names from) gets the custom ops.
 
 Ops (forward ones differentiable):
   rmsnorm(x, w, eps) -> y                        rmsnorm_residual(x, r, w, eps) -> (y, x + r)

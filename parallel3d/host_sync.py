@@ -50,7 +50,7 @@ PER_LAYER = ("moe_splits",)  # categories that scale with MoE layers x microbatc
 class HostSyncs:
     """Host syncs per category since the last reset (one per rank, on `CommStats.syncs`)."""
     counts: dict = field(default_factory=lambda: defaultdict(int))
-    on_read: Optional[Callable[[str], None]] = None   # the strict test backend's check (comm_strict.py)
+    on_read: Optional[Callable[[str], None]] = None   # the strict test backend's check (comm/strict.py)
 
     def add(self, category: str, n: int = 1) -> None:
         if category not in CATEGORIES:

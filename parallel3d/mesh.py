@@ -152,7 +152,7 @@ class ParallelContext:
     def build(cls, spec: MeshSpec, device: Optional[torch.device] = None,
               timeout_s: float = 600.0, strict: bool = False) -> "ParallelContext":
         """Create the process groups of `spec` on an initialised default group (every rank must call).
-        strict: keep NCCL's ordering rules on these groups (comm_strict.py, the test backend over gloo)."""
+        strict: keep NCCL's ordering rules on these groups (comm/strict.py, the test backend over gloo)."""
         import torch.distributed as dist
 
         if spec.world_size == 1 and not dist.is_initialized():

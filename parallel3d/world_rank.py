@@ -64,7 +64,7 @@ class Worker:
 
     def context(self, spec: Any, strict: bool = False) -> Any:
         """The ParallelContext of `spec` on this world (built once per spec and strictness, stats reset every
-        call). strict: the strict test backend (comm_strict.py) with a fresh ledger."""
+        call). strict: the strict test backend (comm/strict.py) with a fresh ledger."""
         from parallel3d.mesh import ParallelContext
 
         key = (spec, strict)

@@ -40,7 +40,7 @@ def build_trainer(cfg, ctx):
 
 
 def context_for(cfg, worker=None, strict: bool = False) -> ParallelContext:
-    """strict: the strict test backend (parallel3d/comm_strict.py: NCCL's ordering rules over gloo)."""
+    """strict: the strict test backend (parallel3d/comm/strict.py: NCCL's ordering rules over gloo)."""
     p = cfg.parallel
     if worker is None:
         return ParallelContext.single()

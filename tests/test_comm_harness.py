@@ -46,17 +46,17 @@ def test_collectives_and_accounting(worlds, n):
 
 def _collectives_before_torch_2_13(w):
     """torch < 2.13 has only all_gather_into_tensor / reduce_scatter_tensor (the GPU image runs 2.11). Those
-    are NCCL's path: on gloo comm runs its own (gloo_collectives.py), so that choice is switched off here."""
+    are NCCL's path: on gloo comm runs its own (comm/gloo.py), so that choice is switched off here."""
     import torch.distributed as dist
     saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")
              if hasattr(dist, name)}
     for name in saved:
         delattr(dist, name)
-    on_gloo, comm.on_gloo = comm.on_gloo, lambda group: False
+    on_gloo, comm.collectives.on_gloo = comm.collectives.on_gloo, lambda group: False
     try:
         return _collectives(w)
     finally:
-        comm.on_gloo = on_gloo
+        comm.collectives.on_gloo = on_gloo
         for name, fn in saved.items():
             setattr(dist, name, fn)
 
@@ -90,12 +90,12 @@ def _gloo_against_native(w):
         ring.wait()
         if rs is not None:
             comm.wait_work(rs, g, "reduce_scatter")
-        on_gloo, comm.on_gloo = comm.on_gloo, lambda group: False
+        on_gloo, comm.collectives.on_gloo = comm.collectives.on_gloo, lambda group: False
         try:
             native = [comm.all_gather(s, g) for s in shards]
             native_seg = comm.reduce_scatter(x, g) if rs is not None else None
         finally:
-            comm.on_gloo = on_gloo
+            comm.collectives.on_gloo = on_gloo
         out[str(dtype)] = (fulls, native, seg if rs is not None else None, native_seg)
     return out
 

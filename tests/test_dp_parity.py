@@ -279,7 +279,7 @@ def _volume(w, zero):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_comm_volume(worlds, zero):
-    """Per step, in comm.py's convention (all_reduce: tensor bytes; reduce_scatter: input bytes;
+    """Per step, in comm's convention (all_reduce: tensor bytes; reduce_scatter: input bytes;
     all_gather: output bytes), P = parameter bytes (fp32), P' = P with padding: ZeRO-1/2, each bucket's
     parameters rounded up to a multiple of dp x 64 elements (buffer.ALIGN), ZeRO-0 none; ZeRO-3, to whole dim-0 chunks:
       zero 0: all_reduce(dp_cp) = P             (a ring all-reduce moves 2x that: same as below)

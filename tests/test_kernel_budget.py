@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 kernel_report = importlib.import_module("kernel_report")
+kernel_launches = importlib.import_module("kernel_launches")
 triton_wheel = importlib.import_module("triton_wheel")
 
 pytestmark = pytest.mark.skipif(not kernel_report.tools_available(),
@@ -99,9 +100,9 @@ def test_attention_uses_each_archs_tensor_cores(rows, request):
              r["arch"]) for r in attention}
     types = {r["variant"].split()[0] for r in attention} | {"bf16"}  # fp16 in the full report
     want = {(k, t, f"d={d}", docs, False, a) for k in ATTENTION_DOTS for t in types
-            for d in kernel_report.ATTENTION_HEAD_DIMS for docs in (False, True) for a in (80, 90)}
+            for d in kernel_launches.ATTENTION_HEAD_DIMS for docs in (False, True) for a in (80, 90)}
     # the tensor-descriptor (TMA) loads, sm_90 only, at the head dims _flash_common.TMA_16BIT may name
-    want |= {(k, t, f"d={d}", docs, True, 90) for k in ATTENTION_DOTS for t in types for d in kernel_report.TMA_HEAD_DIMS
+    want |= {(k, t, f"d={d}", docs, True, 90) for k in ATTENTION_DOTS for t in types for d in kernel_launches.TMA_HEAD_DIMS
              for docs in (False, True)}
     assert want <= seen, sorted(want - seen)
     kind = {80: "mma_sync_ops", 90: "wgmma_ops"}

@@ -96,7 +96,7 @@ def _real_comm_buffers(w, overrides):
 
 @pytest.mark.parametrize("name", ["tp2-sp-zero1", "dp2-zero3"])
 def test_a_plan_of_a_cpu_run_allocates_what_gloo_collectives_allocate(worlds, name):
-    """On gloo a reduce-scatter receives every rank's copy of its segment (gloo_collectives.py): a buffer the
+    """On gloo a reduce-scatter receives every rank's copy of its segment (comm/gloo.py): a buffer the
     size of its input, per bucket and per sequence-parallel exit. A dry run standing for gloo (a plan of a
     CPU run) allocates the same communication buffers as the real gloo step; one standing for NCCL does not."""
     import dataclasses

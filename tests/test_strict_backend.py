@@ -1,4 +1,4 @@
-"""The work-handle contract and the strict test backend (parallel3d/comm_strict.py; issue 48, defects 1-2).
+"""The work-handle contract and the strict test backend (parallel3d/comm/strict.py; issue 48, defects 1-2).
 
 NCCL's rules, which gloo hides: a started collective's output is valid only after its handle is waited
 (on CUDA: the waiting stream is ordered after the one that wrote it), a process group's collectives complete

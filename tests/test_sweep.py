@@ -1,7 +1,7 @@
 """Option-combination sweep through the real Trainer and DistributedOptimizer (issue: every option works).
 
 Each case (tests/sweep_cases.py) trains 3 steps on 4 gloo ranks and at world size 1 from the same config. The
-4 ranks run on the strict test backend (parallel3d/comm_strict.py), so a read of a collective's output before
+4 ranks run on the strict test backend (parallel3d/comm/strict.py), so a read of a collective's output before
 its wait sees NaN, gloo takes NCCL's paths, and a host read that NCCL would make wait behind work in flight
 fails the case.
   fp32        loss rel 1e-5 per step, every rank's logged grad_norm rel 1e-4 per step (clipping and Adam
@@ -50,7 +50,7 @@ def refusal(case: dict):
 
 
 def run(worker, overrides: list[str]) -> dict:
-    """The case's run; on 4 ranks on the strict backend (parallel3d/comm_strict.py: outputs NaN until waited,
+    """The case's run; on 4 ranks on the strict backend (parallel3d/comm/strict.py: outputs NaN until waited,
     NCCL's paths, host reads that would wait behind work in flight reported)."""
     torch.set_num_threads(1)
     cfg = make_config([*PARITY, *overrides], 1 if worker is None else worker.world_size)

@@ -155,7 +155,7 @@ def test_tp_block_without_sp_copies_nothing_to_communicate():
         block = Block(cfg, ctx, False, "ring", "none")
     x = torch.empty(2, 16, 64, device="meta", requires_grad=True)
     cos, sin = (t.to("meta") for t in rope_cos_sin(torch.arange(16), rope_inv_freq(16, cfg.rope_theta)))
-    births = _Births({comm.__file__, mappings.__file__})
+    births = _Births({comm.collectives.__file__, comm.p2p.__file__, mappings.__file__})
     ctx.stats.reset()
     with births:
         y = block(x, cos, sin)

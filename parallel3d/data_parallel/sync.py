@@ -2,7 +2,7 @@
 
 A post-accumulate hook adds every gradient into its bucket's accumulation buffer; a complete bucket is
 launched in its sequence's order (build.py); the reduction is an all-reduce (ZeRO-0), a reduce-scatter
-(ZeRO >= 1; on gloo as an all-to-all, gloo_collectives.py), a compressed all-reduce (compression.py) or a quantised
+(ZeRO >= 1; on gloo as an all-to-all, comm/gloo.py), a compressed all-reduce (compression.py) or a quantised
 all-to-all (qgZ, quantize.py), followed under HSDP by an all-reduce of the segment across the replicas.
 
 When buckets are reduced (`per_microbatch`):
@@ -19,7 +19,7 @@ gradient, freeing the buffer, the offload copy): on a backend whose work orders 
 comm.orders_on_device) they are queued right after the collective, on a side stream that waits for its
 work handle, so neither the host nor the compute stream waits. Every reduction hands back a handle, the
 ones this rank computes itself too (a size-1 group, compression, qgZ: comm.local_work), and waiting it is
-what orders the side stream after the stream that wrote the output (comm_strict.py owns the rule); elsewhere (gloo) each launch polls the oldest
+what orders the side stream after the stream that wrote the output (comm/strict.py owns the rule); elsewhere (gloo) each launch polls the oldest
 reductions with is_completed() and follows up the finished ones, and finish_grad_sync waits for the rest.
 
 `GradientSync` owns this: the buckets' gradient state (`b.grad`), the hooks, the launch order, the

@@ -33,7 +33,7 @@ from parallel3d.comm import P2P, Group
 
 def completes_per_op(group: Group) -> bool:
     """True where each posted op completes by itself with its own handle (gloo), so receives may be
-    posted early and waited late. Not on the strict test backend (comm_strict.py), which runs NCCL's path."""
+    posted early and waited late. Not on the strict test backend (comm/strict.py), which runs NCCL's path."""
     return (group.pg is not None and not group.simulated and group.strict is None
             and dist.get_backend(group.pg) == "gloo")
 

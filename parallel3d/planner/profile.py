@@ -74,7 +74,7 @@ MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
 # of three samples (measure_compute); 10: each collective timed in rounds over all of them, the median of the
 # rounds (profile_gloo.ROUNDS), 80 calls a round at 1 KiB; 11: the per-op overhead net of the ops' times in
 # the step's order (op_replay.replay_in_order), as the dry run prices them; 12: gloo's all-gather in place,
-# without the copy of the rank's own block, which the dry run prices as an op (gloo_collectives.own_block);
+# without the copy of the rank's own block, which the dry run prices as an op (comm.gloo.own_block);
 # 13: gloo's figures the median over three groups of processes (profile_gloo.GROUPS); 14: the per-op
 # overhead net of the ops' times in order per action, as the dry run now prices them (op_replay.segments);
 # 15: net of replays kept at one speed of the machine (replay_speed.py)

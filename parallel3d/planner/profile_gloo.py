@@ -174,7 +174,7 @@ def _collective_call(op: str, nbytes: int, group, rank: int, world: int):
         elif op == "reduce_scatter":   # the transfer only: the sum on wait is an op the dry run
             comm.start_reduce_scatter(out, t, group).work.wait()   # prices at its real size
         elif op == "all_gather":   # in place, the transfer only: the copy of a rank's own block is an
-            own = t.view(world, -1)[rank]   # op the dry run prices (gloo_collectives.own_block)
+            own = t.view(world, -1)[rank]   # op the dry run prices (comm.gloo.own_block)
             comm.wait_work(comm.start_all_gather(t, own, group), group, "all_gather")
         elif op == "all_to_all":
             comm.all_to_all(t, group)

@@ -8,7 +8,7 @@ Memory: every op's output storages are registered when first seen and released w
 gets a category when it is born:
   - storages already alive when tracking starts are the model state, classified by the caller
     (`classify`: params, grads, optimizer);
-  - storages allocated while `parallel3d.comm` (or gloo_collectives.py, its reduce-scatter on gloo) is
+  - storages allocated while `parallel3d.comm` (or comm/gloo.py, its reduce-scatter on gloo) is
     on the Python stack are communication buffers
     (gather outputs, receive buffers, reduction outputs in flight), unless autograd saves them for
     backward (a sequence-parallel all-gather's output kept by the next linear), which makes them
@@ -122,9 +122,11 @@ class StepTracker(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
         import parallel3d.comm as comm_module
-        import parallel3d.gloo_collectives as gloo_module   # the all-to-all reduce-scatter's receive buffers
+        from parallel3d.comm import collectives, gathers, gloo, group, p2p
         from parallel3d.data_parallel.sync import grad_buffer
-        self._comm_files = (comm_module.__file__, gloo_module.__file__)
+        # comm's own buffers (gloo.py: the all-to-all reduce-scatter's receive buffers); not the dry run's
+        # fills (simulated.py) or the strict backend's private copies (strict.py)
+        self._comm_files = tuple(m.__file__ for m in (group, collectives, p2p, gathers, gloo))
         self._grad_code = grad_buffer.__code__
         self._stand_ins = frozenset(f.__code__ for f in comm_module.transfer_stand_ins())
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -38,7 +38,7 @@ BuildStage = Callable[[list[int], bool, bool], nn.Module]
 
 
 def comm_bytes(stats: comm.CommStats) -> dict[str, int]:
-    """Bytes per "<group>.<op>" recorded since the last reset (comm.py's accounting convention)."""
+    """Bytes per "<group>.<op>" recorded since the last reset (comm's accounting convention)."""
     return {f"{group}.{op}": nbytes for (group, op), (_, nbytes) in sorted(stats.summary().items())}
 
 

@@ -118,3 +118,12 @@ def fill_received(buf: torch.Tensor, generator: torch.Generator) -> None:
         buf.normal_(generator=generator)
     else:
         buf.zero_()
+
+
+def transfer_stand_ins() -> tuple:
+    """The functions by which a dry run fills a collective's output in place of the network (the
+    simulated backend): their copies are the transfer's own work, which the collective's price covers, so
+    the planner's tracker does not price them as compute. Not among them: gloo's sum on wait (real
+    arithmetic, run as on gloo)."""
+    from parallel3d.comm import gloo
+    return (fill_reduce_scatter, fill_all_gather, fill_all_to_all, fill_received, gloo.simulate_reduce_scatter)
