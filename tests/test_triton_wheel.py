@@ -44,3 +44,19 @@ def test_the_report_names_a_release_it_cannot_fetch(monkeypatch, capsys):
     assert kernel_report.main(["--triton", "0.0.1", "--quick"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--triton 0.0.1" in err and "triton==0.0.1" in err
+
+
+def test_the_interpreter_child_imports_the_numpy_that_release_needs_first(tmp_path, monkeypatch):
+    fetched = []
+    monkeypatch.setattr(triton_wheel, "site", lambda version: tmp_path / "triton" / version)
+    monkeypatch.setattr(triton_wheel, "unpacked_wheel",
+                        lambda package, version, root: fetched.append((package, version, root)) or root / version)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    env = triton_wheel.child_env("3.6.0", interpret=True)
+    assert fetched == [("numpy", "2.3.5", tmp_path / "numpy")]
+    assert env["PYTHONPATH"].split(":")[:3] == [str(tmp_path / "numpy" / "2.3.5"), str(tmp_path / "triton" / "3.6.0"),
+                                                str(triton_wheel.ROOT)]
+    assert env["TRITON_INTERPRET"] == "1"
+    fetched.clear()
+    assert triton_wheel.child_env("3.9.0", interpret=True)["PYTHONPATH"].split(":")[0] == str(tmp_path / "triton" / "3.9.0")
+    assert fetched == []   # a release whose interpreter takes the installed numpy fetches none
