@@ -15,8 +15,10 @@
 #                  in both forms), at d128 and d64 (ATTN_TILES_D; ATTN_TILES_S seconds, default 380); the fastest
 #                  beside the table's choice in OUTDIR/attn_tiles.md
 #   issue49        issue 49 in one 10-minute call, most valuable first: attn_tiles at d128 (120 s), bwd49 (the head
-#                  and RoPE rows), fp8_step, then attn_table for as many shapes as 150 s allow; the same as
-#                  ATTN_TILES_S=120 ATTN_TILES_D=128 ATTN_TABLE_S=150 ... attn_tiles bwd49 fp8_step attn_table
+#                  and RoPE rows), fp8_step, flex, then attn_table for as many shapes as 150 s allow; the same as
+#                  ATTN_TILES_S=120 ATTN_TILES_D=128 ATTN_TABLE_S=150 ... attn_tiles bwd49 fp8_step flex attn_table
+#   flex           model.attention=flex on CUDA (tests/test_flex_backend.py -m gpu): the compiled FlexAttention's
+#                  forward and backward against fp64 on packed documents, and 3 Trainer steps against auto's
 #   attn_rates     attention's share of the peak (SDPA's, ours, the CP block's) at four shapes, beside HOPPER_ATTENTION
 #   attn_table     benchmarks/attention_table.py: issue 49's shapes (ATTN_TABLE_S seconds, default 480): causal GQA 32/8 and
 #                  64/8, head dim 64 and 128, 8K-64K tokens, and packed documents; ours against each SDPA backend,
@@ -59,7 +61,7 @@ shift || true
 PHASES=${*:-tests_kernels tests_gpu bwd49 planner attn_rates train_eager train_compile kernels}
 mkdir -p "$OUTDIR"
 if [[ " $PHASES " == *" issue49 "* ]]; then   # an alias (see the header), its budgets unless set
-    PHASES=${PHASES//issue49/attn_tiles bwd49 fp8_step attn_table}
+    PHASES=${PHASES//issue49/attn_tiles bwd49 fp8_step flex attn_table}
     : "${ATTN_TILES_S:=120}" "${ATTN_TILES_D:=128}" "${ATTN_TABLE_S:=150}"
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -257,6 +259,7 @@ for p in $PHASES; do
         --impl parallel3d+compile transformers+compile ;;
     kernels) phase kernels 90 python3 benchmarks/kernels.py --markdown ;;
     bwd49) TAIL=16 phase bwd49 150 python3 -c "$BWD49" ;;
+    flex) phase flex 90 python3 -m pytest -q -rfEs --timeout 80 -m gpu tests/test_flex_backend.py ;;
     fp8_kernels) phase fp8_kernels 90 python3 -m pytest -q -rfEs --timeout 80 tests/test_kernels_fp8_cast.py ;;
     fp8_step) TAIL=12 phase fp8_step 90 python3 benchmarks/fp8_step.py --layers "${FP8_LAYERS:-0}" --steps 3 --warmup 2 ;;
     selftest2) TAIL=45 phase selftest2 240 bash -c "$SELFTEST2" selftest2 "$OUTDIR" ;;

@@ -9,6 +9,8 @@
                                                                             (`cuda_lse_op`), else the Triton kernel
     flash_attn   the flash-attn package (CUDA, fp16/bf16, head dim <= 256):   as sdpa (flash-attn has no public
                  `flash_attn_func` / `flash_attn_varlen_func`, (b, s, h, d)  backward-from-(out, lse) API)
+    flex         torch's FlexAttention with a (document-)causal block mask   as auto
+                 (kernels/flex_backend.py; trains on CUDA only)
     reference    exact einsum reference (fp64 for fp64 inputs): tests, and whatever no fused kernel covers
 
 `select_attention(backend, q, need_lse, documents)` maps the model's setting to one of these. `backend` is the
@@ -21,6 +23,8 @@ model.attention value, or model.kernels ("auto" | "triton" | "torch") when model
          kernel, or with the lse of cuDNN's op), triton where CUDA runs FlashAttention-2's op or ours (they
          ran at the same rate); an explicit sdpa runs as on a CPU, and torch with lse as the reference
   torch  fp64 -> reference; CUDA blocks needing the lse -> reference; otherwise sdpa
+An explicit flex runs FlexAttention wherever no lse is wanted (the meta stand-in: `library`), and as auto
+for blocks with the lse and for fp64.
 Causal blocks are bottom-right aligned (sk >= sq). The CPU flash op aligns a causal mask top-left and skips
 only whole 512-key blocks: a causal call with sk > sq (the ring's and the all-gather mode's blocks too) runs
 in bands of CAUSAL_BAND query rows, each a fully visible key prefix plus a causal square, the two partial
@@ -36,8 +40,9 @@ from typing import Optional
 import torch
 
 from parallel3d.kernels.attention_cuda import bhsd, cuda_flash, cuda_flash_backward, cuda_lse_op
+from parallel3d.kernels.flex_backend import why_not_flex
 
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn", "flex")
 # Rows per band of a causal call on the CPU. aten's CPU flash op skips only whole 512-key blocks above the
 # diagonal, so a causal square of n <= 512 costs as much as a full one; cut into bands of h rows (each a full
 # prefix plus an h x h causal square) it computes about (1/2 + h/2n) of the scores (fwd+bwd, 8 heads, d=64,
@@ -74,12 +79,22 @@ def attention_setting(attention: str, kernels: str) -> str:
 
 
 def select_attention(backend: str, q: torch.Tensor, need_lse: bool, documents: bool = False) -> str:
-    """-> "triton" | "sdpa" | "flash_attn" | "reference" (| "library" on meta) for q (b, s, h, d); see the
+    """-> "triton" | "sdpa" | "flash_attn" | "flex" | "reference" (| "library" on meta) for q (b, s, h, d); see the
     module docstring. `documents`: the call masks packed documents, which SDPA's CUDA ops with the lse cannot
     (the dry run drops the masks: they change no shape)."""
     if backend not in ATTENTION_BACKENDS + _KERNEL_SETTINGS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS + _KERNEL_SETTINGS}, got {backend!r}")
     exact = q.dtype == torch.float64
+    if backend == "flex":
+        if need_lse or exact:
+            backend = "auto"
+        elif q.is_meta:
+            return "library"   # priced as the libraries' kernels (no measured FlexAttention rate yet)
+        else:
+            why_not = why_not_flex(q.device, torch.is_grad_enabled() and q.requires_grad)
+            if why_not:
+                raise ValueError(f"model.attention=flex cannot run here: {why_not}")
+            return "flex"
     if q.is_meta and not exact and backend not in ("reference", "sdpa"):
         # the dry run stands in for CUDA (below), where every backend is a flash kernel (out + lse saved, no
         # scores): ours is its custom op, whose fake implementation and FLOP formula (kernels/ops.py) the

@@ -167,7 +167,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               scale: Optional[float] = None, backend: str = "auto", doc_ids: Optional[torch.Tensor] = None,
-              doc_ids_host: Optional[torch.Tensor] = None) -> torch.Tensor:
+              doc_ids_host: Optional[torch.Tensor] = None, doc_derived: Optional[dict] = None) -> torch.Tensor:
     """(b, s, hq, d) attention without lse. backend: a model.attention value or a model.kernels one
     (kernels.attention_backend.select_attention chooses).
 
@@ -175,10 +175,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ids; flash-attn's varlen entry on CUDA (16-bit) when installed and backend is auto / flash_attn; else
     block-wise SDPA. doc_ids_host: a host copy (block plan / cu_seqlens without reading the device). On
     `meta` (the dry run) document masking changes no shape: the plain kernel's memory and work are an upper
-    bound."""
+    bound. doc_derived: the microbatch's dict where FlexAttention keeps its document mask (Documents.derived)."""
     if q.is_meta:
         doc_ids = None  # masking changes no shape on the stand-in: the plain kernel, an upper bound
     impl = select_attention(backend, q, need_lse=False)
+    if impl == "flex":
+        from parallel3d.kernels.flex_backend import flex_attention
+        if doc_ids is not None and not causal:
+            raise ValueError("document-masked attention is causal")
+        return flex_attention(q, k, v, causal, scale, doc_ids, doc_derived)
     if doc_ids is not None:
         from parallel3d.kernels import varlen_attention as varlen
         if not causal:

@@ -48,7 +48,7 @@ class ModelConfig:
     fused_head: bool = True            # loss by the chunked fused linear + CE: no full logits in training
     fused_head_form: str = "auto"      # summed: grads held fwd to bwd; per_token: logits recomputed; auto: by schedule
     expert_impl: str = "auto"    # how the routed experts' GEMMs run (auto picks per device)
-    attention: str = "auto"      # attention backend (flash_attn needs its package; auto picks per device)
+    attention: str = "auto"      # attention backend (flash_attn needs its package; flex trains on CUDA only; auto picks per device)
     # Mixture-of-Experts (num_experts == 0 means dense). Filled in by the MoE issue.
     num_experts: int = 0         # routed experts per MoE layer; 0: a dense model
     moe_top_k: int = 2           # experts each token is routed to

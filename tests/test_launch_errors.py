@@ -15,3 +15,16 @@ def test_nan_policy_stop_ends_every_rank_with_one_line():
     assert lines and all(line.startswith(("error: [rank 0]", "error: [rank 1]")) for line in lines), out.stderr[-2000:]
     assert all("nan_policy=stop" in line for line in lines)
     assert "]: Traceback" not in out.stderr  # no worker traceback (torchrun's own report of the exit stays)
+
+
+def test_flex_attention_on_a_cpu_run_is_refused_before_a_step():
+    """model.attention=flex trains on CUDA only (torch has no FlexAttention backward on the CPU): one line
+    per rank naming the setting and why, exit code 2, before the first step's collectives."""
+    out = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=2", *SMALL,
+                "model.attention=flex", "data.document_masking=true", "data.eos_id=3"], nproc=2, check=False)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert lines and all("model.attention=flex cannot run here: torch's FlexAttention has no backward on the "
+                         "CPU" in line for line in lines), out.stderr[-2000:]
+    assert "loss" not in out.stdout, out.stdout[-1000:]   # no step ran
+    assert "]: Traceback" not in out.stderr

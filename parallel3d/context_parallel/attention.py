@@ -88,7 +88,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if group.size == 1:
         if documents is not None:
             return dispatch.attention(q, k, v, causal=causal, scale=scale, backend=backend, doc_ids=documents.ids,
-                                      doc_ids_host=documents.host)
+                                      doc_ids_host=documents.host, doc_derived=documents.derived)
         return dispatch.attention(q, k, v, causal=causal, scale=scale, backend=backend)
     if mode == "ulysses":
         return ulysses_attention(q, k, v, group, causal, scale, backend, with_lse=False, documents=documents)[0]

@@ -49,10 +49,13 @@ class Documents:
     `counters` is filled by the attention that uses it (tests and benchmarks read it):
     ring_blocks / ring_blocks_skipped: block attentions planned / skipped as entirely masked (forward);
     ring_steps_skipped: ring steps whose every block was skipped (forward).
+    `derived` keeps what an attention backend builds from the ids once per microbatch for every layer (and
+    the recompute): FlexAttention's block mask (kernels/flex_backend.py).
     """
     ids: torch.Tensor                       # (b, s) int32 on the compute device
     host: torch.Tensor                      # (b, s) int64 on the host
     counters: dict = field(default_factory=dict)
+    derived: dict = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, host: torch.Tensor, device: torch.device | str = "cpu") -> "Documents":

@@ -73,10 +73,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     kh = _seq_to_heads(k, group, to_global)  # (b, s, hk/cp, d)
     vh = _seq_to_heads(v, group, to_global)
     doc = documents.ids if documents is not None else None  # (b, s)
-    if not with_lse and doc is None:
+    if not with_lse:
         # no lse wanted: the kernel plain attention takes (on CUDA SDPA's own call, faster than its ops that
-        # return the lse, which a block takes: kernels/attention_backend.py)
-        out = dispatch.attention(qh, kh, vh, causal=causal, scale=scale, backend=backend)  # (b, s, hq/cp, d)
+        # return the lse, which a block takes: kernels/attention_backend.py); with documents its varlen forms
+        # (flash-attn's, FlexAttention's, block-wise SDPA), each rank over the whole sequence
+        docs = {} if documents is None else {"doc_ids": doc, "doc_ids_host": documents.host,
+                                             "doc_derived": documents.derived}
+        out = dispatch.attention(qh, kh, vh, causal=causal, scale=scale, backend=backend, **docs)  # (b, s, hq/cp, d)
         return _heads_to_seq(out, group, order), None  # (b, s/cp, hq, d)
     out, lse = block_attention(qh, kh, vh, causal, scale, backend, doc, doc)  # (b, s, hq/cp, d), (b, hq/cp, s)
     out = _heads_to_seq(out, group, order)  # (b, s/cp, hq, d)
