@@ -28,16 +28,23 @@ def _doc_block(DOC, idx, n):
 
 # Launch configurations, one table: (kernel, arch, head-dim class) -> (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # kernel: "fwd", "dkdv" (BLOCK_N key rows per program, BLOCK_M query rows per step) or "dq" (the reverse);
-# the delta pre-pass has its own rule (delta_block_m). arch: 80 stands for sm_80-89 (mma.sync), 90 for sm_90
-# and later (warpgroup MMA, wgmma: a dot takes it when its output has a multiple of 64 rows and the warps
-# are a multiple of 4). Head-dim class: the smallest of 64, 128, 256 that holds d. Every 16-bit row spills
-# nothing (no stack either) and uses its arch's tensor cores (wgmma on sm_90 but for the d=256 backward,
-# below), chosen on paper from the ahead-of-time compile (benchmarks/kernel_report.py; checked by
-# tests/test_kernel_budget.py); where a 4-warp tile fitted it is preferred (on the H200 the 4-warp tiles ran
-# 2.2x the 8-warp ones, RESULTS.md). That holds under the pinned Triton (3.9); the GPU image's 3.6 allocates
-# registers differently (`kernel_report.py --triton 3.6.0`, a sweep case): there no tile tried keeps the
-# pointer-loaded sm_90 dQ with documents at d=128, or the sm_90 d=256 forward, free of stack (the budget test
-# names them), and sm_80's d=128 forward is (128, 64) because that tile is stack-free under both releases.
+# the delta pre-pass has its own rule (delta_block_m). arch (tile_arch): 80 stands for mma.sync (sm_80-89),
+# 90 for Hopper's warpgroup MMA (wgmma: a dot takes it when its output has a multiple of 64 rows and the
+# warps are a multiple of 4), 100 for Blackwell's tcgen05 (its accumulators live in tensor memory, so other
+# tiles fit). Consumer Blackwell (sm_120) has neither wgmma nor tcgen05 and no column of its own: the 100
+# column compiles there to mma.sync, and its d=64 dK/dV and d=128 documents forward keep 24-80 B of stack
+# (as with the 90 column; the 80 column's d=128 forward keeps 330 B) -- unexamined on such a GPU.
+# Head-dim class: the smallest of 64, 128, 256 that holds d. Every 16-bit row spills
+# nothing (no stack either) and uses its arch's tensor cores (but for the d=256 backward, below), chosen on
+# paper from the ahead-of-time compile (benchmarks/kernel_report.py; checked by
+# tests/test_kernel_budget.py, sm_100 in the sweep); where a 4-warp tile fitted it is preferred (on the H200
+# the 4-warp tiles ran 2.2x the 8-warp ones, RESULTS.md). That holds under the pinned Triton (3.9); the GPU
+# image's 3.6 allocates registers differently (`kernel_report.py --triton 3.6.0`, in CI for sm_90): there no
+# tile tried keeps the pointer-loaded sm_90 dQ with documents at d=128, or the sm_90 d=256 forward, free of
+# stack (the budget test names them), and sm_80's d=128 forward is (128, 64) because that tile is stack-free
+# under both releases. The 100 column keeps the 90 column's forward and dQ tiles (every product on tcgen05,
+# no stack); its dK/dV runs the key-rows form at d <= 128 (KEY_ROWS_16BIT), where the 90 column's query-rows
+# tiles ran 64 of 72 products on mma.sync (RESULTS.md, "Blackwell's own tile column").
 # Which rows run fastest is for a GPU to measure (attention_tiles.py, gpu_check.sh attn_table): the table is
 # where a measurement lands. No autotune: every rank, every run alike.
 TILES_16BIT = {
@@ -47,10 +54,14 @@ TILES_16BIT = {
     ("dkdv", 90, 64): (32, 64, 4, 2), ("dkdv", 90, 128): (32, 64, 8, 2), ("dkdv", 90, 256): (16, 32, 8, 2),
     ("dq", 80, 64): (64, 32, 4, 2), ("dq", 80, 128): (64, 32, 8, 2), ("dq", 80, 256): (16, 32, 8, 2),
     ("dq", 90, 64): (64, 32, 4, 2), ("dq", 90, 128): (64, 16, 8, 2), ("dq", 90, 256): (16, 32, 8, 2),
+    ("fwd", 100, 64): (64, 32, 4, 3), ("fwd", 100, 128): (64, 32, 4, 3), ("fwd", 100, 256): (64, 16, 8, 2),
+    ("dkdv", 100, 64): (32, 128, 8, 1), ("dkdv", 100, 128): (32, 64, 8, 1), ("dkdv", 100, 256): (16, 32, 8, 2),
+    ("dq", 100, 64): (64, 32, 4, 2), ("dq", 100, 128): (64, 16, 8, 2), ("dq", 100, 256): (16, 32, 8, 2),
 }
 # Above 128, no dK/dV or dQ tile with a 64-row product fits in the registers on sm_90 (every one tried kept
-# 400-1800 B of stack: a (64, 256) fp32 accumulator or 64-row operands of 256 columns per warpgroup), so the
-# d=256 backward stays on mma.sync there, without spills (tests/test_kernel_budget.py names the exception).
+# 400-1800 B of stack: a (64, 256) fp32 accumulator or 64-row operands of 256 columns per warpgroup), nor on
+# sm_100 (56-1750 B at the 14 tcgen05 tiles tried, 8 and 16 warps), so the d=256 backward stays on mma.sync
+# there, without spills (tests/test_kernel_budget.py names the exception).
 # fp32 / fp64: exact IEEE dots (no tensor cores), small tiles on 8 warps; any arch. The dK/dV and dQ loops
 # run unpipelined (1 stage): with 2 stages the split loops kept 16-600 B of stack at 255 registers.
 TILES_FP32 = {
@@ -77,10 +88,10 @@ INTERPRETER_TMA = False
 # with no stack and all its products on wgmma, where the query-rows (64, 32) tile ran 64 of its 80 on
 # mma.sync. At d=128 no key-rows tile is free of stack in both the pointer and the document-masked variant
 # (K and V in registers beside the two fp32 accumulators: 184-1344 B on sm_90), so that class keeps the
-# query-rows form until attention_tiles.py measures the two. The arch here is exact (Hopper's wgmma): sm_100
-# (tcgen05) runs the 90 column's tiles in the query-rows form, where the (32, 64) dK/dV tile has no stack and
-# the key-rows one kept 304 B. INTERPRETER_KEY_ROWS for the interpreter tests.
-KEY_ROWS_16BIT: frozenset = frozenset({(90, 64)})
+# query-rows form until attention_tiles.py measures the two. On sm_100 the key-rows tiles of the 100 column
+# put every product on tcgen05 with no stack at d=64 and 128, pointer and TMA loads, with and without
+# documents. INTERPRETER_KEY_ROWS for the interpreter tests.
+KEY_ROWS_16BIT: frozenset = frozenset({(90, 64), (100, 64), (100, 128)})
 INTERPRETER_KEY_ROWS = False
 
 
@@ -99,8 +110,9 @@ def device_capability(device: torch.device) -> int:
 
 
 def tile_arch(capability: int) -> int:
-    """The table's arch column: 90 for sm_90 and later (wgmma), 80 for everything before."""
-    return 90 if capability >= 90 else 80
+    """The table's arch column for a compute capability: 80 below sm_90 (mma.sync), 90 for Hopper (wgmma), 100
+    for sm_100 and later (tcgen05; consumer Blackwell, sm_120, compiles it to mma.sync: see the table)."""
+    return 80 if capability < 90 else 90 if capability < 100 else 100
 
 
 def delta_block_m(d: int) -> int:
@@ -137,12 +149,11 @@ def use_tma(kernel: str, d: int, device: torch.device, *tensors: torch.Tensor) -
 
 
 def key_rows_form(d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether dK/dV runs its key-rows form (KEY_ROWS_16BIT, by exact arch: 80, 90 or 100 for sm_100 and
-    later; INTERPRETER_KEY_ROWS under the interpreter)."""
+    """Whether dK/dV runs its key-rows form (KEY_ROWS_16BIT, by the table's arch column;
+    INTERPRETER_KEY_ROWS under the interpreter)."""
     if interpreting():
         return INTERPRETER_KEY_ROWS
-    capability = device_capability(device)
-    arch = 100 if capability >= 100 else tile_arch(capability)
+    arch = tile_arch(device_capability(device))
     return dtype in (torch.bfloat16, torch.float16) and (arch, head_dim_class(d)) in KEY_ROWS_16BIT
 
 

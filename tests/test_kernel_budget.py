@@ -1,11 +1,13 @@
-"""Every Triton kernel variant the launchers pick compiles for sm_80 and sm_90 within a resource budget.
+"""Every Triton kernel variant the launchers pick compiles for sm_80 and sm_90 (and sm_100, in the sweep) within a
+resource budget.
 
 benchmarks/kernel_report.py compiles ahead of time (no GPU needed) and reads the cubins with cuobjdump.
 Budget: every variant compiles; no local-memory spills anywhere; the 16-bit variants (the training path)
 have no stack either and use tensor-core instructions wherever there is a matrix product: each 16-bit
 attention kernel (forward, dK/dV, dQ; plain and document-masked; every head-dim row of the launchers'
-tile table; on sm_90 at d <= 128 also with TMA tensor-descriptor loads) uses warpgroup MMA (wgmma) on sm_90
-(but the d=256 backward: mma.sync, see the test) and mma.sync on sm_80. The fp32 attention variants compute
+tile table; on sm_90+ at d <= 128 also with TMA tensor-descriptor loads) uses warpgroup MMA (wgmma) on sm_90,
+tcgen05 for every product on sm_100 (but the d=256 backward on both: mma.sync, see the test) and mma.sync on
+sm_80. The fp32 attention variants compute
 tl.dot in exact IEEE fp32 (FMA, no tensor cores: parity with the fp32 reference) and are held to
 "compiles, no local spills".
 """
@@ -35,14 +37,17 @@ pytestmark = pytest.mark.skipif(not kernel_report.tools_available(),
 # sessions' Triton release (benchmarks/triton_wheel.py: fetched from the package index once, seconds here),
 # since that release compiles what the lent Hopper GPUs run. The full report (fp32/bf16/fp16, every shape
 # and mask, about 300 compiles: 27 minutes on the project's loaded 2-core machine) is a sweep case.
-ARCHS = {"quick": [80, 90], "full": [80, 90], "device": [90]}
+# sm_100 (data centre Blackwell, the tile table's 100 column) is a sweep case: no GPU of the project is one yet.
+ARCHS = {"quick": [80, 90], "full": [80, 90], "device": [90], "blackwell": [100]}
 
 
-@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.sweep), "device"])
+@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.sweep), "device",
+                                        pytest.param("blackwell", marks=pytest.mark.sweep)])
 def rows(request) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    scope = {"quick": ["--quick"], "full": [], "device": ["--quick", "--triton", triton_wheel.DEVICE_TRITON]}
+    scope = {"quick": ["--quick"], "full": [], "device": ["--quick", "--triton", triton_wheel.DEVICE_TRITON],
+             "blackwell": ["--quick"]}
     if request.param == "device":
         try:
             triton_wheel.site(triton_wheel.DEVICE_TRITON)
@@ -99,27 +104,38 @@ def test_every_variant_compiles_without_spills(rows, request):
 ATTENTION_DOTS = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
 
 
+def _own_tensor_core_ops(row: dict) -> int:
+    """Products on the row's arch's own tensor-core instructions: mma.sync on sm_80, wgmma on sm_90, tcgen05
+    on sm_100 (the report counts it in tensor_core_ops only)."""
+    if row["arch"] == 100:
+        return row["tensor_core_ops"] - row["wgmma_ops"] - row["mma_sync_ops"]
+    return row["mma_sync_ops" if row["arch"] == 80 else "wgmma_ops"]
+
+
 def test_attention_uses_each_archs_tensor_cores(rows, request):
     """sm_90: wgmma (a dot on mma.sync alone would leave Hopper's tensor cores at a fraction of their rate);
-    sm_80: mma.sync; neither spills nor keeps a stack frame; every variant class is in the report."""
+    sm_100: tcgen05 for every product; sm_80: mma.sync; none spills nor keeps a stack frame; every variant
+    class is in the report."""
     attention = [r for r in rows if r["kernel"] in ATTENTION_DOTS and r["variant"].startswith(("bf16", "fp16"))]
     seen = {(r["kernel"], *r["variant"].split()[:2], "docs" in r["variant"].split(), "tma" in r["variant"].split(),
              r["arch"]) for r in attention}
     types = {r["variant"].split()[0] for r in attention} | {"bf16"}  # fp16 in the full report
     want = {(k, t, f"d={d}", docs, False, a) for k in ATTENTION_DOTS for t in types
             for d in kernel_launches.ATTENTION_HEAD_DIMS for docs in (False, True) for a in _archs(request)}
-    # the tensor-descriptor (TMA) loads, sm_90 only, at the head dims _flash_common.TMA_16BIT may name
-    want |= {(k, t, f"d={d}", docs, True, 90) for k in ATTENTION_DOTS for t in types for d in kernel_launches.TMA_HEAD_DIMS
-             for docs in (False, True)}
+    # the tensor-descriptor (TMA) loads, sm_90+ only, at the head dims _flash_common.TMA_16BIT may name
+    want |= {(k, t, f"d={d}", docs, True, a) for k in ATTENTION_DOTS for t in types for d in kernel_launches.TMA_HEAD_DIMS
+             for docs in (False, True) for a in _archs(request) if a >= 90}
     assert want <= seen, sorted(want - seen)
-    kind = {80: "mma_sync_ops", 90: "wgmma_ops"}
     # the one exception (kernels/_flash_common.py): above d=128 no backward tile with 64-row products fits
-    # the registers on sm_90, so dK/dV and dQ run mma.sync there
-    wide_backward = {(k, 90, "d=256") for k in ATTENTION_DOTS[1:]}
+    # the registers on sm_90 or sm_100, so dK/dV and dQ run mma.sync there
+    wide_backward = {(k, a, "d=256") for k in ATTENTION_DOTS[1:] for a in (90, 100)}
     missing = [(r["kernel"], r["variant"], r["arch"]) for r in attention
-               if r[kind[r["arch"]]] == 0 and (r["kernel"], r["arch"], r["variant"].split()[1]) not in wide_backward
+               if _own_tensor_core_ops(r) == 0 and (r["kernel"], r["arch"], r["variant"].split()[1]) not in wide_backward
                or r["tensor_core_ops"] == 0]
     assert not missing, missing
+    blackwell_on_mma_sync = [(r["kernel"], r["variant"], r["mma_sync_ops"]) for r in attention if r["arch"] == 100
+                             and r["mma_sync_ops"] and (r["kernel"], 100, r["variant"].split()[1]) not in wide_backward]
+    assert not blackwell_on_mma_sync, blackwell_on_mma_sync
     spilled = [(r["kernel"], r["variant"], r["arch"], r["spill_bytes"]) for r in attention if r["spill_bytes"]
                and (r["kernel"], r["variant"], r["arch"]) not in _allowed_stack(request)]
     assert not spilled, spilled
