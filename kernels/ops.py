@@ -11,10 +11,9 @@ same launchers and gradients. Whoever watches (torch.compile, the meta dry run a
 FakeTensorMode, the profiler step_profile.py reads op names from) gets the custom ops.
 
 Ops (forward ones differentiable):
-  rmsnorm(x, w, eps) -> y                        rmsnorm_residual(x, r, w, eps) -> (y, x + r)
-  swiglu(gate, up) -> y                          rope(q, k, cos, sin) -> (q', k')
-  flash_attention(q, k, v, causal, scale) -> (out, lse)
-  grouped_mm(x, w, counts) -> y                  ce_partial_stats / ce_partial_grad (not differentiated)
+  rmsnorm(x, w, eps) -> y      rmsnorm_residual(x, r, w, eps) -> (y, x + r)     swiglu(gate, up) -> y
+  rope(q, k, cos, sin) -> (q', k')     flash_attention(q, k, v, causal, scale) -> (out, lse)
+  grouped_mm(x, w, counts) -> y        ce_partial_stats / ce_partial_grad (not differentiated)
 """
 from __future__ import annotations
 
