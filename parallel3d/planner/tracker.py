@@ -124,8 +124,7 @@ class StepTracker(TorchDispatchMode):
         import parallel3d.comm as comm_module
         from parallel3d.comm import collectives, gathers, gloo, group, p2p
         from parallel3d.data_parallel.sync import grad_buffer
-        # comm's own buffers (gloo.py: the all-to-all reduce-scatter's receive buffers); not the dry run's
-        # fills (simulated.py) or the strict backend's private copies (strict.py)
+        # comm's buffers (gloo.py's: the reduce-scatter's receive buffers), not the dry run's fills (simulated.py)
         self._comm_files = tuple(m.__file__ for m in (group, collectives, p2p, gathers, gloo))
         self._grad_code = grad_buffer.__code__
         self._stand_ins = frozenset(f.__code__ for f in comm_module.transfer_stand_ins())
