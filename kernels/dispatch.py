@@ -179,15 +179,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if q.is_meta:
         doc_ids = None  # masking changes no shape on the stand-in: the plain kernel, an upper bound
     impl = select_attention(backend, q, need_lse=False)
+    if doc_ids is not None and not causal:
+        raise ValueError("document-masked attention is causal")
     if impl == "flex":
         from parallel3d.kernels.flex_backend import flex_attention
-        if doc_ids is not None and not causal:
-            raise ValueError("document-masked attention is causal")
         return flex_attention(q, k, v, causal, scale, doc_ids, doc_derived)
     if doc_ids is not None:
         from parallel3d.kernels import varlen_attention as varlen
-        if not causal:
-            raise ValueError("document-masked attention is causal")
         host = doc_ids.cpu() if doc_ids_host is None else doc_ids_host
         if impl == "flash_attn":  # model.attention=flash_attn, or auto on CUDA with the package (select_attention)
             return varlen.flash_attn_varlen(q, k, v, host, scale)
