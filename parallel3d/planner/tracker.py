@@ -8,7 +8,7 @@ Memory: every op's output storages are registered when first seen and released w
 gets a category when it is born:
   - storages already alive when tracking starts are the model state, classified by the caller
     (`classify`: params, grads, optimizer);
-  - storages allocated while `parallel3d.comm` (or comm/gloo.py, its reduce-scatter on gloo) is
+  - storages allocated while a file of `parallel3d.comm` (not its dry-run fills or strict copies) is
     on the Python stack are communication buffers
     (gather outputs, receive buffers, reduction outputs in flight), unless autograd saves them for
     backward (a sequence-parallel all-gather's output kept by the next linear), which makes them
