@@ -109,7 +109,7 @@ class MeshSpec:
 
     @classmethod
     def of(cls, parallel) -> "MeshSpec":
-        """The mesh of a resolved `parallel` config section (training/config.py's ParallelConfig, dp filled)."""
+        """The mesh of a resolved `parallel` config section (training/config_sections.py's ParallelConfig, dp filled)."""
         p = parallel
         return cls(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, etp=p.etp, dp_shard=p.dp_shard,
                    gpus_per_node=p.gpus_per_node)

@@ -116,7 +116,7 @@ class DataParallelConfig:
 
     @classmethod
     def from_train_config(cls, cfg: Any) -> "DataParallelConfig":
-        """From a training ExperimentConfig (training/config.py; read by attribute, so this layer does
+        """From a training ExperimentConfig (training/config_sections.py; read by attribute, so this layer does
         not import training): every parallel.* and train.* key the optimizer uses."""
         t, p = cfg.train, cfg.parallel
         return cls(zero=p.zero, precision=t.precision, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
