@@ -129,8 +129,10 @@ def test_real_profile_measures_this_machine(tmp_path, monkeypatch):
     """The microbenchmarks themselves run (seconds) and give positive rates and both gloo timings; the
     contention probe on the spawned ranks one slowdown per kind, never below 1 (a run cannot be faster than
     alone); and each collective's extra after a long stretch of compute, which the planner is handed. One
-    group of processes (CI's time; the median over groups is tested below)."""
+    group of processes (CI's time; the median over groups is tested below), and matmul curves up to 256 (the
+    bf16 GEMMs at 1024 alone take 10 s here)."""
     monkeypatch.setattr(profile_gloo, "GROUPS", 1)
+    monkeypatch.setattr(profile, "MATMUL_SIZES", (32, 64, 128, 256))
     g = profile.cpu_device(2, path=tmp_path / "hw.json")
     assert g.peak_flops["fp32"] > 0 and g.hbm_bytes_per_s > 0 and g.op_overhead_s > 0
     assert g.host_step_params_per_s > 0 and g.reserved_bytes > 0
