@@ -116,7 +116,7 @@ def action_index(out: dict, pp_rank: int):
 
 def message_action(mine: list, i: int, op: str, taken: dict) -> int:
     """The action of a pipeline message the dry run met at action `i` (action_index): a posted group's
-    actions share the post's window (pipeline/runtime.py), and `i` is the window's last; the window's n-th
+    actions share the post's window (pipeline/executor.py), and `i` is the window's last; the window's n-th
     send (receive) is its n-th SEND (RECV) action, as the group posts them in the schedule's order.
     `taken`: (window, op) -> the messages placed so far."""
     if i < 0 or op not in ("send", "recv") or ActionKind[mine[i][1]].is_compute:
