@@ -101,6 +101,21 @@ def test_every_variant_compiles_without_spills(rows, request):
     assert all(r["ctas_per_sm"] >= 1 for r in rows)
 
 
+# sm_86 and sm_89 (RTX 30xx/40xx, A10, L4, L40S) take the 80 column (_flash_common.tile_arch) but give a block at
+# most 99 KiB of shared memory, against the A100's 163: a tile over it compiles and then fails at launch there.
+# Their compiles take the same shared memory as sm_80's (every quick-set variant compared under Triton 3.9,
+# RESULTS.md), so the sm_80 rows stand for them.
+SM86_BLOCK_SHARED = 99 * 1024
+
+
+def test_the_80_column_fits_the_shared_memory_of_sm86_and_sm89(rows, request):
+    if 80 not in _archs(request):
+        pytest.skip("no sm_80 rows in this set")
+    over = [(r["kernel"], r["variant"], r["shared_bytes"]) for r in rows
+            if r["arch"] == 80 and "error" not in r and r["shared_bytes"] > SM86_BLOCK_SHARED]
+    assert not over, over
+
+
 ATTENTION_DOTS = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
 
 
