@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from parallel3d.kernels.attention_cuda import bhsd, cuda_flash, cuda_flash_backward, cuda_lse_op
-from parallel3d.kernels.flex_backend import why_not_flex
+from parallel3d.kernels.flex_backend import check_flex
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn", "flex")
 # Rows per band of a causal call on the CPU. aten's CPU flash op skips only whole 512-key blocks above the
@@ -91,9 +91,7 @@ def select_attention(backend: str, q: torch.Tensor, need_lse: bool, documents: b
         elif q.is_meta:
             return "library"   # priced as the libraries' kernels (no measured FlexAttention rate yet)
         else:
-            why_not = why_not_flex(q.device, torch.is_grad_enabled() and q.requires_grad)
-            if why_not:
-                raise ValueError(f"model.attention=flex cannot run here: {why_not}")
+            check_flex(q.device, torch.is_grad_enabled() and q.requires_grad)
             return "flex"
     if q.is_meta and not exact and backend not in ("reference", "sdpa"):
         # the dry run stands in for CUDA (below), where every backend is a flash kernel (out + lse saved, no

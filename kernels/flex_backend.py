@@ -10,7 +10,7 @@ by `causal_document`, so a batch of short documents costs what its documents cos
     with the lse (CP ring / all-gather    as model.attention=auto (kernels/attention_backend.py): the
     blocks, Ulysses with the lse)         blocks merge through their lse and backpropagate through the merge
 
-Training needs CUDA: torch has no FlexAttention backward on the CPU (`why_not_flex`). A forward without
+Training needs CUDA: torch has no FlexAttention backward on the CPU (`check_flex`). A forward without
 gradients runs on the CPU (eager), which is how the tests hold it to the reference.
 
 The document mask is built once per microbatch: `Documents.derived` (parallel3d/context_parallel/documents.py)
@@ -26,12 +26,12 @@ import torch
 FLEX_MASK_KEY = "flex_block_mask"  # the BlockMask's key in a Documents' `derived` dict
 
 
-def why_not_flex(device: torch.device, needs_grad: bool) -> str:
-    """Why FlexAttention cannot run attention on `device` (empty when it can): torch has no CPU backward."""
+def check_flex(device: torch.device, needs_grad: bool) -> None:
+    """Raise the one error a run with model.attention=flex gets where FlexAttention cannot run: torch has no
+    FlexAttention backward on the CPU."""
     if needs_grad and device.type == "cpu":
-        return ("torch's FlexAttention has no backward on the CPU; train with model.attention=flex on CUDA, "
-                "or use model.attention=auto here")
-    return ""
+        raise ValueError("model.attention=flex cannot run here: torch's FlexAttention has no backward on the CPU; "
+                         "train with model.attention=flex on CUDA, or use model.attention=auto here")
 
 
 def _flex():
@@ -45,26 +45,32 @@ def _compiled():
     return torch.compile(_flex(), dynamic=False)
 
 
+@lru_cache(maxsize=None)
+def _block_mask_builder(device_type: str):
+    """create_block_mask, compiled once per process on CUDA (as TorchTitan builds its masks): eager, it first
+    materialises the dense (b, sq, sk) boolean mask, 4 GiB for one 64K-token sequence, where the compiled
+    one reduces the mask to its blocks as it evaluates it. Eager on the CPU (forward-only tests, small)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask, dynamic=False) if device_type == "cuda" else create_block_mask
+
+
 def document_block_mask(doc: torch.Tensor):
     """BlockMask of causal attention within each document, for doc (b, s) integer ids on the compute device."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def causal_document(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
     b, s = doc.shape
-    return create_block_mask(causal_document, b, None, s, s, device=doc.device)
+    return _block_mask_builder(doc.device.type)(causal_document, b, None, s, s, device=doc.device)
 
 
 @lru_cache(maxsize=8)
 def causal_block_mask(sq: int, sk: int, device: str):
     """BlockMask of causal attention, bottom-right aligned (sk >= sq: a query sees the keys up to its own
     position counted from the end), as the other backends align it."""
-    from torch.nn.attention.flex_attention import create_block_mask
     offset = sk - sq
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx + offset >= kv_idx
-    return create_block_mask(causal, None, None, sq, sk, device=device)
+    return _block_mask_builder(torch.device(device).type)(causal, None, None, sq, sk, device=device)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],

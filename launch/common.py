@@ -130,10 +130,8 @@ def stage_builder(cfg: ExperimentConfig, ctx: ParallelContext):
 
     def build(layer_ids: list[int], pre: bool, post: bool):
         if cfg.model.attention == "flex":   # before any rank starts a step (torch raises at the backward)
-            from parallel3d.kernels.flex_backend import why_not_flex
-            why_not = why_not_flex(ctx.device, needs_grad=True)
-            if why_not:
-                raise ValueError(f"model.attention=flex cannot run here: {why_not}")
+            from parallel3d.kernels.flex_backend import check_flex
+            check_flex(ctx.device, needs_grad=True)
         model = model_cls(cfg.model, ctx, layers=layer_ids, pre=pre, post=post, sequence_parallel=p.sp,
                           cp_mode=p.cp_mode, recompute=recompute, compile_blocks=cfg.train.compile)
         if cfg.train.fp8 != "none":

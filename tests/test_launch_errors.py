@@ -19,7 +19,8 @@ def test_nan_policy_stop_ends_every_rank_with_one_line():
 
 def test_flex_attention_on_a_cpu_run_is_refused_before_a_step():
     """model.attention=flex trains on CUDA only (torch has no FlexAttention backward on the CPU): one line
-    per rank naming the setting and why, exit code 2, before the first step's collectives."""
+    per rank naming the setting and why, and a non-zero exit (torchrun's 1; each rank's is 2), before the first
+    step's collectives."""
     out = _run(["launch/pretrain.py", "--config", "configs/tiny.yaml", "parallel.tp=2", *SMALL,
                 "model.attention=flex", "data.document_masking=true", "data.eos_id=3"], nproc=2, check=False)
     assert out.returncode != 0
