@@ -13,9 +13,9 @@ file, the shared memory and the thread limit of the architecture. --triton VERSI
 release (benchmarks/triton_wheel.py), e.g. the one the GPU sessions' image ships.
 
 With --json the last stdout line is a JSON list of {"kernel", "variant", "arch", "regs", "spill_bytes",
-"shared_bytes", "num_warps", "num_stages", "tensor_core_ops", "wgmma_ops", "mma_sync_ops", "ctas_per_sm"}
-(or "error" for a variant that fails to compile); tensor_core_ops counts every kind. --attention: the
-flash-attention kernels alone. Never run under TRITON_INTERPRET=1 (the launchers would pick interpreter
+"shared_bytes", "num_warps", "num_stages", "tensor_core_ops", "wgmma_ops", "mma_sync_ops", "tcgen05_ops",
+"ctas_per_sm"} (or "error" for a variant that fails to compile); tensor_core_ops counts every kind.
+--attention: the flash-attention kernels alone. Never run under TRITON_INTERPRET=1 (the launchers would pick interpreter
 dtypes). Compiles are cached by Triton (~/.triton/cache): a rerun of unchanged kernels takes seconds.
 """
 from __future__ import annotations
@@ -61,6 +61,7 @@ def compile_report(launch: Launch, arch: int, cache: dict | None = None) -> dict
                    stack_bytes=res["STACK"], shared_bytes=shared, num_warps=warps,
                    num_stages=compiled.metadata.num_stages, tensor_core_ops=sum(counts.values()),
                    wgmma_ops=counts["wgmma_ops"], mma_sync_ops=counts["mma_sync_ops"],
+                   tcgen05_ops=counts["tcgen05_ops"],
                    ctas_per_sm=occupancy(arch, res["REG"], shared, warps))
     except Exception as e:  # a variant that does not compile is a row, not a crash
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"

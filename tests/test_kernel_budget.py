@@ -119,12 +119,11 @@ def test_the_80_column_fits_the_shared_memory_of_sm86_and_sm89(rows, request):
 ATTENTION_DOTS = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
 
 
+OWN_TENSOR_CORE_OPS = {80: "mma_sync_ops", 90: "wgmma_ops", 100: "tcgen05_ops"}   # each arch's own instruction
+
+
 def _own_tensor_core_ops(row: dict) -> int:
-    """Products on the row's arch's own tensor-core instructions: mma.sync on sm_80, wgmma on sm_90, tcgen05
-    on sm_100 (the report counts it in tensor_core_ops only)."""
-    if row["arch"] == 100:
-        return row["tensor_core_ops"] - row["wgmma_ops"] - row["mma_sync_ops"]
-    return row["mma_sync_ops" if row["arch"] == 80 else "wgmma_ops"]
+    return row[OWN_TENSOR_CORE_OPS[row["arch"]]]
 
 
 def test_attention_uses_each_archs_tensor_cores(rows, request):
