@@ -20,7 +20,8 @@ CACHED_CONTEXTS = 2
 # IDLE_NOTE: a session's idle worlds of 2, 4 and 8 ranks took 0.25 of a core with two cached contexts each, and
 # 0.10 with their default groups alone; under pytest-xdist each worker keeps its own. Between test modules
 # the worlds therefore drop their contexts (WorldPool.release_groups), and a module that needs a mesh
-# builds it again.
+# builds it again. On Linux the pool also stops a gloo world's ranks between calls (worlds.World.pause), so
+# an idle world costs nothing at all there; the trimming still bounds what a world holds while it runs.
 # torch.distributed calls whose entry a rank reports, so a hang names the operation it is stuck in
 _WATCHED = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
             "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
@@ -124,9 +125,29 @@ def _watch_torch_distributed(worker: Worker) -> None:
             setattr(dist, name, wrap(name, fn))
 
 
+def _die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG): a rank the pool has
+    stopped between calls cannot run its own orphan check. False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+# the pool may stop a gloo world's ranks between calls (worlds.World.pause): only where they die with it
+CAN_PAUSE = sys.platform.startswith("linux")
+
+
 def worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any, status: Any,
                  sys_path: list[str]) -> None:
     sys.path[:] = sys_path
+    if CAN_PAUSE and not _die_with_parent():
+        raise RuntimeError("prctl(PR_SET_PDEATHSIG) failed: a stopped rank could outlive its test process")
     if backend == "gloo":  # CPU ranks run Triton kernels through the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)

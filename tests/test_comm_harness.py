@@ -1,10 +1,19 @@
 """Collectives, accounting and the multi-process harness (gloo)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
 from parallel3d import comm
 from parallel3d.mesh import MeshSpec
 from parallel3d.testing import WorldError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _collectives(w):
@@ -238,3 +247,56 @@ def test_destroy_leaves_no_process_group_behind(worlds):
     for pgs, clones, refused in worlds.run(4, _destroy_twice):
         assert pgs and all(pg is None for pg in pgs) and clones == {}
         assert "all_reduce on dp group" in refused and "destroyed" in refused, refused
+
+
+def _state(pid: int) -> str:
+    """The kernel's one-letter state of a process ("T": stopped, "Z": dead, awaiting its reaper; "": gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def _settles(pids: list[int], states: tuple, within_s: float = 10.0) -> list[str]:
+    """The processes' states once all are in `states`, or when `within_s` has passed."""
+    deadline = time.monotonic() + within_s
+    while any(_state(pid) not in states for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [_state(pid) for pid in pids]
+
+
+def _busy_then_rank(w):
+    total = comm.all_reduce(torch.ones(1), w.context(MeshSpec(dp=2)).dp)
+    return w.rank, total.item()
+
+
+ORPHAN = """
+import os, signal, sys
+from parallel3d.worlds import WorldPool
+from test_comm_harness import _busy_then_rank
+if __name__ == "__main__":
+    pool = WorldPool()
+    pool.run(2, _busy_then_rank)
+    print(*[p.pid for w in pool.worlds.values() for p in w.procs], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)   # a test process killed outright (a CI timeout, the OOM killer)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="worlds are stopped between calls on Linux only")
+def test_idle_worlds_are_stopped_between_calls_and_die_with_their_parent(worlds, tmp_path):
+    """World.pause: between calls a gloo world's ranks are stopped (their groups' threads wake every 10 ms),
+    the next call runs them again, and a test process killed outright takes its stopped ranks with it."""
+    for _ in range(3):
+        assert worlds.run(2, _busy_then_rank) == [(0, 2.0), (1, 2.0)]
+        pids = [p.pid for p in worlds.worlds[(2, "gloo")].procs]
+        assert _settles(pids, ("T",)) == ["T", "T"]   # (a signal lands asynchronously)
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    # (a stopped orphan would hold the output pipe open: the timeout, not a hang, fails the test then)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    orphans = [int(pid) for pid in out.stdout.split()]
+    assert len(orphans) == 2
+    assert set(_settles(orphans, ("", "Z"))) <= {"", "Z"}
