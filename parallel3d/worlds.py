@@ -2,13 +2,16 @@
 parallel3d/world_rank.py). parallel3d.testing documents them and serves them to pytest."""
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401  (its exit handler registered before ours: see _resume_paused_worlds)
 import os
 import pickle
 import queue
 import signal
 import sys
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -17,6 +20,15 @@ from parallel3d.world_rank import CAN_PAUSE, STATUS_LEN, drop_contexts, hosted_s
 
 DEFAULT_TIMEOUT = 120.0
 IDLE = b"idle"
+_PAUSED: "weakref.WeakSet[World]" = weakref.WeakSet()
+
+
+@atexit.register   # registered after multiprocessing.util's exit handler (imported above), so it runs first
+def _resume_paused_worlds() -> None:
+    """At exit multiprocessing ends daemon ranks with SIGTERM and joins them: a stopped rank would take the
+    SIGTERM only once continued, and the join would wait forever."""
+    for world in list(_PAUSED):
+        world.resume()
 
 
 class WorldError(RuntimeError):
@@ -56,11 +68,13 @@ class World:
             time.sleep(0.002)
         self._signal(signal.SIGSTOP)
         self.paused = True
+        _PAUSED.add(self)
 
     def resume(self) -> None:
         if self.paused:
             self._signal(signal.SIGCONT)
             self.paused = False
+            _PAUSED.discard(self)
 
     def _signal(self, sig: int) -> None:
         for p in self.procs:
