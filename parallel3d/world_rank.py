@@ -127,7 +127,9 @@ def _watch_torch_distributed(worker: Worker) -> None:
 
 def _die_with_parent() -> bool:
     """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG): a rank the pool has
-    stopped between calls cannot run its own orphan check. False where that is not available."""
+    stopped between calls cannot run its own orphan check. False where that is not available. (Linux sends
+    it when the *thread* that started the rank ends: a pool used from a short-lived thread loses its worlds
+    with it, and WorldPool.run starts fresh ones, since it checks that a world is alive before each call.)"""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
