@@ -127,11 +127,9 @@ def _watch_torch_distributed(worker: Worker) -> None:
 
 def _die_with_parent() -> bool:
     """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG): a rank the pool has
-    stopped between calls cannot run its own orphan check. False where that is not available. (Linux sends
-    it when the *thread* that started the rank ends: a pool used from a short-lived thread loses its worlds
-    with it, and WorldPool.run starts fresh ones, since it checks that a world is alive before each call.)"""
-    if not sys.platform.startswith("linux"):
-        return False
+    stopped between calls cannot run its own orphan check. (Linux sends it when the *thread* that started the
+    rank ends: a pool used from a short-lived thread loses its worlds with it, and WorldPool.run starts fresh
+    ones, since it checks that a world is alive before each call.)"""
     import ctypes
     import signal
 
@@ -143,6 +141,7 @@ def _die_with_parent() -> bool:
 
 # the pool may stop a gloo world's ranks between calls (worlds.World.pause): only where they die with it
 CAN_PAUSE = sys.platform.startswith("linux")
+IDLE = "idle"   # a rank's status between calls (the pool stops a world only once every rank says so)
 
 
 def worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any, status: Any,
@@ -163,7 +162,7 @@ def worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resul
                             timeout=STORE_TIMEOUT)
     worker = Worker(rank, size, device, status)
     _watch_torch_distributed(worker)
-    worker.report("idle")  # ready: the parent's per-call timeout starts once every rank is here
+    worker.report(IDLE)  # ready: the parent's per-call timeout starts once every rank is here
     parent = os.getppid()
     while True:
         try:
@@ -182,7 +181,7 @@ def worker_main(rank: int, size: int, port: int, backend: str, tasks: Any, resul
             results.put((rank, True, pickle.dumps(out)))
         except BaseException:  # report everything, including assertion errors
             results.put((rank, False, traceback.format_exc()))
-        worker.report("idle")
+        worker.report(IDLE)
     dist.destroy_process_group()
 
 

@@ -16,11 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from parallel3d.world_rank import CAN_PAUSE, STATUS_LEN, drop_contexts, hosted_store, worker_main
+from parallel3d.world_rank import CAN_PAUSE, IDLE, STATUS_LEN, drop_contexts, hosted_store, worker_main
 
 DEFAULT_TIMEOUT = 120.0
-IDLE = b"idle"
-_PAUSED: "weakref.WeakSet[World]" = weakref.WeakSet()
+_PAUSED: "weakref.WeakSet[World]" = weakref.WeakSet()   # the stopped worlds (World.pause, World.resume)
 
 
 @atexit.register   # registered after multiprocessing.util's exit handler (imported above), so it runs first
@@ -51,7 +50,6 @@ class World:
                       for r in range(size)]
         for p in self.procs:
             p.start()
-        self.paused = False
 
     def pause(self) -> None:
         """Stop (SIGSTOP) every rank between calls, once each has reported itself idle (so none holds its
@@ -59,21 +57,19 @@ class World:
         suite's idle worlds took 53 CPU-seconds of 1,900 on CI's two cores. gloo worlds only (NCCL's
         watchdog would read a resumed pause as a hang), and only where a rank dies with its parent
         (world_rank.CAN_PAUSE): a stopped rank cannot notice an orphaning itself."""
-        if self.paused or self.backend != "gloo" or not CAN_PAUSE:
+        if self in _PAUSED or self.backend != "gloo" or not CAN_PAUSE:
             return
-        deadline = time.monotonic() + 5.0
-        while not all(st.value == IDLE for st in self.status):
+        deadline, idle = time.monotonic() + 5.0, IDLE.encode()
+        while not all(st.value == idle for st in self.status):
             if time.monotonic() > deadline:
                 return   # a rank still reporting: leave the world running
             time.sleep(0.002)
         self._signal(signal.SIGSTOP)
-        self.paused = True
         _PAUSED.add(self)
 
     def resume(self) -> None:
-        if self.paused:
+        if self in _PAUSED:
             self._signal(signal.SIGCONT)
-            self.paused = False
             _PAUSED.discard(self)
 
     def _signal(self, sig: int) -> None:

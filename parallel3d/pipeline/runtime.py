@@ -69,8 +69,8 @@ def run_pipeline_step(ctx: ParallelContext, chunks: Sequence[nn.Module], schedul
     cache = schedules or ScheduleCache()
     placement = placement_for(cache.get(schedule, ctx.spec.pp, len(mbs), len(chunks)))
     run = Executor(ctx, chunks, mbs, loss_scale, backward, before_backward, record,
-                    stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends,
-                    placement=placement)
+                   stats if stats is not None else PipelineStats(), lazy_sends=lazy_sends,
+                   placement=placement)
     return run.run(cache.plan(schedule, ctx.spec.pp, len(mbs), len(chunks), ctx.coords.pp, run.mail.queue.early,
                               ep_overlap))
 
