@@ -62,6 +62,9 @@ def test_epochs_cover_every_sample_once(token_file):
     s = BatchSampler(ds, 9, seed=3)
     seen = np.concatenate([s.indices(k) for k in range(11)])
     assert sorted(seen.tolist()) == list(range(99))
+    second = np.concatenate([s.indices(k) for k in range(11, 22)])   # epoch 1: every sample once more,
+    assert sorted(second.tolist()) == list(range(99))                # in an order of its own
+    assert not np.array_equal(seen, second)
     assert not np.array_equal(s.indices(0), BatchSampler(ds, 9, seed=4).indices(0))
     assert BatchSampler(ds, 9, seed=3, shuffle=False).indices(1).tolist() == list(range(9, 18))
 

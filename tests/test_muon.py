@@ -123,6 +123,59 @@ def test_fused_parts_are_orthogonalised_one_by_one():
     assert (w.detach() - fused.detach()).abs().max() > 1e-3
 
 
+FUSED_PARTS = (8, 4, 4)   # global rows of each part of the fused (16, 8) weight
+
+
+def _fused_gradient(step: int) -> torch.Tensor:
+    return torch.randn(sum(FUSED_PARTS), 8, generator=torch.Generator().manual_seed(step))   # (16, 8)
+
+
+def _tp_rows(full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """The column-parallel layout of a fused weight: each rank holds parts[i] / tp rows of every part."""
+    return torch.cat([p.chunk(tp)[rank] for p in full.split(FUSED_PARTS)])   # (16/tp, 8)
+
+
+def _fused_parts_under_tp(worker, w0: torch.Tensor, steps: int) -> torch.Tensor:
+    from parallel3d.mesh_spec import MeshSpec
+    from parallel3d.params import shard_slices
+    ctx = worker.context(MeshSpec(tp=worker.world_size))
+    r, tp = ctx.tp.rank, ctx.tp.size
+    w = nn.Parameter(_tp_rows(w0, r, tp).clone())
+    w.meta = ParamMeta(tuple(w0.shape), shard_slices(tuple(w0.shape), 0, r, tp), matrix=True, parts=FUSED_PARTS)
+    model = nn.Module()
+    model.w = w
+    opt = DistributedOptimizer([model], ctx, DataParallelConfig(
+        optimizer="muon", lr=0.01, muon_ns_precision="fp32", muon_adjust_lr_fn="original"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "bfloat16", _fp32_bfloat16)
+        for step in range(steps):
+            opt.zero_grad()
+            (w * _tp_rows(_fused_gradient(step), r, tp)).sum().backward()
+            opt.finish_grad_sync()
+            opt.clip_grad_norm(0.0)
+            opt.step()
+    return w.detach().clone()
+
+
+def test_fused_parts_split_over_tp_are_orthogonalised_one_by_one(worlds):
+    """Under TP a rank holds parts[i] / tp rows of each part (params.py): gather mode joins each part's rows
+    from the TP ranks and orthogonalises it alone, so the result equals torch.optim.Muon on each whole part."""
+    torch.manual_seed(0)
+    w0 = torch.randn(sum(FUSED_PARTS), 8)
+    pieces = [nn.Parameter(t.clone()) for t in w0.split(FUSED_PARTS)]
+    torch_opt = torch.optim.Muon(pieces, lr=0.01, weight_decay=0.1, adjust_lr_fn="original")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "bfloat16", _fp32_bfloat16)
+        for step in range(3):
+            for piece, gp in zip(pieces, _fused_gradient(step).split(FUSED_PARTS)):
+                piece.grad = gp
+            torch_opt.step()
+    got = worlds.run(2, _fused_parts_under_tp, w0, 3)
+    for rank, w in enumerate(got):
+        torch.testing.assert_close(w, _tp_rows(torch.cat([p.detach() for p in pieces]), rank, 2), rtol=1e-6,
+                                   atol=1e-7, msg=lambda m: f"tp rank {rank}: {m}")
+
+
 def test_pure_functions():
     assert assign_owners([1, 5, 3, 3], 2) == [0, 0, 1, 1]        # 5 -> 0, 3 -> 1, 3 -> 1, 1 -> 0: loads 6 | 6
     assert assign_owners([2.0] * 4, 4) == [0, 1, 2, 3]
