@@ -140,6 +140,31 @@ def test_other_data_stream_is_refused(saved):
         load_checkpoint(_trainer("train.global_batch_size=8"), saved[0])
 
 
+FP16_WINDOW = ["train.precision=fp16", "train.initial_loss_scale=1024", "train.loss_scale_window=2"]
+
+
+def _fp16_scales(steps: int, save_root=None, save_at=(), load=None) -> list[tuple[float, float]]:
+    """(loss, loss scale after the step) of each step the run takes."""
+    trainer = _trainer(*FP16_WINDOW)
+    if load:
+        load_checkpoint(trainer, load)
+    out = []
+    while trainer.step < steps:
+        out.append((trainer.train_step()["loss"], trainer.optimizer.loss_scale))
+        if trainer.step in save_at:
+            save_checkpoint(trainer, save_root, keep=0)
+    return out
+
+
+def test_fp16_loss_scaler_resumes_mid_window(tmp_path):
+    """A run saved one good step into a 2-step scale window doubles its scale one step after resuming, as
+    the run that never stopped does (the scaler's good-step count is checkpoint state, not reset)."""
+    root = str(tmp_path / "root")
+    whole = _fp16_scales(5, root, save_at=(1,))
+    assert [s for _, s in whole] == [1024, 2048, 2048, 4096, 4096]   # no overflow at this scale: doubles every 2
+    assert _fp16_scales(5, load=root) == whole[1:]
+
+
 def test_weights_only_checkpoint_starts_fresh(tmp_path):
     from parallel3d.checkpoint.store import write_metadata, write_shard_file
     from parallel3d.params import real_part
