@@ -78,6 +78,38 @@ def test_masking_needs_an_eos_id():
                        1).data.reset_positions is False
 
 
+RESET_ONLY = ["data.document_masking=false", "data.reset_positions=true"]
+
+
+def _positions(worker, overrides) -> list[torch.Tensor]:
+    """The position ids the Trainer feeds its model at step 0, one (b, s/cp) tensor per microbatch."""
+    cfg = make_config([*MASK, *overrides], 1 if worker is None else worker.world_size)
+    trainer = build_trainer(cfg, context_for(cfg, worker))
+    return [mb["position_ids"].cpu() for mb in trainer._microbatches(0)]
+
+
+def test_positions_restart_without_masking(worlds):
+    """data.reset_positions alone (Megatron's reset_position_ids without reset_attention_mask): the model is
+    fed positions restarting after each EOS, on every CP rank its shard of them. Under masking RoPE's
+    relative angles make the restart a no-op, so the masked loss tests above cannot see it; nor can a loss
+    at this size (untrained attention is near uniform: the restart moves step 0's loss by 6e-6)."""
+    from parallel3d.context_parallel.documents import document_ids
+    from parallel3d.context_parallel.sharding import cp_chunk_indices
+    cfg = make_config([*MASK, *RESET_ONLY], 1)
+    ids = build_trainer(cfg, context_for(cfg)).sampler.global_batch(0)[:, :-1]   # (b, s)
+    want = torch.zeros_like(ids)   # position of each token inside its document, by hand
+    for r, row in enumerate(document_ids(ids, EOS)):
+        for t in range(1, row.numel()):
+            want[r, t] = 0 if row[t] != row[t - 1] else want[r, t - 1] + 1
+    assert (want == 0).sum() > ids.shape[0], "the windows must hold several documents for the test to mean something"
+    assert torch.equal(torch.cat(_positions(None, RESET_ONLY)), want)
+    for plain in _positions(None, ["data.document_masking=false", "data.reset_positions=false"]):
+        assert torch.equal(plain, torch.arange(ids.shape[1]))   # (s,): one row of positions for every sequence
+    for cp_rank, got in enumerate(worlds.run(2, _positions, [*RESET_ONLY, "parallel.cp=2"])):
+        shard = want[:, cp_chunk_indices(ids.shape[1], 2, cp_rank)]   # (b, s/2)
+        assert torch.equal(torch.cat(got), shard), f"cp rank {cp_rank}"
+
+
 def test_masked_loss_with_triton_kernels():
     """model.kernels=triton (the interpreter on CPU, a smaller run): the Triton flash kernel with document
     ids, through the Trainer, gives the per-document loss of the torch world-size-1 model."""
