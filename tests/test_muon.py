@@ -123,6 +123,31 @@ def test_fused_parts_are_orthogonalised_one_by_one():
     assert (w.detach() - fused.detach()).abs().max() > 1e-3
 
 
+def test_muon_lr_follows_the_schedule_of_lr():
+    """train.muon_lr=0.02 beside train.lr=0.01: a step the schedule runs at lr 0.005 (warmup, decay) updates the
+    matrices as torch.optim.Muon at 0.02 * 0.005 / 0.01 = 0.01."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(16, 8))
+    w.meta = ParamMeta((16, 8), full_slices((16, 8)), matrix=True)
+    model = nn.Module()
+    model.w = w
+    ref = nn.Parameter(w.detach().clone())
+    opt = DistributedOptimizer([model], ParallelContext.single(), DataParallelConfig(
+        optimizer="muon", lr=0.01, muon_lr=0.02, muon_ns_precision="fp32", muon_adjust_lr_fn="original"))
+    torch_opt = torch.optim.Muon([ref], lr=0.01, weight_decay=0.1, adjust_lr_fn="original")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "bfloat16", _fp32_bfloat16)
+        g = torch.randn(16, 8)
+        opt.zero_grad()
+        (w * g).sum().backward()
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(0.0)
+        opt.step(0.005)
+        ref.grad = g
+        torch_opt.step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
 FUSED_PARTS = (8, 4, 4)   # global rows of each part of the fused (16, 8) weight
 
 

@@ -20,12 +20,16 @@ STEPS = 3
 BLOCK = 64
 
 
-def test_quantize_error_is_half_a_step_per_block():
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_quantize_error_is_half_a_step_per_block(scale_dtype):
+    """Half a step of the scale the receiver sees: bf16 weights' scales travel in bf16, so the values are
+    quantised with the rounded scale (quantising with the exact one and dequantising with the rounded one
+    errs by up to 127 of its rounding errors more)."""
     x = torch.randn(3, 4 * BLOCK) * torch.logspace(-3, 1, 4 * BLOCK)   # blocks of very different scales
-    q, scale = quantize(x, BLOCK, torch.float32)
-    assert q.dtype == torch.int8 and scale.shape == (3, 4)
+    q, scale = quantize(x, BLOCK, scale_dtype)
+    assert q.dtype == torch.int8 and scale.shape == (3, 4) and scale.dtype == scale_dtype
     err = (dequantize(q, scale, BLOCK) - x).abs().view(3, 4, BLOCK).amax(-1)
-    assert (err <= scale / 2 * (1 + 1e-6)).all()
+    assert (err <= scale.float() / 2 * (1 + 1e-6)).all()
     assert (scale > 0).all() and not torch.equal(dequantize(q, scale, BLOCK), x)
 
 
