@@ -120,3 +120,23 @@ def test_empty_end_stage_from_the_command_line(worlds, split):
     layout = ["parallel.pp=2", f"parallel.layers_per_stage={split}", "model.num_layers=3"]
     ref = run(None, layout[2:], 2)
     assert_parity(worlds.run(2, run, layout, 2), ref)
+
+
+def test_evaluate_reads_the_first_batches_of_the_file_in_order():
+    """train.eval_steps=N evaluates the first N global batches of data.eval_path, unshuffled (the same rows at
+    every evaluation of a run, and in every run): Trainer.evaluate(dataset, 1) is the loss of rows 0..B-1,
+    by the world-size-1 model itself."""
+    import numpy as np
+
+    from doc_helpers import reference_model
+    from parallel3d.training.data import TokenDataset
+    cfg = make_config([], 1)
+    trainer = build_trainer(cfg, context_for(cfg))
+    b, s = cfg.train.global_batch_size, cfg.train.seq_len
+    tokens = np.random.default_rng(5).integers(0, 128, size=4 * b * s + 1).astype(np.uint16)
+    ds = TokenDataset.from_array(tokens, s)   # 4 global batches
+    rows = ds.gather(range(b))   # (b, s+1): the file's first b windows
+    with torch.no_grad():
+        want = float(reference_model(cfg)(rows[:, :-1], torch.arange(s), rows[:, 1:])) / rows[:, 1:].numel()
+    loss, count = trainer.evaluate(ds, 1)
+    assert count == b * s and abs(loss - want) <= 1e-5 * want, (loss, want)
