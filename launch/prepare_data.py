@@ -27,7 +27,8 @@ if __package__ in (None, ""):                # run as a script: make the repo ro
 
 import numpy as np
 
-from parallel3d.training.data import ByteTokenizer, DataError, HFTokenizer, tokenize_text_files
+from parallel3d.training.data import DataError
+from parallel3d.training.text import ByteTokenizer, HFTokenizer, tokenize_text_files
 from parallel3d.training.data_sources import write_metadata
 
 LARGE_INPUT_BYTES = 16 << 20  # --progress auto shows progress above this much input

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from launch import prepare_data
-from parallel3d.training.data import (BatchSampler, ByteTokenizer, DataError, TokenDataset,
-                                      smallest_token_dtype, synthetic_tokens, tokenize_text_files)
+from parallel3d.training.data import BatchSampler, DataError, TokenDataset, smallest_token_dtype, synthetic_tokens
+from parallel3d.training.text import ByteTokenizer, tokenize_text_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
