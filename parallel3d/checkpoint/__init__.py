@@ -5,8 +5,9 @@
     CheckpointManager(run)               the policy run_training follows (interval, keep, async, resume)
 
 `run` is a `protocol.Checkpointable` (the Trainer is one): the parts a checkpoint saves and restores.
-Modules: `protocol`, `store` (on-disk format, CheckpointReader), `save`, `load`, `manager`, `collective` (JSON
-all-gather, error agreement), `rng`, `hf` (Hugging Face directories through a model's StateDictAdapter).
+Modules: `protocol`, `store` (on-disk format, CheckpointReader), `contents` (what a run saves, and its names),
+`save`, `load`, `manager`, `collective` (JSON all-gather, error agreement), `rng`, `hf` (Hugging Face
+directories through a model's StateDictAdapter).
 """
 from parallel3d.checkpoint.load import LoadResult, latest_checkpoint, load_checkpoint, resolve_checkpoint_dir
 from parallel3d.checkpoint.manager import CheckpointManager, resume_source

@@ -18,8 +18,9 @@ import torch
 from parallel3d.checkpoint.collective import agree_on_errors
 from parallel3d.checkpoint.rng import reseed_rng, restore_rng
 from parallel3d.checkpoint.protocol import Checkpointable, layout_of
-from parallel3d.checkpoint.save import (LATEST, STEP_DIR, is_complete, local_tensor_name, materialized,
-                                        optim_tensor_name, state_buffers, tied_names)
+from parallel3d.checkpoint.contents import (LATEST, STEP_DIR, local_tensor_name, materialized, optim_tensor_name,
+                                            state_buffers, tied_names)
+from parallel3d.checkpoint.save import is_complete
 from parallel3d.checkpoint.store import METADATA, CheckpointError, CheckpointReader
 from parallel3d.params import load_global_slice
 
