@@ -18,7 +18,6 @@ from typing import Sequence
 
 import torch
 
-from parallel3d import comm
 from parallel3d.expert_parallel.experts import choose_impl, grouped_linear, grouped_weight_grad, offsets
 from parallel3d.kernels import dispatch as kernels
 from parallel3d.tensor_parallel.region import will_run

@@ -11,6 +11,9 @@ A routed *slot* is one (token, choice) pair; T tokens with top-k give T*k slots,
     combine      undo the regrouping, all-to-all back with the splits swapped
     unpermute    put every slot's output back in its place, weight by the combine weights, sum over k
 
+A recomputed forward (activation checkpointing) replays the split sizes its forward read (SplitTape, lent
+to the layer by Taping) instead of reading the counts on the host again.
+
 Expert e lives on EP rank e // E_local. Dropped slots (capacity) are never sent. The per-token sum over
 its k slots runs in a fixed order (choice order), so results do not depend on how tokens are spread over
 ranks; only the size of matrix products changes, which keeps layouts within fp32 rounding.
@@ -234,3 +237,37 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.exchange.exchange_rows(grad, not ctx.forward), None, None
+
+
+class SplitTape:
+    """The host split sizes of one checkpointed forward of a layer, in call order, replayed by each of its
+    recomputations (which route the same tokens the same way: checkpointing requires identical shapes)."""
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self.replaying, self._next = False, 0
+
+    def record(self, host: list) -> None:
+        self.rows.append(host)
+
+    def replay(self) -> list:
+        if self._next >= len(self.rows):
+            raise RuntimeError("a recomputed MoE forward exchanged more often than the forward it repeats")
+        self._next += 1
+        return self.rows[self._next - 1]
+
+
+class Taping:
+    """The context the checkpointed forward runs in (record) and each recomputation of it (replay): it lends
+    `tape` to the layer (an MoE layer's `_tape`, which its exchanges record into or replay from). A split
+    backward (zb-h1, zb-v, dualpipe-v) recomputes once per pass, so this is entered more than once: a class,
+    because a generator context manager can be entered only once."""
+
+    def __init__(self, layer, tape: SplitTape, replay: bool) -> None:
+        self.layer, self.tape, self.replay = layer, tape, replay
+
+    def __enter__(self) -> None:
+        self.layer._tape, self.tape.replaying, self.tape._next = self.tape, self.replay, 0
+
+    def __exit__(self, *exc) -> None:
+        self.layer._tape = None

@@ -48,58 +48,25 @@ from parallel3d.kernels import dispatch as kernels
 from parallel3d import comm
 from parallel3d.comm import Group
 from parallel3d.expert_parallel.delayed_wgrad import check_delay_wgrad, dispatched_experts
-from parallel3d.expert_parallel.dispatch import ExpertExchange, kept_counts, permute, unpermute
+from parallel3d.expert_parallel.dispatch import ExpertExchange, SplitTape, Taping, kept_counts, permute, unpermute
 from parallel3d.expert_parallel.experts import GroupedExperts
 from parallel3d.expert_parallel.router import (Router, Routing, balance_probs, expert_capacity, expert_counts,
                                                sequence_balance_loss, sequence_balance_stats,
                                                sharded_capacity_keep_mask, switch_aux_loss, update_expert_bias,
                                                z_loss_sum)
+from parallel3d.expert_parallel.sp_dispatch import sp_forward, split_forward
 from parallel3d.mesh import ParallelContext
+from parallel3d.params import in_backward
+from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_entry, enter_tp_region,
+                                        reduce_from_tp)
 
 AUX_SCOPES = ("global", "local")
-
-
-class SplitTape:
-    """The host split sizes of one checkpointed forward of a layer, in call order, replayed by each of its
-    recomputations (which route the same tokens the same way: checkpointing requires identical shapes)."""
-
-    def __init__(self) -> None:
-        self.rows: list = []
-        self.replaying, self._next = False, 0
-
-    def record(self, host: list) -> None:
-        self.rows.append(host)
-
-    def replay(self) -> list:
-        if self._next >= len(self.rows):
-            raise RuntimeError("a recomputed MoE forward exchanged more often than the forward it repeats")
-        self._next += 1
-        return self.rows[self._next - 1]
-
-
-class _Taping:
-    """The context the checkpointed forward runs in (record) and each recomputation of it (replay). A split
-    backward (zb-h1, zb-v, dualpipe-v) recomputes once per pass, so this is entered more than once: a class,
-    because a generator context manager can be entered only once."""
-
-    def __init__(self, layer: "MoELayer", tape: SplitTape, replay: bool) -> None:
-        self.layer, self.tape, self.replay = layer, tape, replay
-
-    def __enter__(self) -> None:
-        self.layer._tape, self.tape.replaying, self.tape._next = self.tape, self.replay, 0
-
-    def __exit__(self, *exc) -> None:
-        self.layer._tape = None
 
 
 def check_aux_scope(scope: str) -> None:
     """model.moe_aux_scope: where the balancing statistics come from (see the module docstring)."""
     if scope not in AUX_SCOPES:
         raise ValueError(f"model.moe_aux_scope must be one of {', '.join(AUX_SCOPES)}, got {scope!r}")
-from parallel3d.params import in_backward
-from parallel3d.expert_parallel.sp_dispatch import sp_forward, split_forward
-from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_entry, enter_tp_region,
-                                        reduce_from_tp)
 
 
 class _SumLocalGrad(torch.autograd.Function):
@@ -272,7 +239,7 @@ class MoELayer(nn.Module):
         """torch.utils.checkpoint's context_fn for a block holding this layer: the checkpointed forward records
         its split sizes, the recomputation replays them, so full recomputation adds no host sync."""
         tape = SplitTape()
-        return _Taping(self, tape, False), _Taping(self, tape, True)
+        return Taping(self, tape, False), Taping(self, tape, True)
 
     def pop_aux_loss(self) -> Optional[torch.Tensor]:
         """This layer's auxiliary term of the last forward (summed-loss units, see module doc), then forget it."""
