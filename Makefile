@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 
-.PHONY: install demo demo-next test bench sweep config-doc
+.PHONY: install demo demo-next test bench sweep mutants config-doc
 
 install:
 	$(PIP_INSTALL)
@@ -50,3 +50,8 @@ sweep: install
 	$(PYTHON) -m pytest -q tests/test_convergence.py --full-sweep
 	$(PYTHON) -m pytest -q -m sweep --full-sweep
 	$(PYTHON) tests/stress_clean_exit.py --runs 40
+
+# Can the tests still fail? Each mutant in tests/mutants.py (a small defect in a parallel path) against the
+# test that must fail on it (about 8 minutes on 2 cores; docs/testing.md).
+mutants: install
+	$(PYTHON) tests/mutants.py
