@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
             source = path.read_text()
             if source.count(m.old) != 1:
                 bad.append(m.id)
-                print(f"{m.id:45} STALE ({source.count(m.old)} matches in {m.file})", flush=True)
+                print(f"{m.id:48} STALE ({source.count(m.old)} matches in {m.file})", flush=True)
                 continue
             path.write_text(source.replace(m.old, m.new))
             t0 = time.monotonic()
@@ -227,7 +227,7 @@ def main(argv: list[str]) -> int:
             killed = result.returncode == 1   # 1: tests failed (2-5: interrupted, usage, nothing collected)
             if not killed:
                 bad.append(m.id)
-            print(f"{m.id:45} {'killed' if killed else f'SURVIVED (pytest exit {result.returncode})'} "
+            print(f"{m.id:48} {'killed' if killed else f'SURVIVED (pytest exit {result.returncode})'} "
                   f"{time.monotonic() - t0:5.0f} s", flush=True)
     print(f"{len(chosen) - len(bad)} of {len(chosen)} mutants killed" + (f"; not: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
