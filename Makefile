@@ -44,12 +44,13 @@ test: install
 bench: install
 	$(PYTHON) benchmarks/run_all.py
 
-# Long checks outside CI: every option combination (hours on 2 cores) and a clean-exit stress test.
+# Long checks outside CI: every option combination (hours on 2 cores), a clean-exit stress test and the mutants.
 sweep: install
 	$(PYTHON) -m pytest -q tests/test_sweep.py --full-sweep
 	$(PYTHON) -m pytest -q tests/test_convergence.py --full-sweep
 	$(PYTHON) -m pytest -q -m sweep --full-sweep
 	$(PYTHON) tests/stress_clean_exit.py --runs 40
+	$(PYTHON) tests/mutants.py
 
 # Can the tests still fail? Each mutant in tests/mutants.py (a small defect in a parallel path) against the
 # test that must fail on it (about 8 minutes on 2 cores; docs/testing.md).
