@@ -9,10 +9,10 @@ exactly once is stale (the code moved: point the mutant at the new code). Either
 
     python tests/mutants.py [ID ...]       (about 8 minutes on 2 cores for the whole list)
 
-The list came from an audit (2026-12-08) of 54 mutants: those that survived every test at first (Muon's
+The list came from an audit (2026-12-08) of 59 mutants: those that survived every test at first (Muon's
 fused parts under TP, a constant muon_lr, each epoch's shuffle, the fp16 scaler's resume, positions restarting
-without masking, qwZ's bf16 scales, evaluation order) got the tests named here. Not listed: mutants that change
-nothing observable (the global RNG restore: no model here draws from it; hpZ's clearing of secondary copies
+without masking, qwZ's bf16 scales, evaluation order, Llama 3.1's RoPE scaling through Hugging Face) got the
+tests named here. Not listed: mutants that change nothing observable (the global RNG restore: no model here draws from it; hpZ's clearing of secondary copies
 that the next forward's gather overwrites; the planner's microbatch count, which changes only planning time),
 and the ring-attention and pipeline-receive waits, which the suite catches by a hang (minutes of timeouts).
 """
@@ -159,6 +159,18 @@ MUTANTS = [
     Mutant("planner-per-layer-syncs-not-scaled", "parallel3d/planner/estimate.py",
            "n * m // m_run if key in PER_LAYER else n", "n",
            "tests/test_host_syncs.py::test_jsonl_rows_and_plan_json_report_host_syncs"),
+    # ---- Hugging Face checkpoints ----
+    Mutant("llama3-rope-scaling-not-imported", "models/hf_llama.py",
+           '    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)',
+           "    scaling = None", "tests/test_hf_parity.py::test_import_logits_match_and_export_round_trips[llama3-rope-scaling]"),
+    Mutant("llama3-rope-scaling-not-exported", "models/hf_llama.py", '    if m.get("rope_scaling"):\n        rope = {',
+           "    if False:\n        rope = {",
+           "tests/test_hf_parity.py::test_import_logits_match_and_export_round_trips[llama3-rope-scaling]"),
+    Mutant("fused-gate-up-swapped", "models/hf_experts.py", "    gate, up = t.chunk(2, dim=1)  # (E, f, h) each",
+           "    up, gate = t.chunk(2, dim=1)  # (E, f, h) each", "tests/test_moe_hf.py::test_in_memory_fused_names_map_like_saved_files"),
+    Mutant("mixtral-w1-w3-swapped", "models/hf_mixtral.py", '_PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3"',
+           '_PROJ_TO_W = {"gate_proj": "w3", "up_proj": "w1"',
+           "tests/test_moe_hf.py::test_import_logits_match_and_export_round_trips[False]"),
     # ---- checkpoints ----
     Mutant("scaler-window-reset-on-resume", DP + "precision.py", '        self.good_steps = int(d.get("good_steps", 0))\n',
            "        self.good_steps = 0\n", "tests/test_checkpoint_io.py::test_fp16_loss_scaler_resumes_mid_window"),
