@@ -12,9 +12,10 @@ exactly once is stale (the code moved: point the mutant at the new code). Either
 The list came from an audit (2026-12-08) of 59 mutants: those that survived every test at first (Muon's
 fused parts under TP, a constant muon_lr, each epoch's shuffle, the fp16 scaler's resume, positions restarting
 without masking, qwZ's bf16 scales, evaluation order, Llama 3.1's RoPE scaling through Hugging Face) got the
-tests named here. Not listed: mutants that change nothing observable (the global RNG restore: no model here draws from it; hpZ's clearing of secondary copies
-that the next forward's gather overwrites; the planner's microbatch count, which changes only planning time),
-and the ring-attention and pipeline-receive waits, which the suite catches by a hang (minutes of timeouts).
+tests named here. Not listed: mutants that change nothing observable (the global RNG restore: no model here
+draws from it; hpZ's clearing of secondary copies that the next forward's gather overwrites; the planner's
+microbatch count, which changes only planning time), and the ring-attention and pipeline-receive waits, which
+the suite catches by a hang (minutes of timeouts).
 """
 from __future__ import annotations
 
