@@ -9,10 +9,10 @@ exactly once is stale (the code moved: point the mutant at the new code). Either
 
     python tests/mutants.py [ID ...]       (about 8 minutes on 2 cores for the whole list)
 
-The list came from an audit (2026-12-08) of 59 mutants: those that survived every test at first (Muon's
+The list came from an audit (2026-12-08) of 63 mutants: those that survived every test at first (Muon's
 fused parts under TP, a constant muon_lr, each epoch's shuffle, the fp16 scaler's resume, positions restarting
-without masking, qwZ's bf16 scales, evaluation order, Llama 3.1's RoPE scaling through Hugging Face) got the
-tests named here. Not listed: mutants that change nothing observable (the global RNG restore: no model here
+without masking, qwZ's bf16 scales, evaluation order, Llama 3.1's RoPE scaling through Hugging Face, YaRN's
+optional keys) got the tests named here. Not listed: mutants that change nothing observable (the global RNG restore: no model here
 draws from it; hpZ's clearing of secondary copies that the next forward's gather overwrites; the planner's
 microbatch count, which changes only planning time), and the ring-attention and pipeline-receive waits, which
 the suite catches by a hang (minutes of timeouts).
@@ -167,6 +167,17 @@ MUTANTS = [
     Mutant("llama3-rope-scaling-not-exported", "models/hf_llama.py", '    if m.get("rope_scaling"):\n        rope = {',
            "    if False:\n        rope = {",
            "tests/test_hf_parity.py::test_import_logits_match_and_export_round_trips[llama3-rope-scaling]"),
+    Mutant("yarn-range-always-truncated", "models/mla.py", '    if scaling.get("truncate", True):\n', "    if True:\n",
+           "tests/test_deepseek_hf.py::test_import_logits_and_loss_match_then_export_round_trips[yarn_explicit]"),
+    Mutant("yarn-explicit-attention-factor-ignored", "models/mla.py", '    attention_factor = scaling.get("attention_factor")\n',
+           "    attention_factor = None\n",
+           "tests/test_deepseek_hf.py::test_import_logits_and_loss_match_then_export_round_trips[yarn_explicit]"),
+    Mutant("yarn-betas-swapped", "models/mla.py", "    low, high = dim_of(beta_fast), dim_of(beta_slow)",
+           "    low, high = dim_of(beta_slow), dim_of(beta_fast)",
+           "tests/test_deepseek_hf.py::test_import_logits_and_loss_match_then_export_round_trips[plain_q_yarn]"),
+    Mutant("qk-norms-swapped", "models/llama.py", "            q, k = self.q_norm(q), self.k_norm(k)  # per head",
+           "            q, k = self.k_norm(q), self.q_norm(k)  # per head",
+           "tests/test_qwen3_hf.py::test_import_logits_loss_and_export_round_trip[qwen3-False-{}]"),
     Mutant("fused-gate-up-swapped", "models/hf_experts.py", "    gate, up = t.chunk(2, dim=1)  # (E, f, h) each",
            "    up, gate = t.chunk(2, dim=1)  # (E, f, h) each", "tests/test_moe_hf.py::test_in_memory_fused_names_map_like_saved_files"),
     Mutant("mixtral-w1-w3-swapped", "models/hf_mixtral.py", '_PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3"',

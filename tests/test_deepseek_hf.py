@@ -44,9 +44,16 @@ def _ids():
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("case", ["q_lora", "plain_q_yarn", "tied_v_wide"])
+# YaRN's optional keys (gpt-oss-style configs): an untruncated correction range and an explicit cos/sin factor.
+# At rope dim 8, theta 500 and an original context of 256 the range's ends are 0.16 and 2.39: truncated to
+# [0, 3] the ramp (and so the frequencies) would differ
+YARN_EXPLICIT = {**YARN, "original_max_position_embeddings": 256, "truncate": False, "attention_factor": 1.3}
+
+
+@pytest.mark.parametrize("case", ["q_lora", "plain_q_yarn", "yarn_explicit", "tied_v_wide"])
 def test_import_logits_and_loss_match_then_export_round_trips(tmp_path, case):
     overrides = {"q_lora": {}, "plain_q_yarn": dict(q_lora_rank=None, rope_parameters={"rope_theta": 500.0, **YARN}),
+                 "yarn_explicit": dict(q_lora_rank=None, rope_parameters={"rope_theta": 500.0, **YARN_EXPLICIT}),
                  "tied_v_wide": dict(v_head_dim=32, tie_word_embeddings=True, first_k_dense_replace=0)}[case]
     hf = hf_model(**overrides)
     hf.save_pretrained(tmp_path / "hf")
