@@ -53,6 +53,6 @@ sweep: install
 	$(PYTHON) tests/mutants.py
 
 # Can the tests still fail? Each mutant in tests/mutants.py (a small defect in a parallel path) against the
-# test that must fail on it (about 8 minutes on 2 cores; docs/testing.md).
+# test that must fail on it (about 10 minutes on 2 cores; docs/testing.md).
 mutants: install
 	$(PYTHON) tests/mutants.py

@@ -7,7 +7,7 @@ temporary directory, checks that every named test passes there unmutated, then a
 and runs its test: a mutant whose test still passes survived, and one whose `old` text no longer occurs
 exactly once is stale (the code moved: point the mutant at the new code). Either exits 1.
 
-    python tests/mutants.py [ID ...]       (about 8 minutes on 2 cores for the whole list)
+    python tests/mutants.py [ID ...]       (about 10 minutes on 2 cores for the whole list)
 
 The list came from an audit (2026-12-08) of 63 mutants: those that survived every test at first (Muon's
 fused parts under TP, a constant muon_lr, each epoch's shuffle, the fp16 scaler's resume, positions restarting
