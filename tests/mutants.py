@@ -216,7 +216,7 @@ def copy_tree(dst: Path) -> None:
             shutil.copy2(src, dst / name, follow_symlinks=False)
 
 
-def pytest(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
+def run_pytest(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", *tests], cwd=tree, capture_output=True, text=True,
                           timeout=1800)
 
@@ -230,7 +230,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mutants-") as d:
         tree = Path(d)
         copy_tree(tree)
-        clean = pytest(tree, sorted({m.test for m in chosen}))
+        clean = run_pytest(tree, sorted({m.test for m in chosen}))
         if clean.returncode != 0:
             print("error: the named tests fail without any mutant:\n" + clean.stdout[-3000:], file=sys.stderr)
             return 1
@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
             path.write_text(source.replace(m.old, m.new))
             t0 = time.monotonic()
             try:
-                result = pytest(tree, [m.test])
+                result = run_pytest(tree, [m.test])
             finally:
                 path.write_text(source)
             killed = result.returncode == 1   # 1: tests failed (2-5: interrupted, usage, nothing collected)

@@ -27,12 +27,12 @@ def optim_tensor_name(key: str, tied: dict[str, str]) -> str:
 
     The "optim." prefix keeps optimizer state out of weight consumers (export_hf skips it); tied copies
     (lm_head tied to embed on another stage) map to their source so the state reloads under any pp."""
-    kind, _, param = key.partition("/")
-    param = param.split(PIECE, 1)[0]
+    kind, _, param = base_name(key).partition("/")
     return f"optim.{kind}.{tied.get(param, param)}"
 
 
 def base_name(key: str) -> str:
+    """A key or on-disk name without its piece suffix ("#2": a rank's further box of one tensor)."""
     return key.split(PIECE, 1)[0]
 
 
@@ -71,6 +71,11 @@ def collect_tensors(run: Checkpointable) -> tuple[Entries, Entries]:
     local = getattr(run.optimizer, "local_state_tensors", dict)()  # e.g. compression residuals: this rank's own
     optim.update({local_tensor_name(key, run.ctx.rank): (t, tuple(t.shape), tuple(slice(0, n) for n in t.shape))
                   for key, t in local.items()})
+    masters: dict[str, list[str]] = {}   # parameter name -> its master keys (pieces), for ZeRO-3's freed weights
+    for key in state:
+        kind, _, param = base_name(key).partition("/")
+        if kind == "master":
+            masters.setdefault(param, []).append(key)
     model: Entries = {}
     for chunk in run.chunks:
         for name, p in chunk.named_parameters():
@@ -78,10 +83,10 @@ def collect_tensors(run: Checkpointable) -> tuple[Entries, Entries]:
                 model.setdefault(tied[name], (real_part(p.detach(), p.meta), tuple(p.meta.global_shape),
                                               tuple(p.meta.slices)))
             else:  # ZeRO-3: write the weight from this rank's master pieces
-                for key, (data, shape, slices) in state.items():
-                    if base_name(key) == f"master/{name}":
-                        model.setdefault(tied[name] + _piece_suffix(key), (data.to(p.dtype), tuple(shape),
-                                                                            tuple(slices)))
+                for key in masters.get(name, ()):
+                    data, shape, slices = state[key]
+                    model.setdefault(tied[name] + _piece_suffix(key), (data.to(p.dtype), tuple(shape),
+                                                                        tuple(slices)))
         for name, b in state_buffers(chunk):
             model.setdefault(name, (real_part(b.detach(), b.meta), tuple(b.meta.global_shape), tuple(b.meta.slices)))
     return model, optim

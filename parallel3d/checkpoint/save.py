@@ -33,15 +33,15 @@ from typing import Any, Optional
 import yaml
 
 from parallel3d.checkpoint.collective import agree_on_errors, all_gather_json, entry_key, first_holders
-from parallel3d.checkpoint.contents import LATEST, STEP_DIR, Entries, collect_tensors, step_dir_name
+from parallel3d.checkpoint.contents import LATEST, STEP_DIR, Entries, base_name, collect_tensors, step_dir_name
 from parallel3d.checkpoint.protocol import Checkpointable, layout_of
 from parallel3d.checkpoint.rng import capture_rng
-from parallel3d.checkpoint.store import (METADATA, PIECE, CheckpointError, merge_indices, sha256_file,
-                                         write_metadata, write_shard_file)
+from parallel3d.checkpoint.store import (METADATA, CheckpointError, merge_indices, sha256_file, write_metadata,
+                                         write_shard_file)
 
 
 def _owned(entries: Entries, run: Checkpointable) -> Entries:
-    keys = [entry_key(name.split(PIECE, 1)[0], slices) for name, (_, _, slices) in entries.items()]
+    keys = [entry_key(base_name(name), slices) for name, (_, _, slices) in entries.items()]
     owners = first_holders(keys, run.ctx.world, run.ctx.device)
     return {name: e for (name, e), own in zip(entries.items(), owners) if own}
 
